@@ -1,0 +1,56 @@
+# The two commands a new user needs: `make run` and `make test`.
+# Each sets up .venv on first use and recompiles changed .pyx files every time.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+DEV_SOCKET := .run/sbus.socket
+
+.PHONY: run test build bench fuzz soak wheel clean distclean check-java
+
+$(STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[dev,analytics]'
+	touch $@
+
+# Cython only recompiles what changed, so this is cheap when nothing did.
+build: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace -j 2
+
+run: build
+	@mkdir -p .run
+	@echo "sbusd: listening on $(CURDIR)/$(DEV_SOCKET)"
+	@echo "  connect with:  SBUS_ADDRESS=$(CURDIR)/$(DEV_SOCKET) $(VENV)/bin/sbus sub ''"
+	@echo "  publish with:  SBUS_ADDRESS=$(CURDIR)/$(DEV_SOCKET) $(VENV)/bin/sbus pub hello/world 'hi'"
+	@echo "  live counters: SBUS_ADDRESS=$(CURDIR)/$(DEV_SOCKET) $(VENV)/bin/sbus stats"
+	exec $(VENV)/bin/sbusd -f -r -a $(DEV_SOCKET) --log-format console
+
+check-java:
+	@command -v java >/dev/null 2>&1 || { \
+	  echo "make test: 'java' was not found; the PySpark tests need Java 17 or newer" >&2; \
+	  echo "  (Debian: apt-get install openjdk-17-jre-headless)" >&2; exit 1; }
+
+test: build check-java
+	$(PY) -m pytest -q tests
+
+bench: build
+	$(PY) bench/run.py
+
+fuzz: build
+	SBUS_FUZZ_EXAMPLES=200000 $(PY) -m pytest -q tests/test_fuzz.py
+
+soak: build
+	SBUS_SOAK_SECONDS=600 $(PY) -m pytest -q tests/test_soak.py
+
+wheel: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(PY) -m auditwheel repair --wheel-dir dist dist/*-linux_*.whl && rm -f dist/*-linux_*.whl
+
+clean:
+	rm -rf build dist *.egg-info sbus/_core/*.c sbus/_core/*.so sbus/_core/*.html .run
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,21 @@
+"""sbus: a fast local message bus over Unix-domain SOCK_SEQPACKET sockets."""
+from ._version import __version__
+from .errors import AddressError, BusClosedError, MessageTooLargeError, ProtocolError, SbusError
+
+__all__ = [
+    "__version__",
+    "AddressError",
+    "BusClosedError",
+    "MessageTooLargeError",
+    "ProtocolError",
+    "SbusError",
+    "Client",
+]
+
+
+def __getattr__(name):  # the client library is imported lazily to keep sbusd start-up lean
+    if name == "Client":
+        from .client import Client
+
+        return Client
+    raise AttributeError(name)
