@@ -1,0 +1,180 @@
+# cython: language_level=3
+"""Parsing and matching for the sbus protocol (see docs and the spec).
+
+The ``def`` functions at the bottom expose the C functions to Python for tests,
+benchmarks and fuzzing; the broker itself only uses the ``cdef`` ones.
+"""
+from libc.string cimport memchr, memcmp
+from libc.stdint cimport int64_t
+
+
+cdef int parse_packet(const char *buf, size_t n, ParsedPacket *out) noexcept nogil:
+    """Classify a packet; returns its verb (VERB_INVALID for anything else)."""
+    cdef const char *nul
+    cdef size_t skip
+    out.verb = VERB_INVALID
+    out.payload = NULL
+    out.payload_len = 0
+    if n >= 4 and memcmp(buf, b"MSG ", 4) == 0:
+        out.verb = VERB_MSG
+        skip = 4
+    elif n >= 4 and memcmp(buf, b"SUB ", 4) == 0:
+        out.verb = VERB_SUB
+        skip = 4
+    elif n >= 6 and memcmp(buf, b"UNSUB ", 6) == 0:
+        out.verb = VERB_UNSUB
+        skip = 6
+    elif n >= 5 and memcmp(buf, b"CMSG ", 5) == 0:
+        out.verb = VERB_CMSG
+        skip = 5
+    else:
+        return VERB_INVALID
+    out.key = buf + skip
+    nul = <const char *>memchr(buf + skip, 0, n - skip)
+    if nul == NULL:
+        if out.verb == VERB_MSG:    # a MSG must separate key and payload
+            out.verb = VERB_INVALID
+            return VERB_INVALID
+        out.key_len = n - skip
+    else:
+        out.key_len = <size_t>(nul - out.key)
+        out.payload = nul + 1
+        out.payload_len = n - skip - out.key_len - 1
+    return out.verb
+
+
+cdef bint pattern_matches(const char *pat, size_t plen,
+                          const char *key, size_t klen) noexcept nogil:
+    """The spec's matching: '*' greedily takes a run of non-'/' bytes (possibly
+    empty, never backtracking); a final '/' matches a '/' and anything after
+    it; the empty pattern matches every key."""
+    cdef size_t i = 0, j = 0
+    if plen == 0:
+        return True
+    while i < plen:
+        if pat[i] == b'*':
+            while j < klen and key[j] != b'/':
+                j += 1
+        elif pat[i] == b'/' and i + 1 == plen:
+            return j < klen and key[j] == b'/'
+        else:
+            if j >= klen or key[j] != pat[i]:
+                return False
+            j += 1
+        i += 1
+    return j == klen
+
+
+cdef size_t first_segment_len(const char *s, size_t n) noexcept nogil:
+    cdef const char *slash = <const char *>memchr(s, b'/', n)
+    return n if slash == NULL else <size_t>(slash - s)
+
+
+cdef bint is_cred_key(const char *s, size_t n) noexcept nogil:
+    return n >= CRED_PREFIX_LEN and memcmp(s, b"!/cred/", CRED_PREFIX_LEN) == 0
+
+
+cdef int parse_cred_form(const char *s, size_t n, bint allow_star,
+                         CredForm *out) noexcept nogil:
+    """Parse ``!/cred/G/U/P/``: each field empty (CRED_EMPTY) or decimal digits
+    up to 2**32-1 (leading zeros allowed), each followed by '/'. With
+    allow_star, a field of exactly '*' is taken as CRED_EMPTY (only for nested
+    forms in patterns). Returns 0, or -1 for a malformed or truncated form."""
+    cdef size_t i = CRED_PREFIX_LEN
+    cdef int64_t value
+    cdef int field
+    cdef int64_t fields[3]
+    if not is_cred_key(s, n):
+        return -1
+    for field in range(3):
+        if allow_star and i + 1 < n and s[i] == b'*' and s[i + 1] == b'/':
+            fields[field] = CRED_EMPTY
+            i += 2
+            continue
+        value = CRED_EMPTY
+        while i < n and s[i] != b'/':
+            if s[i] < b'0' or s[i] > b'9':
+                return -1
+            if value == CRED_EMPTY:
+                value = 0
+            value = value * 10 + (s[i] - 48)   # 48 == '0'
+            if value > <int64_t>4294967295LL:
+                return -1
+            i += 1
+        if i >= n:          # truncated: no '/' after the field
+            return -1
+        fields[field] = value
+        i += 1
+    out.gid = fields[0]
+    out.uid = fields[1]
+    out.pid = fields[2]
+    out.prefix_len = i
+    return 0
+
+
+cdef int check_rest(const char *s, size_t n, bint is_pattern) noexcept nogil:
+    """Check the '!' rules on a key or pattern (or the rest after a !/cred/
+    prefix). A '!' whose neighbours are only '/' or the ends is reserved: it
+    may only begin a well-formed nested !/cred/ form at the start of ``s``."""
+    cdef CredForm form
+    cdef size_t i
+    cdef bint left_reserved, right_reserved
+    while is_cred_key(s, n):
+        if parse_cred_form(s, n, is_pattern, &form) < 0:
+            return KEY_CRED_MALFORMED
+        s += form.prefix_len
+        n -= form.prefix_len
+    for i in range(n):
+        if s[i] != b'!':
+            continue
+        left_reserved = i == 0 or s[i - 1] == b'/'
+        right_reserved = i + 1 == n or s[i + 1] == b'/'
+        if left_reserved and right_reserved:
+            return KEY_BANG_MISUSE
+    return KEY_OK
+
+
+# ---- Python-visible wrappers (tests, fuzzing, benchmarks) -------------------
+
+_VERB_NAMES = {VERB_INVALID: None, VERB_SUB: "SUB", VERB_UNSUB: "UNSUB",
+               VERB_MSG: "MSG", VERB_CMSG: "CMSG"}
+
+
+def parse(bytes packet):
+    """(verb or None, key, payload or None) for a packet, as the broker sees it."""
+    cdef ParsedPacket p
+    if parse_packet(packet, len(packet), &p) == VERB_INVALID:
+        return (None, None, None)
+    key = p.key[:p.key_len]
+    payload = None if p.payload == NULL else p.payload[:p.payload_len]
+    return (_VERB_NAMES[p.verb], key, payload)
+
+
+def matches(bytes pattern, bytes key):
+    """True if the routing-key pattern matches the routing key."""
+    return pattern_matches(pattern, len(pattern), key, len(key))
+
+
+def check_key(bytes key, bint is_pattern=False):
+    """'ok', 'bang_misuse' or 'cred_malformed' for a key or pattern."""
+    cdef CredForm form
+    cdef const char *s = key
+    cdef size_t n = len(key)
+    cdef int r
+    if is_cred_key(s, n):
+        if parse_cred_form(s, n, False, &form) < 0:
+            return "cred_malformed"
+        s += form.prefix_len
+        n -= form.prefix_len
+    r = check_rest(s, n, is_pattern)
+    return ("ok", "bang_misuse", "cred_malformed")[r]
+
+
+def cred_form(bytes key):
+    """(gid, uid, pid, prefix_len) of a !/cred/ key, None for empty fields;
+    None if the key is not a well-formed !/cred/ form."""
+    cdef CredForm form
+    if parse_cred_form(key, len(key), False, &form) < 0:
+        return None
+    return tuple(None if v == CRED_EMPTY else v
+                 for v in (form.gid, form.uid, form.pid)) + (form.prefix_len,)
