@@ -2,7 +2,7 @@
  * loadgen: drives a broker that speaks the sbus protocol (sbusd, or
  * bench/relay) and prints one line of JSON on stdout.
  *
- *   loadgen flood   -a PATH [-s SIZE] [-n SUBS] [-i IDLE] [-p PATS] [-S SLOW]
+ *   loadgen flood   -a PATH [-s SIZE] [-n SUBS] [-i IDLE] [-p PATS] [-W] [-S SLOW]
  *                   [-d SECONDS] [-w WINDOW] [-P SERVER_PID]
  *   loadgen latency -a PATH [-s SIZE] [-d SECONDS] [-P SERVER_PID]
  *   loadgen hold    -a PATH [-c CLIENTS] [-p PATS]
@@ -12,7 +12,8 @@
  * subscriber; subscribers publish their progress in shared memory and wake a
  * sleeping publisher through a futex, so nobody spins.  Every payload carries
  * a sequence number; subscribers count lost and out-of-order messages.  IDLE
- * extra connections each hold PATS patterns that never match (manysubs).  SLOW
+ * extra connections each hold PATS patterns that never match (manysubs); with
+ * -W every one of them has '*' as its first segment (manywild).  SLOW
  * subscribers ask for `blocking/soft/discard` and then never read; they are
  * left out of the flow control and of the figures.
  *
@@ -81,7 +82,7 @@ struct shared {
 
 static const char *address = NULL;
 static size_t payload_size = 64;
-static int n_subs = 1, n_idle = 0, n_pats = 10, n_slow = 0, n_clients = 1;
+static int n_subs = 1, n_idle = 0, n_pats = 10, n_slow = 0, n_clients = 1, wild_idle = 0;
 static double duration = 2.0;
 static uint64_t window = 256;
 static long server_pid = 0;
@@ -393,12 +394,18 @@ hold_idle_clients(int n, int pats)
 	for (int c = 0; c < n; c++) {
 		fds[c] = connect_bus();
 		for (int j = 0; j < pats; j++) {
-			switch (j % 4) {
-			case 0: snprintf(pat, sizeof(pat), "i%dx%d", c, j); break;
-			case 1: snprintf(pat, sizeof(pat), "i%dx%d/*", c, j); break;
-			case 2: snprintf(pat, sizeof(pat), "i%dx%d/a/", c, j); break;
-			default: snprintf(pat, sizeof(pat), "*/i%dx%d", c, j); break;
-			}
+			if (wild_idle)	/* '*' in the first segment: no first-segment shortcut */
+				switch (j % 3) {
+				case 0: snprintf(pat, sizeof(pat), "*/i%dx%d", c, j); break;
+				case 1: snprintf(pat, sizeof(pat), "*/*/i%dx%d", c, j); break;
+				default: snprintf(pat, sizeof(pat), "*/i%dx%d/", c, j); break;
+				}
+			else
+				switch (j % 3) {
+				case 0: snprintf(pat, sizeof(pat), "i%dx%d", c, j); break;
+				case 1: snprintf(pat, sizeof(pat), "i%dx%d/*", c, j); break;
+				default: snprintf(pat, sizeof(pat), "i%dx%d/a/", c, j); break;
+				}
 			send_cmd(fds[c], "SUB", pat);
 		}
 	}
@@ -715,7 +722,7 @@ static void
 usage(void)
 {
 	fprintf(stderr, "usage: loadgen flood|latency|hold -a PATH [-s SIZE] [-n SUBS] [-i IDLE] "
-			"[-p PATS] [-S SLOW] [-c CLIENTS] [-d SECONDS] [-w WINDOW] [-P PID]\n");
+			"[-p PATS] [-W] [-S SLOW] [-c CLIENTS] [-d SECONDS] [-w WINDOW] [-P PID]\n");
 	exit(2);
 }
 
@@ -727,7 +734,7 @@ main(int argc, char **argv)
 	const char *mode = argv[1];
 	int opt;
 	optind = 2;
-	while ((opt = getopt(argc, argv, "a:s:n:i:p:S:c:d:w:P:")) != -1) {
+	while ((opt = getopt(argc, argv, "a:s:n:i:p:S:c:d:w:P:W")) != -1) {
 		switch (opt) {
 		case 'a': address = optarg; break;
 		case 's': payload_size = strtoul(optarg, NULL, 0); break;
@@ -739,6 +746,7 @@ main(int argc, char **argv)
 		case 'd': duration = atof(optarg); break;
 		case 'w': window = strtoull(optarg, NULL, 0); break;
 		case 'P': server_pid = atol(optarg); break;
+		case 'W': wild_idle = 1; break;
 		default: usage();
 		}
 	}
