@@ -147,7 +147,7 @@ cdef class Broker:
     cdef uint64_t rng
 
     # state
-    cdef Counters totals
+    cdef Counters tot               # broker-wide traffic counters
     cdef uint64_t connects
     cdef uint64_t disconnects
     cdef uint64_t cmsgs_ignored

@@ -485,8 +485,8 @@ cdef class Broker:
                 return self.mark_closing(c, R_BANG, f"reserved '!' in key {text(key, klen)!r}")
         c.c.msgs_in += 1
         c.c.bytes_in += n
-        self.totals.msgs_in += 1
-        self.totals.bytes_in += n
+        self.tot.msgs_in += 1
+        self.tot.bytes_in += n
         self.seq += 1
         self.batch_seqs[slot] = self.seq
         f.seq = self.seq
@@ -741,8 +741,8 @@ cdef class Broker:
                         p.pkt = NULL
                 c.c.msgs_out += sent
                 c.c.bytes_out += nbytes
-                self.totals.msgs_out += sent
-                self.totals.bytes_out += nbytes
+                self.tot.msgs_out += sent
+                self.tot.bytes_out += nbytes
                 if sent < k:
                     e = self.sent_entries[sent]     # the rest takes the queue path
                     break
@@ -751,7 +751,7 @@ cdef class Broker:
             p = &self.pend[e]
             if c.closing:
                 c.c.drops_disconnect += 1
-                self.totals.drops_disconnect += 1
+                self.tot.drops_disconnect += 1
             else:
                 self.enqueue(c, p)
             if p.pkt != NULL:
@@ -768,11 +768,11 @@ cdef class Broker:
         cdef bint over
         if c.soft == MODE_DISCARD:
             c.c.drops_soft += 1
-            self.totals.drops_soft += 1
+            self.tot.drops_soft += 1
             return 0
         if c.soft == MODE_ERROR:
             c.c.drops_disconnect += 1
-            self.totals.drops_disconnect += 1
+            self.tot.drops_disconnect += 1
             return self.mark_closing(c, R_FLOOD, "would block (blocking/soft/error)")
         over = (c.q.bytes + length > self.q_max_bytes or c.q.live + 1 > self.q_max_msgs or
                 (pkt == NULL and self.batch_pkts[e.slot] == NULL and
@@ -780,11 +780,11 @@ cdef class Broker:
         if over:
             if c.hard == MODE_DISCARD:
                 c.c.drops_hard += 1
-                self.totals.drops_hard += 1
+                self.tot.drops_hard += 1
                 return 0
             if c.hard == MODE_ERROR:
                 c.c.drops_disconnect += 1
-                self.totals.drops_disconnect += 1
+                self.tot.drops_disconnect += 1
                 return self.mark_closing(c, R_FLOOD, "queue limit reached (blocking/hard/error)")
             self.start_blocking(c)      # hard block: keep it, hold the bus
         if pkt == NULL:
@@ -794,13 +794,13 @@ cdef class Broker:
                                  self.batch_seqs[e.slot])
                 if pkt == NULL:
                     c.c.drops_hard += 1
-                    self.totals.drops_hard += 1
+                    self.tot.drops_hard += 1
                     return 0
                 pkt.refs = 1    # the batch's own hold, released by flush_pending
                 self.batch_pkts[e.slot] = pkt
         if sq_push(&c.q, pkt) < 0:
             c.c.drops_hard += 1
-            self.totals.drops_hard += 1
+            self.tot.drops_hard += 1
             return 0
         if c.soft == MODE_BLOCK:
             self.start_blocking(c)
@@ -829,8 +829,8 @@ cdef class Broker:
                 nbytes += self.ssel[i].len
             c.c.msgs_out += sent
             c.c.bytes_out += nbytes
-            self.totals.msgs_out += sent
-            self.totals.bytes_out += nbytes
+            self.tot.msgs_out += sent
+            self.tot.bytes_out += nbytes
             sq_consume(&c.q, self.spos, sent)
             if <uint32_t>sent < k:
                 break
@@ -924,7 +924,7 @@ cdef class Broker:
             free(c.subs)
             dropped = sq_clear(&c.q)
             c.c.drops_disconnect += dropped
-            self.totals.drops_disconnect += dropped
+            self.tot.drops_disconnect += dropped
             if c.paused:
                 for j in range(self.npaused):
                     if self.paused[j] == c:
@@ -983,10 +983,10 @@ cdef class Broker:
                 queued_msgs += self.clients[fd].q.live
         return {"clients": self.nclients, "connects": self.connects,
                 "disconnects": self.disconnects,
-                "msgs_in": self.totals.msgs_in, "bytes_in": self.totals.bytes_in,
-                "msgs_out": self.totals.msgs_out, "bytes_out": self.totals.bytes_out,
-                "drops_soft": self.totals.drops_soft, "drops_hard": self.totals.drops_hard,
-                "drops_disconnect": self.totals.drops_disconnect,
+                "msgs_in": self.tot.msgs_in, "bytes_in": self.tot.bytes_in,
+                "msgs_out": self.tot.msgs_out, "bytes_out": self.tot.bytes_out,
+                "drops_soft": self.tot.drops_soft, "drops_hard": self.tot.drops_hard,
+                "drops_disconnect": self.tot.drops_disconnect,
                 "queued_msgs": queued_msgs, "queued_bytes": ps.bytes,
                 "queued_bytes_peak": ps.bytes_peak,
                 "subscriptions": self.index.nsubs}

@@ -1,0 +1,4 @@
+from .tool import main
+import sys
+
+sys.exit(main())

@@ -1,0 +1,226 @@
+"""Process lifecycle for sbusd: the listening socket, daemonising, the
+pidfile, signals, and systemd readiness notification.
+
+Daemon mode follows the classic recipe: a readiness pipe, double fork, an
+exclusive pidfile written by the daemon itself, and a launcher that exits 0
+only once the daemon listens. Signal handlers only stop the loop; cleanup
+happens in one ``finally`` in sbusd.main.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import signal
+import socket
+import stat
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .address import SUN_PATH_SIZE, Address, format_abstract
+from .errors import AddressError
+
+SD_LISTEN_FDS_START = 3
+
+
+class StartupError(Exception):
+    """A problem that stops sbusd from starting; the message says what."""
+
+
+@dataclass
+class Listener:
+    sock: socket.socket
+    path: Optional[bytes]       # the socket file we created and must remove
+    printed_address: Optional[str] = None
+
+
+def _systemd_socket() -> Optional[socket.socket]:
+    """The socket systemd passed as fd 3, if LISTEN_FDS/LISTEN_PID say so."""
+    fds, pid = os.environ.get("LISTEN_FDS"), os.environ.get("LISTEN_PID")
+    if not fds or not pid:
+        return None
+    try:
+        if int(pid) != os.getpid():
+            return None          # meant for another process (e.g. our parent)
+        count = int(fds)
+    except ValueError:
+        raise StartupError(f"bad LISTEN_FDS/LISTEN_PID: {fds!r}/{pid!r}")
+    for name in ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"):
+        os.environ.pop(name, None)   # not inherited by anything we start
+    if count != 1:
+        raise StartupError(f"systemd passed {count} sockets; sbusd takes exactly one")
+    return _adopt_fd(SD_LISTEN_FDS_START)
+
+
+def _adopt_fd(fd: int) -> socket.socket:
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as e:
+        raise StartupError(f"/dev/fd/{fd}: {e.strerror}")
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
+        raise StartupError(f"/dev/fd/{fd} is not a Unix-domain SOCK_SEQPACKET socket")
+    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        sock.listen(socket.SOMAXCONN)
+    os.set_inheritable(fd, False)
+    return sock
+
+
+def make_listener(addr: Address, *, reuse: bool, mode: int, warn: Callable[[str], None]) -> Listener:
+    """Create (or adopt) the listening socket for an address."""
+    inherited = _systemd_socket()
+    if inherited is not None or addr.fd is not None:
+        if mode != 0o700:
+            warn("ignoring -g/-o: the socket was passed down, its mode is not ours to set")
+        sock = inherited if inherited is not None else _adopt_fd(addr.fd)
+        sock.setblocking(False)
+        return Listener(sock, None)
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    if addr.random:
+        while True:
+            name = b"\0" + secrets.token_bytes(SUN_PATH_SIZE - 1)
+            try:
+                sock.bind(name)
+                break
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise StartupError(f"bind <random abstract address>: {e.strerror}")
+        sock.listen(socket.SOMAXCONN)
+        sock.setblocking(False)
+        return Listener(sock, None, printed_address=format_abstract(name))
+
+    path = addr.sun_path
+    assert path is not None
+    if addr.is_abstract:
+        try:
+            sock.bind(path)
+        except OSError as e:
+            raise StartupError(f"bind {addr.text}: {e.strerror}")
+    else:
+        _prepare_path(path, reuse)
+        # Create the file with its final mode: no window with a wider one.
+        old_umask = os.umask(0o777 & ~mode)
+        try:
+            sock.bind(path)
+        except OSError as e:
+            raise StartupError(f"bind {os.fsdecode(path)}: {e.strerror}")
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, mode)
+    sock.listen(socket.SOMAXCONN)
+    sock.setblocking(False)
+    return Listener(sock, None if addr.is_abstract else path)
+
+
+def _prepare_path(path: bytes, reuse: bool) -> None:
+    """Refuse an existing path, or with -r remove it if, and only if, it is a socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    shown = os.fsdecode(path)
+    if not reuse:
+        raise StartupError(f"{shown} already exists (use -r to replace a stale socket)")
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartupError(f"{shown} exists and is not a socket; refusing to remove it")
+    os.unlink(path)
+
+
+def resolve_users(specs) -> list:
+    """uids for -u arguments: a number is a uid, anything else a user name."""
+    import pwd
+    uids = []
+    for spec in specs:
+        if spec.isdigit():
+            uids.append(int(spec))
+            continue
+        try:
+            uids.append(pwd.getpwnam(spec).pw_uid)
+        except KeyError:
+            raise StartupError(f"unknown user {spec!r}")
+    return uids
+
+
+def write_pidfile(path: str) -> None:
+    """Create the pidfile exclusively, never through a symlink."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise StartupError(f"pidfile {path}: {e.strerror}")
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()}\n")
+
+
+def daemonise() -> Callable[[], None]:
+    """Double-fork into the background. Returns, in the daemon, a function to
+    call once it is ready; the launcher exits 0 when it is called, 1 if the
+    daemon dies first."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid > 0:
+        os.close(w)
+        os.waitpid(pid, 0)
+        ok = os.read(r, 1)
+        os._exit(0 if ok == b"\x01" else 1)
+    os.close(r)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    os.chdir("/")
+
+    def ready() -> None:
+        os.write(w, b"\x01")
+        os.close(w)
+    return ready
+
+
+def detach_stdio() -> None:
+    """Readiness for a parent reading our stdout: close it (and stdin)."""
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
+
+def quiet_tty_stderr() -> None:
+    """A daemon must not write to the terminal it left."""
+    if os.isatty(2):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+
+def sd_notify(state: str) -> None:
+    """Tell systemd our state (READY=1, STOPPING=1) if it asked to be told."""
+    target = os.environ.get("NOTIFY_SOCKET")
+    if not target:
+        return
+    if target.startswith("@"):
+        target = "\0" + target[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(target)
+            s.sendall(state.encode())
+    except OSError:
+        pass  # systemd gone: nothing useful to do
+
+
+class SignalWakeup:
+    """Route signals to the loop: handlers set the stop reason, and the
+    wakeup fd interrupts a poll that a signal raced."""
+
+    def __init__(self):
+        self.r, self.w = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.r.setblocking(False)
+        self.w.setblocking(False)
+        signal.set_wakeup_fd(self.w.fileno(), warn_on_full_buffer=False)
+
+    def fileno(self) -> int:
+        return self.r.fileno()
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(-1)
+        self.r.close()
+        self.w.close()

@@ -1,0 +1,126 @@
+"""Structured logging for sbusd: structlog configured once at start-up.
+
+Records follow the versioned schema in ``sbus.logschema`` (docs/logging.md).
+``json`` writes one object per line; ``console`` is for people. The output
+file can be reopened (SIGHUP in a daemon, for logrotate).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import IO, Optional
+
+import structlog
+
+from . import logschema as schema
+
+LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "off": 100}
+
+# Events that say a client did something wrong, or the broker is in trouble.
+_WARNING_REASONS = frozenset({
+    "protocol_error", "cred_refused", "bang_misuse", "user_refused",
+    "flood_error", "oversize", "limit", "fd_limit", "error",
+})
+_EVENT_LEVELS = {
+    "cmsg_ignored": "debug",
+    "flood": "warning",
+    "fd_exhausted": "error",
+    "accept_paused": "error",
+    "accept_error": "error",
+}
+
+
+class ReopenableStream:
+    """A text sink that is a path (reopenable) or an inherited stream."""
+
+    def __init__(self, path: Optional[str], fallback: IO[str]):
+        self.path = path
+        self._fallback = fallback
+        self._file: IO[str] = fallback
+        if path:
+            self.reopen()
+
+    def reopen(self) -> None:
+        if not self.path:
+            return
+        new = open(self.path, "a", buffering=1, encoding="utf-8")
+        old, self._file = self._file, new
+        if old is not self._fallback:
+            old.close()
+
+    def write(self, text: str) -> None:
+        try:
+            self._file.write(text)
+        except (OSError, ValueError):
+            pass  # a full disk or a closed stderr must not stop the bus
+
+    def flush(self) -> None:
+        try:
+            self._file.flush()
+        except (OSError, ValueError):
+            pass
+
+    def isatty(self) -> bool:
+        try:
+            return self._file.isatty()
+        except (OSError, ValueError):
+            return False
+
+
+def _add_common(broker_pid: int):
+    def processor(logger, method_name, event_dict):
+        event_dict.setdefault("schema", schema.SCHEMA_VERSION)
+        event_dict.setdefault("broker_pid", broker_pid)
+        return event_dict
+    return processor
+
+
+def _order_keys(logger, method_name, event_dict):
+    """timestamp, level, event first: easier to read, same to parse."""
+    head = {k: event_dict.pop(k) for k in ("timestamp", "level", "event") if k in event_dict}
+    head.update(event_dict)
+    return head
+
+
+def default_format(stream: ReopenableStream) -> str:
+    return "console" if stream.isatty() else "json"
+
+
+def configure(fmt: str, level: str, stream: ReopenableStream):
+    """Configure structlog for the whole process; returns the bound logger."""
+    processors = [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _add_common(os.getpid()),
+    ]
+    if fmt == "json":
+        import json
+        processors += [_order_keys, structlog.processors.JSONRenderer(
+            serializer=lambda obj, **kw: json.dumps(obj, separators=(",", ":"), default=str))]
+    else:
+        processors.append(structlog.dev.ConsoleRenderer(colors=stream.isatty()))
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
+        cache_logger_on_first_use=True,
+    )
+    return structlog.get_logger()
+
+
+def level_of(event: str, fields: dict) -> str:
+    """The level a broker event is logged at."""
+    if event == "client_disconnect":
+        return "warning" if fields.get("reason") in _WARNING_REASONS else "info"
+    if event in ("subscribe", "unsubscribe") and not fields.get("accepted", True):
+        return "warning" if event == "subscribe" else "info"
+    return _EVENT_LEVELS.get(event, "info")
+
+
+def emit(logger, event: str, fields: dict) -> None:
+    """Log one broker event at its level."""
+    getattr(logger, level_of(event, fields))(event, **fields)
+
+
+def fallback_stream() -> IO[str]:
+    return sys.stderr
