@@ -1,0 +1,285 @@
+"""sbus.aio against real sbusd processes; back-pressure against a socket pair."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+
+import pytest
+
+from sbus import BusClosedError, MessageTooLargeError, aio
+from sbus.client import MAX_MESSAGE, ControlMessage, Message, pack_publish
+
+TIMEOUT = 10.0
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT * 3))
+
+
+async def subscriber(address, *patterns) -> aio.Client:
+    c = aio.Client(address)
+    for p in patterns:
+        await c.subscribe(p)
+    await c.whoami()  # the broker has registered the patterns once this returns
+    return c
+
+
+def test_publish_subscribe_and_async_for(broker):
+    async def main():
+        sub = await subscriber(broker.address, "t/*")
+        async with sub, aio.Client(broker.address) as pub:
+            for i in range(5):
+                await pub.publish(f"t/{i}", b"%d" % i)
+            await pub.publish(b"u/0", b"unmatched")
+            got = []
+            async for message in sub:
+                got.append(message)
+                if len(got) == 5:
+                    break
+            return got
+
+    assert run(main()) == [Message(b"t/%d" % i, b"%d" % i) for i in range(5)]
+
+
+def test_whoami_stats_and_buffered_messages(broker):
+    async def main():
+        async with await subscriber(broker.address, "") as c:
+            await c.publish("self/1", b"a")
+            await c.publish("self/2", b"b")
+            creds = await c.whoami()
+            stats = await c.stats()
+            first = await c.receive()
+            second = await c.receive()
+            return creds, stats, [first, second]
+
+    creds, stats, messages = run(main())
+    assert (creds.gid, creds.uid, creds.pid) == (os.getgid(), os.getuid(), os.getpid())
+    assert isinstance(stats, dict)
+    assert messages == [Message(b"self/1", b"a"), Message(b"self/2", b"b")]
+
+
+def test_many_concurrent_publishers(broker):
+    clients, tasks_per_client, per_task = 4, 8, 150
+    payload = b"p" * 2000
+    total = clients * tasks_per_client * per_task
+
+    async def publisher(client, c, t):
+        for seq in range(per_task):
+            await client.publish(f"load/{c}/{t}", b"%d:" % seq + payload)
+            if seq % 50 == 0:
+                assert (await client.whoami()).pid == os.getpid()
+
+    async def main():
+        sub = await subscriber(broker.address, "load/")
+        pubs = [aio.Client(broker.address) for _ in range(clients)]
+        try:
+            async def collect():
+                seen = {}
+                for _ in range(total):
+                    message = await sub.receive()
+                    seq = int(message.payload.split(b":", 1)[0])
+                    seen.setdefault(message.key, []).append(seq)
+                return seen
+
+            collector = asyncio.ensure_future(collect())
+            await asyncio.gather(*(publisher(pubs[c], c, t)
+                                   for c in range(clients) for t in range(tasks_per_client)))
+            return await asyncio.wait_for(collector, TIMEOUT)
+        finally:
+            sub.close()
+            for p in pubs:
+                p.close()
+
+    seen = run(main())
+    assert len(seen) == clients * tasks_per_client
+    assert all(seqs == list(range(per_task)) for seqs in seen.values())
+
+
+def test_a_cancelled_receiver_loses_nothing(broker):
+    count = 300
+
+    async def main():
+        sub = await subscriber(broker.address, "c/*")
+        pub = aio.Client(broker.address)
+        got = []
+
+        async def produce():
+            for i in range(count):
+                await pub.publish(f"c/{i}", b"")
+                if i % 7 == 0:
+                    await asyncio.sleep(0)
+
+        producer = asyncio.ensure_future(produce())
+        rng = random.Random(1)
+        while len(got) < count:
+            receiver = asyncio.ensure_future(sub.receive())
+            for _ in range(rng.randrange(4)):
+                await asyncio.sleep(0)
+            receiver.cancel()
+            try:
+                got.append(await receiver)  # it may have finished before the cancel landed
+            except asyncio.CancelledError:
+                pass  # and the client stays usable: the loop goes on receiving
+        await producer
+        sub.close()
+        pub.close()
+        return got
+
+    got = run(main())
+    assert [m.key for m in got] == [b"c/%d" % i for i in range(count)]
+
+
+def test_a_cancelled_whoami_does_not_leak_its_reply(broker):
+    async def main():
+        async with await subscriber(broker.address, "w") as c:
+            task = asyncio.ensure_future(c.whoami())
+            await asyncio.sleep(0)
+            task.cancel()
+            await c.publish("w", b"after")
+            message = await c.receive()
+            creds = await c.whoami()
+            return message, creds
+
+    message, creds = run(main())
+    assert message == Message(b"w", b"after")
+    assert creds.pid == os.getpid()
+
+
+def test_whoami_while_another_task_iterates(broker):
+    async def main():
+        async with await subscriber(broker.address, "") as c:
+            got = []
+
+            async def consume():
+                async for message in c:
+                    got.append(message)
+                    if len(got) == 3:
+                        return
+
+            consumer = asyncio.ensure_future(consume())
+            await asyncio.sleep(0.01)  # the consumer now waits on the socket
+            await c.publish("x/1", b"")
+            creds = await c.whoami()
+            await c.publish("x/2", b"")
+            await c.publish("x/3", b"")
+            await consumer
+            return creds, got
+
+    creds, got = run(main())
+    assert creds.pid == os.getpid()
+    assert got == [Message(b"x/%d" % i, b"") for i in (1, 2, 3)]
+    assert not any(isinstance(m, ControlMessage) for m in got)
+
+
+def test_back_pressure_when_the_socket_is_full():
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    payload = b"x" * 8192
+
+    async def main():
+        client = aio.Client(f"/dev/fd/{ours.detach()}")
+        sent = 0
+        # Fill the socket: nobody reads the other end yet.
+        while True:
+            publish = asyncio.ensure_future(client.publish("bp", b"%06d" % sent + payload))
+            await asyncio.sleep(0)  # one step: an unblocked send completes in it
+            if not publish.done():
+                break
+            sent += 1
+        # These queue up behind the blocked one, in call order.
+        later = [asyncio.ensure_future(client.publish("bp", b"%06d" % (sent + 1 + i) + payload))
+                 for i in range(5)]
+        cancelled = asyncio.ensure_future(client.publish("bp", b"cancelled"))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        assert not publish.done() and not any(t.done() for t in later)
+
+        loop = asyncio.get_running_loop()
+        received = []
+        theirs.setblocking(False)
+        while len(received) < sent + 6:
+            await asyncio.sleep(0.001)
+            try:
+                received.append(theirs.recv(MAX_MESSAGE))
+            except BlockingIOError:
+                continue
+        await asyncio.gather(publish, *later)
+        with pytest.raises(BlockingIOError):
+            theirs.recv(MAX_MESSAGE)  # the cancelled publish never went out
+        await client.publish("bp", b"still usable")
+        theirs.setblocking(True)
+        received.append(theirs.recv(MAX_MESSAGE))
+        client.close()
+        assert loop.is_running()
+        return sent, received
+
+    sent, received = run(main())
+    theirs.close()
+    assert sent > 0
+    assert received[:-1] == [pack_publish("bp", b"%06d" % i + payload) for i in range(sent + 6)]
+    assert received[-1] == b"MSG bp\0still usable"
+
+
+def test_the_broker_closing_ends_iteration_and_fails_calls(start_broker, backend):
+    b = start_broker(backend=backend)
+
+    async def main():
+        c = await subscriber(b.address, "")
+        waiter = asyncio.ensure_future(c.receive())
+        await asyncio.sleep(0.01)
+        b.stop()
+        with pytest.raises(BusClosedError):
+            await waiter
+        with pytest.raises(BusClosedError):
+            await c.receive()
+        assert [m async for m in c] == []
+        with pytest.raises(BusClosedError):
+            await c.publish("k", b"")
+        with pytest.raises(BusClosedError):
+            await c.whoami()
+        c.close()
+
+    run(main())
+
+
+def test_close_wakes_waiters(broker):
+    async def main():
+        c = aio.Client(broker.address)
+        receiver = asyncio.ensure_future(c.receive())
+        await asyncio.sleep(0.01)
+        c.close()
+        with pytest.raises(BusClosedError):
+            await receiver
+        with pytest.raises(BusClosedError):
+            await c.publish("k")
+        c.close()
+
+    run(main())
+
+
+def test_oversized_messages_raise():
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MAX_MESSAGE)
+
+    async def main():
+        async with aio.Client(f"/dev/fd/{ours.detach()}") as c:
+            with pytest.raises(MessageTooLargeError):
+                await c.publish("k", b"x" * MAX_MESSAGE)
+            receiver = asyncio.ensure_future(c.receive())
+            await asyncio.sleep(0.01)
+            theirs.send(b"MSG k\0" + b"x" * MAX_MESSAGE)
+            theirs.send(b"MSG k\0next")
+            with pytest.raises(MessageTooLargeError):
+                await receiver
+            return await c.receive()
+
+    try:
+        assert run(main()) == Message(b"k", b"next")
+    finally:
+        theirs.close()
+
+
+def test_the_client_needs_a_running_loop(broker):
+    with pytest.raises(RuntimeError):
+        aio.Client(broker.address)
