@@ -1,0 +1,170 @@
+"""``sbus``: publish, subscribe and ask the broker from the shell.
+
+    sbus pub KEY [MESSAGE | -]      publish MESSAGE (default empty; '-' reads stdin)
+    sbus sub [--json] [--count N] PATTERN...
+                                    print messages as they arrive
+    sbus whoami                     print this client's credentials
+    sbus stats                      print the broker's counters as JSON
+
+Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
+``/run/sbus.socket``.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+from typing import BinaryIO, Dict, List, Optional, Union
+
+from . import __version__
+from .address import from_environment
+from .client import Client, ControlMessage, Message
+from .errors import BusClosedError, SbusError
+
+# How long whoami and stats wait for the broker's reply.
+REPLY_TIMEOUT = 10.0
+
+
+def _json_field(out: Dict[str, str], name: str, raw: bytes) -> None:
+    """``name`` as text if ``raw`` is UTF-8, else ``name_base64``: JSON cannot carry bytes."""
+    try:
+        out[name] = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        out[name + "_base64"] = base64.b64encode(raw).decode("ascii")
+
+
+def format_json(message: Union[Message, ControlMessage]) -> bytes:
+    """One JSON line: ``{"type": "msg"|"cmsg", "key": ..., "payload": ...}``."""
+    out = {"type": "msg" if type(message) is Message else "cmsg"}
+    _json_field(out, "key", message.key)
+    _json_field(out, "payload", message.payload)
+    return json.dumps(out, ensure_ascii=False).encode("utf-8") + b"\n"
+
+
+def format_plain(message: Union[Message, ControlMessage]) -> bytes:
+    """``KEY<TAB>PAYLOAD`` as raw bytes; a control message is prefixed with ``CMSG ``."""
+    prefix = b"" if type(message) is Message else b"CMSG "
+    return b"%s%s\t%s\n" % (prefix, message.key, message.payload)
+
+
+def cmd_pub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
+    if args.message == "-":
+        payload: Union[str, bytes] = stdin.read()
+    else:
+        payload = args.message
+    bus.publish(args.key, payload)
+    return 0
+
+
+def cmd_sub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
+    for pattern in args.patterns:
+        bus.subscribe(pattern)
+    if args.ready:
+        # The broker handles a client's packets in order, so once the reply
+        # is back every SUB has been registered.
+        bus.whoami(timeout=REPLY_TIMEOUT)
+        sys.stderr.write("ready\n")
+        sys.stderr.flush()
+    render = format_json if args.json else format_plain
+    seen = 0
+    while args.count is None or seen < args.count:
+        message = bus.receive()
+        stdout.write(render(message))
+        stdout.flush()
+        seen += type(message) is Message
+    return 0
+
+
+def cmd_whoami(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
+    stdout.write(str(bus.whoami(timeout=REPLY_TIMEOUT)).encode() + b"\n")
+    return 0
+
+
+def cmd_stats(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
+    stats = bus.stats(timeout=REPLY_TIMEOUT)
+    stdout.write(json.dumps(stats, indent=2).encode() + b"\n")
+    return 0
+
+
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sbus", description="Talk to an sbus message bus.",
+        epilog="ADDRESS is a socket path, /dev/unix/abstract/HEX or /dev/fd/N; "
+               "the default is $SBUS_ADDRESS, else /run/sbus.socket.")
+    parser.add_argument("-V", "--version", action="version", version=f"sbus {__version__}")
+    parser.add_argument("-a", "--address", metavar="ADDRESS", help="the bus to connect to")
+    # SUPPRESS: a subcommand without -a must not overwrite the one given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-a", "--address", metavar="ADDRESS", default=argparse.SUPPRESS,
+                        help="the bus to connect to")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    pub = commands.add_parser("pub", parents=[common], help="publish a message")
+    pub.add_argument("key", metavar="KEY", help="the routing key")
+    pub.add_argument("message", metavar="MESSAGE", nargs="?", default="",
+                     help="the payload (default empty); '-' reads it from stdin")
+    pub.set_defaults(run=cmd_pub)
+
+    sub = commands.add_parser("sub", parents=[common],
+                              help="print messages matching the patterns as they arrive")
+    sub.add_argument("patterns", metavar="PATTERN", nargs="+",
+                     help="a routing key pattern; '' matches everything")
+    sub.add_argument("--json", action="store_true",
+                     help='one JSON object per line: {"type", "key", "payload"}; a field that '
+                          'is not UTF-8 is given as "key_base64"/"payload_base64" instead')
+    sub.add_argument("-n", "--count", type=_count, metavar="N",
+                     help="exit after N messages (control messages are shown, not counted)")
+    sub.add_argument("--ready", action="store_true",
+                     help="print 'ready' on stderr once the broker has registered the patterns")
+    sub.set_defaults(run=cmd_sub)
+
+    whoami = commands.add_parser("whoami", parents=[common],
+                                 help="print this client's credentials (!/cred/GID/UID/PID)")
+    whoami.set_defaults(run=cmd_whoami)
+
+    stats = commands.add_parser("stats", parents=[common],
+                                help="print the broker's counters as JSON")
+    stats.set_defaults(run=cmd_stats)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    where = from_environment(args.address)
+    stdout = sys.stdout.buffer
+    try:
+        with Client(where) as bus:
+            return args.run(bus, args, sys.stdin.buffer, stdout)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # Our stdout went away (sbus sub | head): exit quietly, and keep the
+        # interpreter from complaining when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        return 0
+    except BusClosedError:
+        return _fail(f"{where}: the broker closed the connection")
+    except TimeoutError:
+        return _fail(f"{where}: no reply from the broker within {REPLY_TIMEOUT:g} s")
+    except OSError as exc:
+        return _fail(f"{where}: {exc.strerror or exc}")
+    except (SbusError, ValueError) as exc:
+        return _fail(str(exc))
+
+
+def _fail(text: str) -> int:
+    sys.stderr.write(f"sbus: {text}\n")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
