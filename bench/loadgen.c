@@ -65,6 +65,7 @@ static const char PONG_KEY[] = "pong/lat";
 struct sub_slot {
 	_Atomic uint64_t next;	/* next sequence number expected: flow-control progress */
 	uint64_t received, lost, reordered, bad;
+	uint64_t tail;		/* of lost: never arrived within a second of the end */
 	double t_last;		/* CLOCK_MONOTONIC seconds of the last receipt */
 	int eof, finished;
 } __attribute__((aligned(64)));
@@ -339,8 +340,9 @@ subscriber(int idx, int slow)
 				if (!idle_since)
 					idle_since = now();
 				else if (now() - idle_since > 1.0) {
-					/* The tail never came. */
+					/* The tail never came: the broker stalled or dropped it. */
 					slot->lost += total - next;
+					slot->tail += total - next;
 					next = total;
 					break;
 				}
@@ -523,7 +525,7 @@ flood(void)
 		waitpid(pids[i], NULL, 0);
 
 	double t_end = t0;
-	uint64_t received = 0, lost = 0, reordered = 0, bad = 0;
+	uint64_t received = 0, lost = 0, reordered = 0, bad = 0, tail = 0;
 	int eof = 0, unfinished = 0;
 	for (int i = 0; i < n_subs; i++) {
 		struct sub_slot *s = &sh->sub[i];
@@ -533,6 +535,7 @@ flood(void)
 		lost += s->lost;
 		reordered += s->reordered;
 		bad += s->bad;
+		tail += s->tail;
 		eof += s->eof;
 		unfinished += !s->finished;
 	}
@@ -541,12 +544,12 @@ flood(void)
 	print_common("flood", seconds, cpu);
 	printf(",\"subscribers\":%d,\"slow\":%d,\"idle_clients\":%d,\"idle_patterns\":%d,"
 	       "\"window\":%llu,\"messages\":%llu,\"deliveries\":%llu,\"expected_deliveries\":%llu,"
-	       "\"lost\":%llu,\"reordered\":%llu,\"bad\":%llu,\"eof\":%d,\"unfinished\":%d,"
+	       "\"lost\":%llu,\"tail_lost\":%llu,\"reordered\":%llu,\"bad\":%llu,\"eof\":%d,\"unfinished\":%d,"
 	       "\"stalled\":%s,\"publisher_waits\":%llu,\"msgs_per_s\":%.1f,\"deliveries_per_s\":%.1f,"
 	       "\"server_cpu_us_per_delivery\":%.4f,\"server_cpu_us_per_msg\":%.4f}\n",
 	       n_subs, n_slow, n_idle, n_idle ? n_pats : 0, (unsigned long long)window,
 	       (unsigned long long)sent, (unsigned long long)received,
-	       (unsigned long long)sent * n_subs, (unsigned long long)lost,
+	       (unsigned long long)sent * n_subs, (unsigned long long)lost, (unsigned long long)tail,
 	       (unsigned long long)reordered, (unsigned long long)bad, eof, unfinished,
 	       stalled ? "true" : "false", (unsigned long long)waits,
 	       seconds > 0 ? sent / seconds : 0, seconds > 0 ? received / seconds : 0,

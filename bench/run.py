@@ -209,7 +209,7 @@ def problems(run):
     if "error" in run:
         return [run["error"]]
     out = []
-    for key in ("lost", "reordered", "bad", "eof", "unfinished"):
+    for key in ("lost", "tail_lost", "reordered", "bad", "eof", "unfinished"):
         if run.get(key):
             out.append(f"{key}={run[key]}")
     if run.get("stalled"):
@@ -454,8 +454,9 @@ def micro_rows(quick, workdir):
     rows = []
     for b in data["benchmarks"]:
         ops = b.get("extra_info", {}).get("ops", 1)
+        ns = b["stats"]["median"] * 1e9 / ops
         rows.append(dict(workload=f"micro {b['name'].removeprefix('test_')}", payload=None,
-                         metric="ns/op", relay=None, sbus=b["stats"]["median"] * 1e9 / ops,
+                         metric="ns/op" if ns < 1e4 else "µs/op", relay=None, sbus=ns if ns < 1e4 else ns / 1e3,
                          problems=[] if p.returncode == 0 else [f"pytest rc={p.returncode}"],
                          lower_is_better=True, raw=b["stats"]))
     say(f"micro: {len(rows)} benchmarks")
