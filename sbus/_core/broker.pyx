@@ -430,7 +430,7 @@ cdef class Broker:
             return self.mark_closing(c, R_ERROR, f"recv: {os.strerror(errno)}")
         for i in range(n):
             length = self.rhdrs[i].msg_len
-            if self.rhdrs[i].msg_hdr.msg_flags & MSG_TRUNC:
+            if length > self.max_message or self.rhdrs[i].msg_hdr.msg_flags & MSG_TRUNC:
                 self.mark_closing(c, R_OVERSIZE,
                                   f"packet larger than {self.max_message} bytes")
                 break
@@ -992,12 +992,17 @@ cdef class Broker:
                 "subscriptions": self.index.nsubs}
 
     def stats(self):
-        """A snapshot: totals, and counters per connected client."""
+        """A snapshot: totals, and counters and modes per connected client."""
         cdef int fd
+        cdef Client *c
         clients = []
         for fd in range(self.clients_cap):
-            if self.clients[fd] != NULL and not self.clients[fd].closing:
-                clients.append(self.counters(self.clients[fd]))
+            c = self.clients[fd]
+            if c != NULL and not c.closing:
+                d = self.counters(c)
+                d.update(soft=MODES[c.soft], hard=MODES[c.hard], order=ORDERS[c.order],
+                         echo=bool(c.echo))
+                clients.append(d)
         return {"uptime_s": round(monotonic() - self.started, 3),
                 "backend": self.poller.name, "totals": self.totals(), "clients": clients}
 
