@@ -61,8 +61,10 @@ def test_whoami_stats_and_buffered_messages(broker):
 
 
 def test_many_concurrent_publishers(broker):
+    # 29 MB in all: more than the broker queues for one client (8 MiB), so with
+    # blocking/hard/block it stops reading the publishers and their sockets fill.
     clients, tasks_per_client, per_task = 4, 8, 150
-    payload = b"p" * 2000
+    payload = b"p" * 6000
     total = clients * tasks_per_client * per_task
 
     async def publisher(client, c, t):
@@ -72,7 +74,10 @@ def test_many_concurrent_publishers(broker):
                 assert (await client.whoami()).pid == os.getpid()
 
     async def main():
-        sub = await subscriber(broker.address, "load/")
+        sub = aio.Client(broker.address)
+        await sub.send_cmsg("blocking/hard/block")
+        await sub.subscribe("load/")
+        await sub.whoami()
         pubs = [aio.Client(broker.address) for _ in range(clients)]
         try:
             async def collect():
@@ -86,13 +91,16 @@ def test_many_concurrent_publishers(broker):
             collector = asyncio.ensure_future(collect())
             await asyncio.gather(*(publisher(pubs[c], c, t)
                                    for c in range(clients) for t in range(tasks_per_client)))
-            return await asyncio.wait_for(collector, TIMEOUT)
+            seen = await asyncio.wait_for(collector, TIMEOUT)
+            totals = (await pubs[0].stats())["totals"]
+            return seen, totals
         finally:
             sub.close()
             for p in pubs:
                 p.close()
 
-    seen = run(main())
+    seen, totals = run(main())
+    assert (totals["drops_soft"], totals["drops_hard"], totals["drops_disconnect"]) == (0, 0, 0)
     assert len(seen) == clients * tasks_per_client
     assert all(seqs == list(range(per_task)) for seqs in seen.values())
 
