@@ -551,7 +551,7 @@ cdef class Broker:
         cdef Sub **grown
         cdef uint32_t cap
         if n > self.max_pattern:
-            self.emit("subscribe", dict(self.ident(c), pattern=text(pat, 256) + "...",
+            self.emit("subscribe", dict(self.ident(c), pattern=text(pat, n if n < 256 else 256) + "...",
                                         accepted=False, reason="pattern_too_long"))
             return self.mark_closing(c, R_LIMIT, f"pattern longer than {self.max_pattern} bytes")
         if c.nsubs >= self.max_subs:
