@@ -14,7 +14,8 @@ import structlog
 
 from . import logschema as schema
 
-LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "off": 100}
+# "off" filters at CRITICAL, a level sbusd never logs at.
+LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "off": 50}
 
 # Events that say a client did something wrong, or the broker is in trouble.
 _WARNING_REASONS = frozenset({

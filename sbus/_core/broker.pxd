@@ -162,6 +162,7 @@ cdef class Broker:
     cdef bint fd_exhausted_logged
     cdef object stop_reason
     cdef dict close_details
+    cdef str refusal                # why normalise() refused a pattern
     cdef object on_event
     cdef object on_message
     cdef object on_tick
@@ -195,3 +196,4 @@ cdef class Broker:
     cdef int emit(self, str name, dict fields) except -1
     cdef dict ident(self, Client *c)
     cdef dict counters(self, Client *c)
+    cdef dict zero_counters(self, dict ident)

@@ -317,7 +317,7 @@ cdef class Broker:
                     close(fd)
                     self.emit("client_disconnect", dict(
                         ident, reason="user_refused", detail=f"uid {cred.uid} is not allowed",
-                        duration_s=0.0, counters=None))
+                        duration_s=0.0, counters=self.zero_counters(ident)))
                     continue
             if fd >= self.poller.fd_limit():
                 self.next_id += 1
@@ -325,7 +325,7 @@ cdef class Broker:
                 self.emit("client_disconnect", dict(
                     ident, reason="fd_limit",
                     detail=f"fd {fd} is beyond what the {self.poller.name} backend can watch",
-                    duration_s=0.0, counters=None))
+                    duration_s=0.0, counters=self.zero_counters(ident)))
                 continue
             # Big enough to deliver the largest packet the bus accepts.
             if setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &self.sndbuf, sizeof(int)) < 0:
@@ -519,12 +519,14 @@ cdef class Broker:
         cdef bytes prefix = b""
         if is_cred_key(pat, n):
             if parse_cred_form(pat, n, False, &form) < 0:
+                self.refusal = "cred_malformed"
                 if refuse:
                     self.mark_closing(c, R_CRED, "malformed !/cred/ pattern")
                 return -1
             if ((form.gid != CRED_EMPTY and form.gid != c.gid) or
                     (form.uid != CRED_EMPTY and form.uid != c.uid) or
                     (form.pid != CRED_EMPTY and form.pid != c.pid)):
+                self.refusal = "cred_mismatch"
                 if refuse:
                     self.mark_closing(c, R_CRED, "credentials do not match the client's")
                 return -1
@@ -533,6 +535,7 @@ cdef class Broker:
             rest_len = n - form.prefix_len
         check = check_rest(rest, rest_len, True)
         if check != KEY_OK:
+            self.refusal = "bang_misuse" if check == KEY_BANG_MISUSE else "cred_malformed"
             if refuse:
                 if check == KEY_BANG_MISUSE:
                     self.mark_closing(c, R_BANG, "reserved '!' in pattern")
@@ -540,6 +543,9 @@ cdef class Broker:
                     self.mark_closing(c, R_CRED, "malformed nested !/cred/ pattern")
             return -1
         if len(prefix) + rest_len > self.scratch_cap:
+            self.refusal = "pattern_too_long"
+            if refuse:
+                self.mark_closing(c, R_LIMIT, "pattern too long")
             return -1
         memcpy(self.scratch, <const char *>prefix, len(prefix))
         memcpy(self.scratch + len(prefix), rest, rest_len)
@@ -561,9 +567,7 @@ cdef class Broker:
         stored = self.normalise(c, pat, n, True)
         if stored < 0:
             self.emit("subscribe", dict(self.ident(c), pattern=text(pat, n), accepted=False,
-                                        reason=REASONS[c.reason] if c.closing else "invalid"))
-            if not c.closing:
-                self.mark_closing(c, R_LIMIT, "pattern too long")
+                                        reason=self.refusal))
             return 0
         if c.nsubs == c.subs_cap:
             cap = c.subs_cap * 2 if c.subs_cap else 4
@@ -971,6 +975,13 @@ cdef class Broker:
                  bytes_out=c.c.bytes_out, drops_soft=c.c.drops_soft,
                  drops_hard=c.c.drops_hard, drops_disconnect=c.c.drops_disconnect,
                  queued_msgs=c.q.live, queued_bytes=c.q.bytes, subscriptions=c.nsubs)
+        return d
+
+    cdef dict zero_counters(self, dict ident):
+        """Counters of a connection refused at accept: all zero."""
+        d = dict(ident)
+        for name in COUNTER_FIELDS + ("queued_msgs", "queued_bytes", "subscriptions"):
+            d[name] = 0
         return d
 
     def totals(self):
