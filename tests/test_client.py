@@ -332,6 +332,16 @@ def test_a_closed_bus_raises_bus_closed_error(start_broker, backend, connect):
     assert isinstance(BusClosedError(), ConnectionError)
 
 
+def test_a_client_the_broker_disconnects_sees_bus_closed_error(broker, connect):
+    # A client that believes the limit is higher sends what sbusd refuses.
+    client = connect(broker.address, max_message=MAX_MESSAGE + 100)
+    client.publish("k", b"x" * MAX_MESSAGE)
+    with pytest.raises(BusClosedError):
+        client.receive(timeout=TIMEOUT)
+    with pytest.raises(BusClosedError):
+        client.publish("k", b"")
+
+
 def test_a_closed_client_raises_bus_closed_error(broker):
     with Client(broker.address) as client:
         fd = client.fileno()
