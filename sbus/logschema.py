@@ -1,0 +1,184 @@
+"""The broker's structured-log schema: event names and their fields.
+
+This module is the single source of truth shared by the broker's logger
+(which emits the records) and ``sbus.analytics`` (which reads them with a
+declared Spark schema).  It is plain Python with no third-party imports so
+the broker can use it on hosts without Java or PySpark.  The human-readable
+version lives in ``docs/logging.md``; keep the two in step and bump
+``SCHEMA_VERSION`` when a change would break an existing reader (renaming or
+retyping a field, changing a field's meaning).  Adding an event or a field
+is not a breaking change: readers must ignore what they do not know.
+
+Every record is one JSON object per line carrying the ``COMMON_FIELDS`` plus
+the fields listed for its event in ``EVENT_FIELDS``.  Field types are given
+as the tags below so that each consumer can map them to its own type system.
+A field name has the same type in every event that uses it; the analytics
+job relies on that to read all events through one schema.
+"""
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+
+# --- field type tags -------------------------------------------------------
+INT = "int"            # JSON integer, fits in a signed 64-bit integer
+FLOAT = "float"        # JSON number
+STR = "str"            # JSON string
+BOOL = "bool"          # JSON true/false
+TIMESTAMP = "timestamp"  # ISO-8601 UTC string, e.g. "2026-11-21T00:19:50.123456Z"
+CONFIG = "config"      # JSON object, string -> scalar
+TOTALS = "totals"      # JSON object with TOTALS_FIELDS
+DELTA = "delta"        # JSON object with DELTA_FIELDS
+COUNTERS = "counters"  # JSON object with CLIENT_COUNTER_FIELDS
+COUNTERS_LIST = "counters[]"  # JSON array of COUNTERS objects
+
+# --- event names (stable; analytics and dashboards match on them) -----------
+BROKER_START = "broker_start"
+BROKER_STOP = "broker_stop"
+CLIENT_CONNECT = "client_connect"
+CLIENT_DISCONNECT = "client_disconnect"
+SUBSCRIBE = "subscribe"
+UNSUBSCRIBE = "unsubscribe"
+FLOOD = "flood"
+STATS = "stats"
+MESSAGE = "message"
+# Operational events that carry no counters the analytics job aggregates.
+CMSG_IGNORED = "cmsg_ignored"
+LOG_REOPENED = "log_reopened"
+ACCEPT_PAUSED = "accept_paused"
+
+LEVELS = ("debug", "info", "warning", "error")
+
+# --- disconnect reasons ----------------------------------------------------
+DISCONNECT_EOF = "eof"                        # the client closed its end
+DISCONNECT_ERROR = "error"                    # a socket error other than those below
+DISCONNECT_PROTOCOL_ERROR = "protocol_error"  # a packet that matches no message type
+DISCONNECT_CRED_REFUSED = "cred_refused"      # subscribed to someone else's !/cred/ key
+DISCONNECT_BANG_MISUSE = "bang_misuse"        # used '!' in a way the spec reserves
+DISCONNECT_USER_REFUSED = "user_refused"      # uid not allowed; never got a client_connect
+DISCONNECT_FLOOD_ERROR = "flood_error"        # blocked while its flood mode was "error"
+DISCONNECT_OVERSIZE = "oversize"              # packet larger than the broker accepts
+DISCONNECT_LIMIT = "limit"                    # exceeded a per-client limit (e.g. subscriptions)
+DISCONNECT_SHUTDOWN = "shutdown"              # the broker stopped
+DISCONNECT_FD_LIMIT = "fd_limit"              # accepted while out of file descriptors
+
+DISCONNECT_REASONS = (
+    DISCONNECT_EOF,
+    DISCONNECT_ERROR,
+    DISCONNECT_PROTOCOL_ERROR,
+    DISCONNECT_CRED_REFUSED,
+    DISCONNECT_BANG_MISUSE,
+    DISCONNECT_USER_REFUSED,
+    DISCONNECT_FLOOD_ERROR,
+    DISCONNECT_OVERSIZE,
+    DISCONNECT_LIMIT,
+    DISCONNECT_SHUTDOWN,
+    DISCONNECT_FD_LIMIT,
+)
+
+# Reasons a SUB/UNSUB is refused (``accepted`` false).  Open-ended: readers
+# must accept reasons not listed here.
+REFUSE_NOT_SUBSCRIBED = "not_subscribed"   # UNSUB of a pattern the client does not hold
+REFUSE_CRED_MISMATCH = "cred_mismatch"     # !/cred/ pattern for other credentials
+REFUSE_REASONS = (REFUSE_NOT_SUBSCRIBED, REFUSE_CRED_MISMATCH)
+
+# --- nested records ---------------------------------------------------------
+# Broker-wide counters.  In ``stats`` and ``broker_stop`` they are cumulative
+# since the broker started, except clients/queued_*/subscriptions which are
+# the current values and queued_bytes_peak which is the high-water mark.
+TOTALS_FIELDS = (
+    "clients",            # connected now
+    "connects",           # accepted connections since start
+    "disconnects",        # closed connections since start
+    "msgs_in",            # MSG packets received
+    "bytes_in",           # bytes of those packets
+    "msgs_out",           # deliveries (one per recipient)
+    "bytes_out",          # bytes of those deliveries
+    "drops_soft",         # deliveries discarded by a soft "discard" mode
+    "drops_hard",         # deliveries discarded by a hard "discard" mode
+    "drops_disconnect",   # deliveries lost because the recipient was disconnected
+    "queued_msgs",        # deliveries waiting in send queues now
+    "queued_bytes",       # bytes waiting in send queues now
+    "queued_bytes_peak",  # highest queued_bytes seen
+    "subscriptions",      # patterns registered now
+)
+
+# The traffic fields of ``stats.delta``: same meaning as in TOTALS_FIELDS,
+# counted since the previous ``stats`` record (since start for the first).
+DELTA_FIELDS = (
+    "msgs_in",
+    "bytes_in",
+    "msgs_out",
+    "bytes_out",
+    "drops_soft",
+    "drops_hard",
+    "drops_disconnect",
+)
+
+# One client's counters, cumulative since it connected.  msgs_in/bytes_in
+# count MSG packets it published; msgs_out/bytes_out count deliveries to it;
+# drops_* count deliveries meant for it that were discarded.
+CLIENT_COUNTER_FIELDS = (
+    "client",
+    "pid",
+    "uid",
+    "gid",
+    "msgs_in",
+    "bytes_in",
+    "msgs_out",
+    "bytes_out",
+    "drops_soft",
+    "drops_hard",
+    "drops_disconnect",
+    "queued_msgs",
+    "queued_bytes",
+    "subscriptions",
+)
+
+DROP_KINDS = ("drops_soft", "drops_hard", "drops_disconnect")
+
+# --- records ----------------------------------------------------------------
+COMMON_FIELDS = (
+    ("timestamp", TIMESTAMP),
+    ("level", STR),
+    ("event", STR),
+    ("schema", INT),
+    ("broker_pid", INT),
+)
+
+_CLIENT_IDENTITY = (("client", INT), ("pid", INT), ("uid", INT))
+
+EVENT_FIELDS = {
+    BROKER_START: (("version", STR), ("address", STR), ("pid", INT), ("config", CONFIG)),
+    BROKER_STOP: (("reason", STR), ("uptime_s", FLOAT), ("totals", TOTALS)),
+    CLIENT_CONNECT: _CLIENT_IDENTITY + (("gid", INT),),
+    CLIENT_DISCONNECT: _CLIENT_IDENTITY + (
+        ("gid", INT), ("reason", STR), ("detail", STR), ("duration_s", FLOAT),
+        ("counters", COUNTERS)),
+    SUBSCRIBE: _CLIENT_IDENTITY + (("pattern", STR), ("accepted", BOOL), ("reason", STR)),
+    UNSUBSCRIBE: _CLIENT_IDENTITY + (("pattern", STR), ("accepted", BOOL), ("reason", STR)),
+    FLOOD: _CLIENT_IDENTITY + (
+        ("interval_s", FLOAT), ("drops_soft", INT), ("drops_hard", INT), ("blocks", INT),
+        ("queued_msgs", INT), ("queued_bytes", INT), ("soft", STR), ("hard", STR)),
+    STATS: (("interval_s", FLOAT), ("totals", TOTALS), ("delta", DELTA),
+            ("clients", COUNTERS_LIST)),
+    MESSAGE: _CLIENT_IDENTITY + (
+        ("key", STR), ("size", INT), ("fanout", INT), ("sample_rate", FLOAT)),
+}
+
+# Fields that may be JSON null even though the event defines them.
+NULLABLE = frozenset({("client_disconnect", "detail"), ("subscribe", "reason"),
+                      ("unsubscribe", "reason")})
+
+
+def all_fields() -> dict:
+    """Every top-level field name mapped to its one type tag, common fields first.
+
+    Raises ``ValueError`` if two events disagree on a field's type, which
+    would make a single reader schema impossible.
+    """
+    out = dict(COMMON_FIELDS)
+    for event, fields in EVENT_FIELDS.items():
+        for name, tag in fields:
+            if out.setdefault(name, tag) != tag:
+                raise ValueError(f"field {name!r} of {event!r} is {tag}, elsewhere {out[name]}")
+    return out
