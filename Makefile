@@ -47,7 +47,7 @@ soak: build
 wheel: $(STAMP)
 	rm -rf dist
 	$(PY) -m build --outdir dist .
-	$(PY) -m auditwheel repair --wheel-dir dist dist/*-linux_*.whl && rm -f dist/*-linux_*.whl
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m auditwheel repair --strip --wheel-dir dist dist/*-linux_*.whl && rm -f dist/*-linux_*.whl
 
 clean:
 	rm -rf build dist *.egg-info sbus/_core/*.c sbus/_core/*.so sbus/_core/*.html .run
