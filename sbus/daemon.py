@@ -110,7 +110,8 @@ def make_listener(addr: Address, *, reuse: bool, mode: int, warn: Callable[[str]
         os.chmod(path, mode)
     sock.listen(socket.SOMAXCONN)
     sock.setblocking(False)
-    return Listener(sock, None if addr.is_abstract else path)
+    # Absolute, so a daemon (which chdirs to "/") removes the right file.
+    return Listener(sock, None if addr.is_abstract else os.path.abspath(path))
 
 
 def _prepare_path(path: bytes, reuse: bool) -> None:

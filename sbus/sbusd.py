@@ -238,6 +238,16 @@ def run(cfg: Config) -> int:
     def warn(text: str) -> None:
         print(f"sbusd: {text}", file=sys.stderr)
 
+    # A daemon chdirs to "/": every path it keeps using must be absolute.
+    if cfg.pidfile:
+        cfg.pidfile = os.path.abspath(cfg.pidfile)
+    if cfg.log_file:
+        cfg.log_file = os.path.abspath(cfg.log_file)
+        try:
+            open(cfg.log_file, "a").close()
+        except OSError as e:
+            warn(f"--log-file {cfg.log_file}: {e.strerror}")
+            return 1
     try:
         addr = addresses.parse(cfg.address)
         allowed = daemon.resolve_users(cfg.users)

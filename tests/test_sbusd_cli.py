@@ -731,27 +731,18 @@ def relative_daemon(daemon, tmp_path):
                 stray.unlink()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "broker bug: a daemon writes a relative -p pidfile after chdir('/'), so it "
-    "lands in / instead of the launching directory"))
 def test_daemon_relative_pidfile_is_created_where_sbusd_was_started(relative_daemon, tmp_path):
     pid, names = relative_daemon
     assert (tmp_path / names["pid"]).read_text() == f"{pid}\n"
     assert not os.path.lexists(Path("/") / names["pid"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "broker bug: a daemon opens a relative --log-file after chdir('/'), so it "
-    "lands in / instead of the launching directory"))
 def test_daemon_relative_log_file_is_created_where_sbusd_was_started(relative_daemon, tmp_path):
     pid, names = relative_daemon
     wait_for_record(tmp_path / names["log"], "broker_start", timeout=1.0)
     assert not os.path.lexists(Path("/") / names["log"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "broker bug: a daemon unlinks a relative socket path after chdir('/'), so "
-    "the socket file is left behind when it stops"))
 def test_daemon_relative_socket_is_removed_when_it_stops(relative_daemon, tmp_path):
     pid, names = relative_daemon
     os.kill(pid, signal.SIGTERM)
@@ -761,11 +752,6 @@ def test_daemon_relative_socket_is_removed_when_it_stops(relative_daemon, tmp_pa
 
 # -- the readiness/signal race ---------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "broker bug: a SIGTERM that arrives after readiness (stdout closed, or the "
-    "daemon launcher exited) but before Broker.run() starts is lost: the "
-    "handler calls broker.stop(), then run() sets running=True again and the "
-    "broker serves on forever"))
 @pytest.mark.parametrize("mode", ["foreground", "daemon"])
 def test_stop_signal_right_after_readiness_is_honoured(sbusd, daemon, tmp_path, mode):
     """Readiness means 'ready for anything', including being told to stop."""
@@ -796,9 +782,6 @@ def test_stop_signal_right_after_readiness_is_honoured(sbusd, daemon, tmp_path, 
 
 # -- startup errors that are not usage errors --------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "broker bug: an unopenable --log-file ends sbusd with a Python traceback "
-    "(FileNotFoundError from sbus/log.py) instead of a one-line 'sbusd: ...' error"))
 def test_unopenable_log_file_is_a_clear_error(tmp_path):
     sock = tmp_path / "bus.socket"
     proc = run_sbusd("-f", "-a", str(sock), "--log-file", str(tmp_path / "no-dir" / "x.log"))

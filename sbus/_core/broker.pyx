@@ -187,6 +187,7 @@ cdef class Broker:
         if wakeup_fd >= 0:
             self.poller.set(wakeup_fd, EV_READ)
         self.started = self.now = monotonic()
+        self.running = True
 
     def __dealloc__(self):
         cdef int fd
@@ -220,7 +221,8 @@ cdef class Broker:
         cdef Client *c
         cdef double wait
         cdef char drain[64]
-        self.running = True
+        # running is set at construction, not here: a stop() from a signal
+        # handler that ran before run() must not be forgotten.
         if self.tick_interval > 0:
             self.next_tick = monotonic() + self.tick_interval
         while self.running:
