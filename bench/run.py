@@ -237,10 +237,10 @@ def others_busy(seconds=0.5):
     return (busy_seconds() - b0) / (time.monotonic() - t0)
 
 
-QUIET = {"budget": 120.0, "waited": 0.0}
+QUIET = {"budget": 60.0, "waited": 0.0}
 
 
-def wait_quiet(limit=20.0):
+def wait_quiet(limit=10.0):
     """Gives other users of the machine up to `limit` seconds (QUIET budget in all) to calm down."""
     t0 = time.monotonic()
     load = others_busy()
@@ -716,8 +716,8 @@ def main(argv=None):
     ap.add_argument("--nice", type=int, default=-10,
                     help="niceness of servers and load generator, so other work on the machine "
                          "disturbs them less (default -10; needs root, else ignored)")
-    ap.add_argument("--quiet-wait", type=float, default=120.0, metavar="S",
-                    help="seconds in all to wait for other processes to leave the CPUs alone (default 120)")
+    ap.add_argument("--quiet-wait", type=float, default=60.0, metavar="S",
+                    help="seconds in all to wait for other processes to leave the CPUs alone (default 60)")
     ap.add_argument("--sbusd", metavar="CMD", help="the broker command to measure (default .venv/bin/sbusd); "
                     "it gets sbusd's arguments: -f -a PATH --log-format json --log-file FILE ...")
     opts = ap.parse_args(argv)
