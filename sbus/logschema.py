@@ -42,6 +42,8 @@ FLOOD = "flood"
 STATS = "stats"
 MESSAGE = "message"
 # Operational events that carry no counters the analytics job aggregates.
+# Their fields are not part of the schema and may clash with it (e.g.
+# accept_paused carries `clients` as a number); readers skip them.
 CMSG_IGNORED = "cmsg_ignored"
 LOG_REOPENED = "log_reopened"
 ACCEPT_PAUSED = "accept_paused"
@@ -57,9 +59,9 @@ DISCONNECT_BANG_MISUSE = "bang_misuse"        # used '!' in a way the spec reser
 DISCONNECT_USER_REFUSED = "user_refused"      # uid not allowed; never got a client_connect
 DISCONNECT_FLOOD_ERROR = "flood_error"        # blocked while its flood mode was "error"
 DISCONNECT_OVERSIZE = "oversize"              # packet larger than the broker accepts
-DISCONNECT_LIMIT = "limit"                    # exceeded a per-client limit (e.g. subscriptions)
+DISCONNECT_LIMIT = "limit"                    # pattern too long or too many subscriptions
 DISCONNECT_SHUTDOWN = "shutdown"              # the broker stopped
-DISCONNECT_FD_LIMIT = "fd_limit"              # accepted while out of file descriptors
+DISCONNECT_FD_LIMIT = "fd_limit"              # its fd is beyond what the loop backend can watch
 
 DISCONNECT_REASONS = (
     DISCONNECT_EOF,
@@ -87,8 +89,8 @@ REFUSE_REASONS = (REFUSE_NOT_SUBSCRIBED, REFUSE_CRED_MISMATCH)
 # the current values and queued_bytes_peak which is the high-water mark.
 TOTALS_FIELDS = (
     "clients",            # connected now
-    "connects",           # accepted connections since start
-    "disconnects",        # closed connections since start
+    "connects",           # admitted connections since start (not user_refused/fd_limit)
+    "disconnects",        # admitted connections closed since start
     "msgs_in",            # MSG packets received
     "bytes_in",           # bytes of those packets
     "msgs_out",           # deliveries (one per recipient)

@@ -1,0 +1,49 @@
+"""Spark analytics over sbusd's JSON-lines logs (needs ``pip install 'sbus[analytics]'``).
+
+The broker never imports this package; ``import sbus`` does not either.
+"""
+try:
+    import pyspark  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError("sbus.analytics needs PySpark: pip install 'sbus[analytics]'") from exc
+
+from .job import TABLES, events_of, line_summary, parse, read_events, read_lines, render, run, spark_session
+from .schema import CORRUPT_COLUMN, record_schema
+from .transforms import (
+    client_traffic,
+    disconnect_reasons,
+    event_counts,
+    fanout_distribution,
+    flood_actions,
+    key_prefix,
+    pattern_churn,
+    subscription_churn,
+    throughput,
+    top_publishers,
+    traffic_by_prefix,
+)
+
+__all__ = [
+    "CORRUPT_COLUMN",
+    "TABLES",
+    "client_traffic",
+    "disconnect_reasons",
+    "event_counts",
+    "events_of",
+    "fanout_distribution",
+    "flood_actions",
+    "key_prefix",
+    "line_summary",
+    "parse",
+    "pattern_churn",
+    "read_events",
+    "read_lines",
+    "record_schema",
+    "render",
+    "run",
+    "spark_session",
+    "subscription_churn",
+    "throughput",
+    "top_publishers",
+    "traffic_by_prefix",
+]
