@@ -1,0 +1,159 @@
+"""tools/log_analytics.ipynb, executed headless on the log of a real sbusd run under load.
+
+The notebook prints a ``RESULT {...}`` digest; every number in it is checked
+against what this test sent and against the log read with plain ``json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import SBUSD
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "tools" / "log_analytics.ipynb"
+PUBLISHED = 3000
+HOT_KEY = b"load/0/a"  # most published key: the notebook's top key
+
+
+class Drain(threading.Thread):
+    """Reads packets until stopped, counting them."""
+
+    def __init__(self, sock):
+        super().__init__(daemon=True)
+        self.sock, self.count, self.stopped = sock, 0, threading.Event()
+        sock.settimeout(0.05)
+
+    def run(self):
+        while not self.stopped.is_set():
+            try:
+                if self.sock.recv(1 << 16):
+                    self.count += 1
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+
+
+def wait_until(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def make_load(b) -> int:
+    """Subscribers, a reader that never reads, two publishers, one misbehaving client."""
+    readers = [b.connect(), b.connect()]
+    readers[0].send(b"SUB load/")
+    readers[1].send(b"SUB load/*/a")
+    readers[1].send(b"SUB other/")
+    readers[1].send(b"UNSUB never/subscribed")  # refused
+    drains = [Drain(s) for s in readers]
+    for d in drains:
+        d.start()
+    lazy = b.connect()
+    lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    lazy.send(b"CMSG blocking/soft/discard")
+    lazy.send(b"SUB ")
+    pubs = [b.connect(), b.connect()]
+    time.sleep(0.1)  # subscriptions are in place before the first message
+    load_msgs = 0
+    for i in range(PUBLISHED):
+        if i % 4 == 3:
+            pubs[1].send(b"MSG other/x\0" + b"y" * (i % 50))
+        else:
+            key = HOT_KEY if i % 2 == 0 else b"load/%d/b" % (i % 7)
+            pubs[0].send(b"MSG " + key + b"\0" + b"x" * (i % 300))
+            load_msgs += 1
+    bad = b.connect()
+    bad.send(b"garbage")  # protocol_error
+    # Everything published has been routed once the full subscriber saw it all.
+    assert wait_until(lambda: drains[0].count >= load_msgs), (drains[0].count, load_msgs)
+    time.sleep(0.7)  # at least two stats records after the last message
+    for d in drains:
+        d.stopped.set()
+        d.join(2)
+    for s in [*readers, *pubs, lazy, bad]:
+        s.close()
+    return PUBLISHED
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_notebook_runs_on_a_real_broker_log(start_broker, tmp_path, monkeypatch):
+    pytest.importorskip("pyspark")
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    if not os.path.exists(SBUSD):
+        pytest.skip("sbusd is not installed in this environment")
+
+    b = start_broker("--stats-interval", "0.2", "--log-messages", "1")
+    sent = make_load(b)
+    assert wait_until(lambda: len(b.events("client_disconnect")) >= 6)
+    b.stop()
+
+    # The oracle: the log itself, read with json.
+    lines = [ln for ln in b.log_path.read_text().splitlines() if ln.strip()]
+    records = [json.loads(ln) for ln in lines]
+    of = lambda name: [r for r in records if r["event"] == name]  # noqa: E731
+    stats = of("stats")
+    assert sum(r["delta"]["msgs_in"] for r in stats) == sent
+    assert of("broker_stop")[0]["totals"]["msgs_in"] == sent
+    messages = of("message")
+    assert len(messages) == sent  # --log-messages 1 logs every one
+    connections = ({(r["broker_pid"], r["client"]) for r in of("client_connect") + of("client_disconnect")}
+                   | {(r["broker_pid"], c["client"]) for r in stats for c in r["clients"]})
+    want = {
+        "lines": len(lines),
+        "records": len(records),
+        "malformed": 0,
+        "msgs_in": sent,
+        "msgs_out": sum(r["delta"]["msgs_out"] for r in stats),
+        "drops": sum(r["delta"][k] for r in stats
+                     for k in ("drops_soft", "drops_hard", "drops_disconnect")),
+        "connections": len(connections),
+        "disconnects": dict(Counter(r["reason"] for r in of("client_disconnect"))),
+        "sampled_messages": sent,
+        "top_key": Counter(r["key"] for r in messages).most_common(1)[0][0],
+        "plots": ["throughput", "drops_per_client", "top_keys"],
+    }
+    assert want["top_key"] == HOT_KEY.decode()
+    assert want["disconnects"].get("protocol_error") == 1
+
+    out = tmp_path / "notebook-out"
+    monkeypatch.setenv("SBUS_LOG", str(b.log_path))
+    monkeypatch.setenv("SBUS_BUCKET", "1 second")
+    monkeypatch.setenv("SBUS_MASTER", "local[2]")
+    monkeypatch.setenv("SBUS_NOTEBOOK_OUT", str(out))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    nbformat.write(nb, tmp_path / "executed.ipynb")  # for a human, when this fails
+
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    result_line = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+    assert result_line, text[-2000:]
+    got = json.loads(result_line[-1][len("RESULT "):])
+    assert got == want
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 3
+    for name in want["plots"]:
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    tables = [o for o in outputs if "text/html" in o.get("data", {})]
+    assert len(tables) >= 10  # every aggregation was displayed
