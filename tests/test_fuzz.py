@@ -884,6 +884,55 @@ def test_live_fuzz_broker_survives_and_steady_pair_loses_nothing(start_broker, b
                        f"messages in order; broker reasons {dict(reasons)}")
 
 
+BANG_BASES = [b"a/b/c", b"x/", b"", b"!/cred////k/", b"!/cred/1/2/3/k", b"*/*"]
+
+
+def _bang_cases():
+    for base in BANG_BASES:
+        for i in range(len(base) + 1):
+            yield base[:i] + b"!" + base[i:]
+
+
+def test_bang_in_every_position_follows_the_oracle(broker):
+    """'!' inserted at every position of a few keys, as SUB, UNSUB and MSG:
+    the broker keeps the client exactly when the plain-Python oracle says the
+    key is fine, and otherwise disconnects it with the matching reason."""
+    kept, dropped = [], 0
+    for key in _bang_cases():
+        for verb in (b"SUB ", b"UNSUB ", b"MSG "):
+            verdict = rproto.check_key(key, verb != b"MSG ")
+            if verb == b"MSG ":
+                want = None if verdict == "ok" else "bang_misuse"
+            elif verb == b"SUB ":
+                want = {"ok": None, "bang_misuse": "bang_misuse",
+                        "cred_malformed": "cred_refused"}[verdict]
+                form = rproto.cred_form(key)
+                if form is not None and form[:3] != (None, None, None) and verdict == "ok":
+                    want = "cred_refused"       # someone else's credentials
+            else:   # UNSUB: only a reserved '!' outside a !/cred/ form is fatal
+                want = ("bang_misuse" if verdict == "bang_misuse"
+                        and not key.startswith(b"!/cred/") else None)
+            s = broker.connect()
+            s.send(verb + key + (b"\0x" if verb == b"MSG " else b""))
+            if want is None:
+                sync(s)         # still connected; closed at the end
+                kept.append(s)
+                continue
+            assert_disconnected(s)
+            s.close()
+            dropped += 1
+            # Kept clients stay open, so disconnects arrive one by one, in order.
+            deadline = time.monotonic() + 10
+            while len(broker.events("client_disconnect")) < dropped and time.monotonic() < deadline:
+                time.sleep(0.01)
+            got = broker.events("client_disconnect")[dropped - 1]["reason"]
+            assert got == want, (verb, key, got, want)
+    assert len(broker.events("client_disconnect")) == dropped
+    assert len(kept) > 20 and dropped > 20, (len(kept), dropped)
+    for s in kept:
+        s.close()
+
+
 # =============================================================================
 # Part 3: limits against memory abuse
 # =============================================================================
