@@ -196,6 +196,7 @@ class Service:
         self.stream = stream
         self.broker = None
         self.next_stats = 0.0
+        self.next_flood = 0.0
 
     def on_event(self, name: str, fields: dict) -> None:
         from .log import emit
@@ -207,9 +208,11 @@ class Service:
                       fanout=fanout, sample_rate=self.cfg.log_messages)
 
     def on_tick(self) -> None:
-        for record in self.broker.flood_report():
-            self.log.warning("flood", interval_s=FLOOD_INTERVAL, **record)
         now = time.monotonic()
+        if now >= self.next_flood:
+            self.next_flood = now + FLOOD_INTERVAL
+            for record in self.broker.flood_report():
+                self.log.warning("flood", interval_s=FLOOD_INTERVAL, **record)
         if self.cfg.stats_interval > 0 and now >= self.next_stats:
             self.next_stats = now + self.cfg.stats_interval
             self.write_stats()

@@ -804,11 +804,7 @@ def test_a_million_messages_to_a_never_reading_subscriber_keep_memory_bounded(
 
 @pytest.mark.parametrize("interval", [
     "10",
-    pytest.param("0.2", marks=pytest.mark.xfail(strict=True, reason=(
-        "broker bug: sbusd calls flood_report() on every tick and the tick is "
-        "min(FLOOD_INTERVAL, --stats-interval), so with --stats-interval 0.2 each "
-        "flooding client gets a flood record every 0.2 s although the record says "
-        "interval_s=1.0"))),
+    "0.2",
 ])
 def test_flood_summaries_are_one_per_client_per_second(sbusd, publisher, interval):
     b = sbusd(*SMALL, "--stats-interval", interval, backend="epoll")
@@ -881,12 +877,7 @@ def blocked_burst(b, burst, packet_size, hang_up):
 
 
 @pytest.mark.parametrize("backend", [
-    pytest.param("epoll", marks=pytest.mark.xfail(strict=True, reason=(
-        "broker bug: on_readable reads a hung-up client (EV_HUP) even while the bus "
-        "is blocked; a publisher that closes with a backlog is read to the end, the "
-        "blocked soft-block subscriber's queue passes --queue-max-msgs and hard "
-        "discard drops the overflow (51 of 150 here). select reports no EV_HUP, "
-        "so it pauses the publisher and loses nothing"))),
+    "epoll",
     "select",
 ])
 def test_block_mode_loses_nothing_when_a_publisher_hangs_up_while_blocked(sbusd, backend):
@@ -898,12 +889,6 @@ def test_block_mode_loses_nothing_when_a_publisher_hangs_up_while_blocked(sbusd,
 
 
 @pytest.mark.parametrize("backend", ["epoll", "select"])
-@pytest.mark.xfail(strict=True, reason=(
-    "broker bug: a soft-block client only stops the broker reading at the next "
-    "recvmmsg; the up to 32 packets of the batch that made it block are queued "
-    "under the hard mode, so a queue limit below one batch drops messages in "
-    "block mode under hard discard (here 64 KiB against 32 x 4000 B: 17 of 32 "
-    "lost; with the default limits, 8 MiB against 32 x 400 KB: 12 of 32 lost)"))
 def test_block_mode_loses_nothing_when_one_batch_exceeds_the_queue_limit(sbusd, backend):
     b = sbusd(*SMALL, "--queue-max-bytes", "65536", "--block-timeout", "120",
               "--stats-interval", "0.2", backend=backend)
@@ -912,11 +897,6 @@ def test_block_mode_loses_nothing_when_one_batch_exceeds_the_queue_limit(sbusd, 
     assert got == list(range(1, 33))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "broker bug: a CMSG stats read in the same recvmmsg batch as MSG packets is "
-    "answered from counters taken before the batch's deliveries are flushed: "
-    "msgs_in already counts the messages but queued_msgs / drops do not, so the "
-    "snapshot does not add up"))
 def test_stats_read_with_messages_in_one_batch_counts_their_deliveries(sbusd, backend):
     b = sbusd(*SMALL, backend=backend)
     sub, sid = subscriber(b, b"a/")

@@ -58,6 +58,7 @@ cdef struct Client:
     uint8_t closing         # marked; torn down at the end of the loop turn
     uint8_t paused          # not read while the bus is blocked
     uint8_t blocking        # counted in Broker.nblocking
+    uint8_t write_dead      # peer gone: deliveries are dropped, input read to EOF
     int reason
     double connected_at
     double block_since
@@ -184,6 +185,8 @@ cdef class Broker:
     cdef int flush_client(self, Client *c) except -1
     cdef int enqueue(self, Client *c, Pending *e) except -1
     cdef int drain(self, Client *c) except -1
+    cdef int send_failed(self, Client *c, int err) except -1
+    cdef int write_dead(self, Client *c) except -1
     cdef int set_mode(self, Client *c, int which, int value) except -1
     cdef int start_blocking(self, Client *c) except -1
     cdef int maybe_unblock(self, Client *c) except -1

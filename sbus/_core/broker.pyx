@@ -15,7 +15,7 @@ end of the loop turn, never while a batch or the fired-event array still
 points at them.
 """
 from cpython.exc cimport PyErr_CheckSignals
-from libc.errno cimport (errno, EAGAIN, EINTR, ECONNABORTED,
+from libc.errno cimport (errno, EAGAIN, EINTR, ECONNABORTED, ECONNRESET, EPIPE,
                          EMFILE, ENFILE, ENOBUFS, ENOMEM)
 from libc.stdint cimport uint8_t, int32_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport malloc, calloc, realloc, free
@@ -420,10 +420,14 @@ cdef class Broker:
         cdef unsigned int length
         cdef char probe
         cdef ssize_t r
-        # A blocked bus stops reading publishers; a hung-up client is still
-        # read to the end so its last messages are not lost.
-        if self.nblocking and not (mask & EV_HUP):
-            return self.pause(c)
+        if self.nblocking:
+            # A peer that hung up can never read its queue: drop it, so a dead
+            # client cannot hold the bus. Its unread input waits, like every
+            # publisher's, until the bus is released.
+            if mask & EV_HUP and not c.write_dead:
+                self.write_dead(c)
+            if self.nblocking:
+                return self.pause(c)
         n = recvmmsg(c.fd, self.rhdrs, RECV_BATCH, MSG_DONTWAIT, NULL)
         if n < 0:
             if errno == EAGAIN or errno == EINTR:
@@ -636,6 +640,7 @@ cdef class Broker:
         elif key_is(key, n, b"echo/off", 8):
             return self.set_mode(c, WHICH_ECHO, 0)
         elif key_is(key, n, b"stats", 5):
+            self.flush_pending()    # count this batch's deliveries first
             snapshot = self.stats()
             body = json.dumps(snapshot, separators=(",", ":")).encode()
             if len(body) + 11 > self.max_message:
@@ -717,7 +722,7 @@ cdef class Broker:
         cdef int sent, i
         cdef Pending *p
         cdef uint64_t nbytes
-        if not c.closing and c.q.live == 0:
+        if not c.closing and not c.write_dead and c.q.live == 0:
             # Nothing queued ahead: write straight from the receive buffers.
             while e >= 0:
                 k = 0
@@ -735,8 +740,7 @@ cdef class Broker:
                 sent = sendmmsg(c.fd, self.shdrs, k, MSG_DONTWAIT | MSG_NOSIGNAL)
                 if sent < 0:
                     if errno != EAGAIN:
-                        import os
-                        self.mark_closing(c, R_ERROR, f"send: {os.strerror(errno)}")
+                        self.send_failed(c, errno)
                     sent = 0
                 nbytes = 0
                 for i in range(sent):
@@ -755,7 +759,7 @@ cdef class Broker:
         # Whatever could not be written now goes to the flood-control policy.
         while e >= 0:
             p = &self.pend[e]
-            if c.closing:
+            if c.closing or c.write_dead:
                 c.c.drops_disconnect += 1
                 self.tot.drops_disconnect += 1
             else:
@@ -783,7 +787,10 @@ cdef class Broker:
         over = (c.q.bytes + length > self.q_max_bytes or c.q.live + 1 > self.q_max_msgs or
                 (pkt == NULL and self.batch_pkts[e.slot] == NULL and
                  ps.bytes + length > self.total_max_bytes))
-        if over:
+        # A client in a block mode has already stopped the bus: what the
+        # current receive batch still holds is queued beyond the limit (at
+        # most one batch), so blocking loses nothing.
+        if over and not (c.blocking and (c.soft == MODE_BLOCK or c.hard == MODE_BLOCK)):
             if c.hard == MODE_DISCARD:
                 c.c.drops_hard += 1
                 self.tot.drops_hard += 1
@@ -793,6 +800,8 @@ cdef class Broker:
                 self.tot.drops_disconnect += 1
                 return self.mark_closing(c, R_FLOOD, "queue limit reached (blocking/hard/error)")
             self.start_blocking(c)      # hard block: keep it, hold the bus
+        elif over:
+            self.start_blocking(c)
         if pkt == NULL:
             pkt = self.batch_pkts[e.slot]
             if pkt == NULL:
@@ -826,10 +835,9 @@ cdef class Broker:
                 self.siov[i].iov_len = self.ssel[i].len
             sent = sendmmsg(c.fd, self.shdrs, k, MSG_DONTWAIT | MSG_NOSIGNAL)
             if sent < 0:
-                if errno == EAGAIN:
-                    break
-                import os
-                return self.mark_closing(c, R_ERROR, f"send: {os.strerror(errno)}")
+                if errno != EAGAIN:
+                    self.send_failed(c, errno)
+                break
             nbytes = 0
             for i in range(<uint32_t>sent):
                 nbytes += self.ssel[i].len
@@ -844,6 +852,24 @@ cdef class Broker:
         if c.blocking:
             self.maybe_unblock(c)
         return 0
+
+    cdef int send_failed(self, Client *c, int err) except -1:
+        """A peer that went away may still have unread packets for us: stop
+        writing to it and read it to EOF; other errors close it now."""
+        if err == EPIPE or err == ECONNRESET:
+            return self.write_dead(c)
+        import os
+        return self.mark_closing(c, R_ERROR, f"send: {os.strerror(err)}")
+
+    cdef int write_dead(self, Client *c) except -1:
+        cdef uint32_t dropped
+        c.write_dead = 1
+        dropped = sq_clear(&c.q)
+        c.c.drops_disconnect += dropped
+        self.tot.drops_disconnect += dropped
+        if c.blocking:
+            self.maybe_unblock(c)
+        return self.update_interest(c)
 
     # ---- blocking the bus --------------------------------------------------
 
