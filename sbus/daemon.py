@@ -33,6 +33,7 @@ class Listener:
     sock: socket.socket
     path: Optional[bytes]       # the socket file we created and must remove
     printed_address: Optional[str] = None
+    abstract: bool = False      # no file mode protects it: sbusd enforces one
 
 
 def _systemd_socket() -> Optional[socket.socket]:
@@ -88,7 +89,7 @@ def make_listener(addr: Address, *, reuse: bool, mode: int, warn: Callable[[str]
                     raise StartupError(f"bind <random abstract address>: {e.strerror}")
         sock.listen(socket.SOMAXCONN)
         sock.setblocking(False)
-        return Listener(sock, None, printed_address=format_abstract(name))
+        return Listener(sock, None, printed_address=format_abstract(name), abstract=True)
 
     path = addr.sun_path
     assert path is not None
@@ -99,7 +100,9 @@ def make_listener(addr: Address, *, reuse: bool, mode: int, warn: Callable[[str]
             raise StartupError(f"bind {addr.text}: {e.strerror}")
     else:
         _prepare_path(path, reuse)
-        # Create the file with its final mode: no window with a wider one.
+        # bind creates the file with mode 0777 & ~umask: set the umask so it
+        # gets its final mode at once (no window, and no chmod that could be
+        # sent through a symlink swapped in after bind).
         old_umask = os.umask(0o777 & ~mode)
         try:
             sock.bind(path)
@@ -107,11 +110,11 @@ def make_listener(addr: Address, *, reuse: bool, mode: int, warn: Callable[[str]
             raise StartupError(f"bind {os.fsdecode(path)}: {e.strerror}")
         finally:
             os.umask(old_umask)
-        os.chmod(path, mode)
     sock.listen(socket.SOMAXCONN)
     sock.setblocking(False)
     # Absolute, so a daemon (which chdirs to "/") removes the right file.
-    return Listener(sock, None if addr.is_abstract else os.path.abspath(path))
+    return Listener(sock, None if addr.is_abstract else os.path.abspath(path),
+                    abstract=addr.is_abstract)
 
 
 def _prepare_path(path: bytes, reuse: bool) -> None:

@@ -44,7 +44,7 @@ class ReopenableStream:
     def reopen(self) -> None:
         if not self.path:
             return
-        new = open(self.path, "a", buffering=1, encoding="utf-8")
+        new = open_log(self.path)
         old, self._file = self._file, new
         if old is not self._fallback:
             old.close()
@@ -66,6 +66,13 @@ class ReopenableStream:
             return self._file.isatty()
         except (OSError, ValueError):
             return False
+
+
+def open_log(path: str) -> IO[str]:
+    """Open a log for appending; a new one is private (0600): it holds
+    patterns and, with --log-messages, private routing keys."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
 
 
 def _add_common(broker_pid: int):

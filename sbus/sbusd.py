@@ -247,7 +247,8 @@ def run(cfg: Config) -> int:
     if cfg.log_file:
         cfg.log_file = os.path.abspath(cfg.log_file)
         try:
-            open(cfg.log_file, "a").close()
+            from .log import open_log
+            open_log(cfg.log_file).close()
         except OSError as e:
             warn(f"--log-file {cfg.log_file}: {e.strerror}")
             return 1
@@ -311,7 +312,8 @@ def serve(cfg: Config, listener, allowed, ready) -> int:
         block_timeout=cfg.block_timeout, max_subs=cfg.max_subscriptions,
         max_pattern=cfg.max_pattern, sample_rate=cfg.log_messages,
         on_event=service.on_event, on_message=service.on_message,
-        on_tick=service.on_tick, tick_interval=tick, wakeup_fd=wakeup.fileno())
+        on_tick=service.on_tick, tick_interval=tick, wakeup_fd=wakeup.fileno(),
+        access_mode=cfg.mode if listener.abstract else -1)
     service.broker = broker
     service.next_stats = time.monotonic() + cfg.stats_interval
 

@@ -433,10 +433,6 @@ def test_user_list_admits_only_listed_uids_and_our_own(start_broker, pubdir, spa
 
 
 @asroot
-@pytest.mark.xfail(strict=True, reason=(
-    "broker bug: an abstract address has no file mode, and sbusd does not make up "
-    "for it: with -a /dev/unix/abstract[/HEX] and neither -g nor -o, any local uid "
-    "can connect (the random name is listed in /proc/net/unix)"))
 def test_abstract_address_without_g_or_o_shuts_out_other_users(start_broker, spawn):
     b = start_broker(address="/dev/unix/abstract")
     sun = addresses.parse(b.stdout.decode().strip()).sun_path
@@ -454,6 +450,30 @@ def test_abstract_address_without_g_or_o_shuts_out_other_users(start_broker, spa
     report = spawn(child).result()
     assert report["listed"], "a random abstract name is no secret"
     assert report.get("whoami") is None, report
+
+
+def test_abstract_address_with_o_admits_other_users_and_logs_refusals_without(start_broker, spawn):
+    open_bus = start_broker("-o", address="/dev/unix/abstract")
+    sun = addresses.parse(open_bus.stdout.decode().strip()).sun_path
+    child = spawn(lambda ctl: Conn(sun).whoami())
+    assert child.result() == f"!/cred/{NOBODY}/{NOBODY}/{child.pid}"
+    closed = start_broker(address="/dev/unix/abstract")
+    sun = addresses.parse(closed.stdout.decode().strip()).sun_path
+
+    def try_whoami(ctl):
+        try:
+            return Conn(sun).whoami()
+        except OSError as e:
+            return e.errno
+    spawn(try_whoami).result()
+    rec = closed.wait_for_event("client_disconnect", predicate=lambda r: r["reason"] == "user_refused")
+    assert rec["uid"] == NOBODY and "mode 0700" in rec["detail"]
+
+
+def test_log_file_is_created_private(start_broker):
+    b = start_broker()
+    b.wait_for_event("broker_start")
+    assert os.stat(b.log_path).st_mode & 0o777 == 0o600
 
 
 @asroot

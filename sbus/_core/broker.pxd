@@ -1,7 +1,7 @@
 # The broker: client table, receive/parse/match/fan-out/send, flood control.
 from libc.stdint cimport uint8_t, int32_t, uint32_t, uint64_t, int64_t
 
-from sbus._core.includes.sys cimport mmsghdr, iovec
+from sbus._core.includes.sys cimport mmsghdr, iovec, ucred
 from sbus._core.index cimport Index, Sub
 from sbus._core.loop cimport Poller
 from sbus._core.sendq cimport SendQueue, Packet
@@ -144,6 +144,9 @@ cdef class Broker:
     cdef bint had_client
     cdef int64_t *allowed_uids
     cdef int n_allowed
+    cdef int access_mode            # mode enforced at accept (abstract sockets), or -1
+    cdef int64_t own_uid
+    cdef int64_t own_gid
     cdef double sample_rate
     cdef uint64_t rng
 
@@ -170,6 +173,7 @@ cdef class Broker:
     cdef dict last_totals
 
     cdef int accept_clients(self) except -1
+    cdef str refuse_peer(self, ucred *cred)
     cdef int fd_exhausted(self, int err) except -1
     cdef int grow_lists(self, uint32_t need) except -1
     cdef int on_readable(self, Client *c, int mask) except -1

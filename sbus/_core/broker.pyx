@@ -118,7 +118,8 @@ cdef class Broker:
                  uint64_t total_max_bytes=256 << 20, double block_timeout=10.0,
                  uint32_t max_subs=65536, uint32_t max_pattern=4096,
                  double sample_rate=0.0, on_event=None, on_message=None,
-                 on_tick=None, double tick_interval=0.0, int wakeup_fd=-1):
+                 on_tick=None, double tick_interval=0.0, int wakeup_fd=-1,
+                 int access_mode=-1):
         cdef int i
         self.poller = make_poller(backend)
         self.listen_fd = listen_fd
@@ -146,6 +147,10 @@ cdef class Broker:
         self.close_details = {}
         self.last_totals = None
         self.next_id = 1
+        self.access_mode = access_mode
+        import os
+        self.own_uid = os.getuid()
+        self.own_gid = os.getgid()
         self.n_allowed = len(allowed_uids)
         if self.n_allowed:
             self.allowed_uids = <int64_t *>malloc(self.n_allowed * sizeof(int64_t))
@@ -291,7 +296,6 @@ cdef class Broker:
         cdef ucred cred
         cdef socklen_t len_
         cdef Client *c
-        cdef bint allowed
         for i in range(64):
             fd = accept4(self.listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)
             if fd < 0:
@@ -308,19 +312,14 @@ cdef class Broker:
                 close(fd)
                 continue
             ident = {"client": self.next_id, "pid": cred.pid, "uid": cred.uid, "gid": cred.gid}
-            if self.n_allowed:
-                allowed = False
-                for k in range(self.n_allowed):
-                    if self.allowed_uids[k] == cred.uid:
-                        allowed = True
-                        break
-                if not allowed:
-                    self.next_id += 1
-                    close(fd)
-                    self.emit("client_disconnect", dict(
-                        ident, reason="user_refused", detail=f"uid {cred.uid} is not allowed",
-                        duration_s=0.0, counters=self.zero_counters(ident)))
-                    continue
+            refusal = self.refuse_peer(&cred)
+            if refusal is not None:
+                self.next_id += 1
+                close(fd)
+                self.emit("client_disconnect", dict(
+                    ident, reason="user_refused", detail=refusal,
+                    duration_s=0.0, counters=self.zero_counters(ident)))
+                continue
             if fd >= self.poller.fd_limit():
                 self.next_id += 1
                 close(fd)
@@ -372,6 +371,25 @@ cdef class Broker:
             self.update_interest(c)
             self.emit("client_connect", ident)
         return 0
+
+    cdef str refuse_peer(self, ucred *cred):
+        """Why this peer may not connect, or None. -u lists the uids allowed;
+        an abstract socket has no file mode, so the mode's meaning is
+        enforced here: owner (and root), then group, then others."""
+        cdef int k
+        cdef int bits
+        if self.n_allowed:
+            for k in range(self.n_allowed):
+                if self.allowed_uids[k] == cred.uid:
+                    break
+            else:
+                return f"uid {cred.uid} is not allowed (-u)"
+        if self.access_mode >= 0 and cred.uid != 0 and cred.uid != self.own_uid:
+            bits = (self.access_mode >> 3) & 7 if cred.gid == self.own_gid else self.access_mode & 7
+            if not bits:
+                return (f"uid {cred.uid} gid {cred.gid} may not connect to a socket "
+                        f"of mode {self.access_mode:04o}")
+        return None
 
     cdef int fd_exhausted(self, int err) except -1:
         """Out of descriptors: give up the spare one to accept and drop the
