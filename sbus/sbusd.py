@@ -100,6 +100,8 @@ class Config:
     def summary(self) -> dict:
         """The configuration as logged in broker_start (scalars only)."""
         d = {k: v for k, v in self.__dict__.items() if k != "users"}
+        if self.foreground:
+            d["pidfile"] = None     # only a daemon writes one
         d["mode"] = oct(self.mode)
         d["users"] = ",".join(self.users)
         return d
