@@ -319,8 +319,10 @@ from sbus._ref import protocol as rproto  # noqa: E402
 
 from conftest import BACKENDS, SBUSD  # noqa: E402
 
-# A timeout that grows with the example count (make fuzz runs for minutes).
+# A timeout that grows with the example count (make fuzz runs for an hour);
+# tests with a timeout mark of their own keep it.
 FUZZ_TIMEOUT = max(300, int(EXAMPLES * 0.05))
+pytestmark = pytest.mark.timeout(FUZZ_TIMEOUT)
 STATEFUL_EXAMPLES = max(30, EXAMPLES // 15)
 
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, print_blob=True,
