@@ -533,19 +533,19 @@ def micro_rows(quick, workdir):
     return rows
 
 
-def analytics_rows(quick):
-    """bench/bench_analytics.py belongs to the analytics engineer: run it, show its JSON figures."""
+def analytics_rows(args):
+    """bench/bench_analytics.py belongs to the analytics job: run it, show the JSON it prints."""
     path = BENCH / "bench_analytics.py"
     if not path.exists():
         return []
-    argv = [str(PYTHON), str(path)] + (["--quick"] if quick else [])
+    argv = [str(PYTHON), str(path), *args]
     try:
         p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=1800)
     except subprocess.TimeoutExpired:
         return [dict(workload="analytics", payload=None, metric="", relay=None, sbus=None,
                      problems=["bench_analytics.py timed out"])]
-    if p.returncode != 0 and quick and "unrecognized arguments" in p.stderr:
-        return analytics_rows(False)
+    if p.returncode != 0 and args and "unrecognized arguments" in p.stderr:
+        return analytics_rows([])
     data = None
     for line in reversed(p.stdout.splitlines()):
         if line.strip().startswith("{"):
@@ -561,14 +561,19 @@ def analytics_rows(quick):
             tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
             return [dict(workload="analytics", payload=None, metric="", relay=None, sbus=None,
                          problems=[f"rc={p.returncode}, no JSON: {' | '.join(tail)}"])]
-    rows = []
-    for k, v in data.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            rows.append(dict(workload=f"analytics {k}", payload=None, metric="", relay=None, sbus=v,
-                             problems=[] if p.returncode == 0 else [f"rc={p.returncode}"]))
+    probs = [] if p.returncode == 0 else [f"rc={p.returncode}"]
+    if "lines_per_s" in data:
+        if data.get("checked") is False:
+            probs.append("event counts differ from the generator's")
+        note = (f"{data.get('lines')} lines in {data.get('seconds')} s, {data.get('jvm_cpu_s')} s JVM CPU, "
+                f"session start {data.get('session_start_s')} s, counts "
+                f"{'checked' if data.get('checked') else 'NOT checked'}")
+        return [dict(workload="analytics job", payload=None, metric="lines/s", relay=None,
+                     sbus=data["lines_per_s"], problems=probs, note=note, raw=data)]
+    rows = [dict(workload=f"analytics {k}", payload=None, metric="", relay=None, sbus=v, problems=probs)
+            for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     rows.append(dict(workload="analytics (raw)", payload=None, metric="", relay=None, sbus=None,
                      problems=[], raw=data, hidden=True))
-    say(f"analytics: {len([r for r in rows if not r.get('hidden')])} figures")
     return rows
 
 
@@ -716,6 +721,9 @@ def main(argv=None):
     ap.add_argument("--nice", type=int, default=-10,
                     help="niceness of servers and load generator, so other work on the machine "
                          "disturbs them less (default -10; needs root, else ignored)")
+    ap.add_argument("--analytics-args", default="--quick", metavar="ARGS",
+                    help="arguments for bench/bench_analytics.py (default --quick: 100,000 lines, "
+                         "which keeps `make bench` to minutes; '' runs its full size)")
     ap.add_argument("--quiet-wait", type=float, default=60.0, metavar="S",
                     help="seconds in all to wait for other processes to leave the CPUs alone (default 60)")
     ap.add_argument("--sbusd", metavar="CMD", help="the broker command to measure (default .venv/bin/sbusd); "
@@ -760,7 +768,7 @@ def main(argv=None):
             elif name == "micro":
                 rows += micro_rows(opts.quick, workdir)
             elif name == "analytics":
-                rows += analytics_rows(opts.quick)
+                rows += analytics_rows(shlex.split(opts.analytics_args))
     rows += derived(rows)
     for r in rows:
         if "ratio" not in r:
