@@ -84,7 +84,10 @@ class BrokerProcess:
         if not self.log_path.exists():
             return []
         out = []
-        for line in self.log_path.read_text().splitlines():
+        text = self.log_path.read_text()
+        if not text.endswith("\n"):
+            text = text[:text.rfind("\n") + 1]   # the broker is mid-line: skip it
+        for line in text.splitlines():
             if line.strip():
                 out.append(json.loads(line))
         return out

@@ -104,7 +104,7 @@ cdef uint32_t sq_select(SendQueue *q, int order, uint32_t *positions,
     removing them; positions[] records where they sit for sq_consume."""
     cdef uint32_t n = 0, i, k
     cdef Packet *p
-    if q.live == 0:
+    if q.live == 0 or max_n == 0:
         return 0
     if order == ORDER_QUEUE:
         i = 0
