@@ -291,10 +291,12 @@ def spark():
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
         "spark.driver.memory": "1g",
-        # Tiny inputs: skip adaptive re-planning and whole-stage code generation,
-        # whose fixed costs dominate here and change no result.
+        # Tiny inputs: skip adaptive re-planning, whole-stage code generation and
+        # the JVM's optimising compiler, whose fixed costs dominate here and
+        # change no result.
         "spark.sql.adaptive.enabled": "false",
         "spark.sql.codegen.wholeStage": "false",
+        "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
     })
     session.sparkContext.setLogLevel("ERROR")
     yield session
@@ -624,6 +626,7 @@ def test_spark_submit_runs_the_job_file(log_file, tmp_path):
     proc = subprocess.run(
         [str(submit), "--master", "local[1]", "--conf", "spark.ui.enabled=false",
          "--conf", "spark.sql.shuffle.partitions=1",
+         "--driver-java-options", "-XX:TieredStopAtLevel=1",
          str(ROOT / "sbus" / "analytics" / "job.py"), str(log_file), "--out", str(out),
          "--show", "0", "--tables", "events"],
         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
