@@ -205,11 +205,12 @@ class Service:
         emit(self.log, name, fields)
 
     def on_message(self, client, pid, uid, key: bytes, size: int, fanout: int) -> None:
-        self.log.info("message", client=client, pid=pid, uid=uid,
-                      key=key.decode("utf-8", "backslashreplace"), size=size,
-                      fanout=fanout, sample_rate=self.cfg.log_messages)
+        self.message_log.info("message", client=client, pid=pid, uid=uid,
+                              key=key.decode("utf-8", "backslashreplace"), size=size,
+                              fanout=fanout, sample_rate=self.cfg.log_messages)
 
     def on_tick(self) -> None:
+        self.stream.flush()     # sampled message records since the last tick
         now = time.monotonic()
         if now >= self.next_flood:
             self.next_flood = now + FLOOD_INTERVAL
@@ -304,6 +305,7 @@ def serve(cfg: Config, listener, allowed, ready) -> int:
     fmt = cfg.log_format or logging_.default_format(stream)
     log = logging_.configure(fmt, cfg.log_level, stream)
     service = Service(cfg, log, stream)
+    service.message_log = logging_.message_logger(fmt, cfg.log_level, stream)
     wakeup = daemon.SignalWakeup()
     tick = min(FLOOD_INTERVAL, cfg.stats_interval) if cfg.stats_interval > 0 else FLOOD_INTERVAL
     broker = Broker(

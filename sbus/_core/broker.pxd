@@ -154,6 +154,7 @@ cdef class Broker:
     cdef Counters tot               # broker-wide traffic counters
     cdef uint64_t connects
     cdef uint64_t disconnects
+    cdef uint64_t trimmed_at        # disconnects at the last malloc_trim
     cdef uint64_t cmsgs_ignored
     cdef uint64_t next_id
     cdef uint64_t seq

@@ -27,7 +27,7 @@ from sbus._core.includes.sys cimport (
     accept4, getsockopt, setsockopt, recv, recvmmsg, sendmmsg, socklen_t, ucred,
     mmsghdr, iovec, SOL_SOCKET, SO_PEERCRED, SO_SNDBUF, SO_SNDBUFFORCE,
     MSG_DONTWAIT, MSG_NOSIGNAL, MSG_TRUNC, MSG_PEEK, SOCK_NONBLOCK, SOCK_CLOEXEC,
-    clock_gettime, timespec, CLOCK_MONOTONIC,
+    clock_gettime, timespec, CLOCK_MONOTONIC, malloc_trim,
 )
 from sbus._core.index cimport (Index, Sub, index_init, index_free, index_add,
                                index_remove, index_match)
@@ -269,6 +269,11 @@ cdef class Broker:
                     self.finalize_closing()
             if self.tick_interval > 0 and self.now >= self.next_tick:
                 self.next_tick = self.now + self.tick_interval
+                if self.disconnects != self.trimmed_at:
+                    # Clients left: hand the memory they used back to the
+                    # system, so RSS follows the load down after a churn.
+                    self.trimmed_at = self.disconnects
+                    malloc_trim(0)
                 if self.on_tick is not None:
                     self.on_tick()
         return self.stop_reason

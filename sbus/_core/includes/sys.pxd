@@ -111,3 +111,7 @@ cdef extern from "<time.h>" nogil:
         CLOCK_MONOTONIC
 
     int clock_gettime(int clk, timespec *ts)
+
+
+cdef extern from "<malloc.h>" nogil:
+    int malloc_trim(size_t pad)
