@@ -81,7 +81,7 @@ def test_index_agrees_with_linear_scan(subs, probe_keys, data):
         assert compiled.match(key) == reference.match(key)
 
 
-def test_index_buckets_literal_first_segments_and_lists_the_rest():
+def test_index_stores_patterns_where_their_literal_path_stops():
     idx = cindex.PatternIndex()
     idx.add(1, b"news/sport")
     idx.add(2, b"news/*")
@@ -89,10 +89,12 @@ def test_index_buckets_literal_first_segments_and_lists_the_rest():
     idx.add(4, b"")
     idx.add(5, b"n*/sport")
     idx.add(6, b"*")
-    assert idx.bucket_count == 2          # "news" and "weather"
-    assert idx.wildcard_count == 3        # "", "n*/sport", "*"
+    idx.add(7, b"*/sport/")
+    assert idx.root_count == 2            # "" and "n*/sport": nothing to descend by
+    assert idx.node_count == 4            # news, news/sport, weather, (*)/sport
     assert idx.match(b"news/sport") == [1, 2, 4, 5]
     assert idx.match(b"weather") == [3, 4, 6]
+    assert idx.match(b"x/sport/y") == [4, 7]
 
 
 def test_index_reports_each_owner_once_and_duplicates_are_stored_twice():
@@ -108,13 +110,14 @@ def test_index_reports_each_owner_once_and_duplicates_are_stored_twice():
     assert idx.count_matches(b"a/b") == 1
 
 
-def test_empty_buckets_are_freed():
+def test_nodes_no_pattern_needs_are_freed():
     idx = cindex.PatternIndex()
     handles = [idx.add(i, b"seg%d/x" % i) for i in range(1000)]
-    assert idx.bucket_count == 1000
+    handles += [idx.add(i, b"*/*/w%d/" % i) for i in range(1000)]
+    assert idx.node_count == 3000
     for h in handles:
         idx.remove(h)
-    assert idx.bucket_count == 0 and len(idx) == 0
+    assert idx.node_count == 0 and idx.root_count == 0 and len(idx) == 0
 
 
 PACKETS = [

@@ -1,9 +1,13 @@
-# The pattern index: subscriptions keyed on the first path segment.
+# The pattern index: a trie over path segments.
 #
-# A pattern whose first segment (bytes before the first '/') is literal lives
-# in a hash-table bucket under that segment; an empty pattern, or one with '*'
-# in its first segment, lives in the wildcard list. A key is matched only
-# against its own segment's bucket and the wildcard list.
+# The first-segment index generalised to every segment: a pattern descends
+# through one node per segment that is literal, or exactly '*'; it is stored
+# at the node where it stops (its end, a trailing '/', or a segment that mixes
+# '*' with other bytes). So the root holds the empty pattern and patterns like
+# 'a*/...', the root's literal children are the first-segment buckets, and
+# '*/x/...' lives under the root's '*' child. A key visits only the nodes
+# along its own segments (literal child and '*' child at each level), and
+# every candidate there is confirmed by the full matcher.
 from libc.stdint cimport uint32_t, uint64_t
 
 
@@ -12,26 +16,36 @@ cdef struct Sub:
     char *pattern          # owned copy, not NUL-terminated
     uint32_t len
     uint32_t owner_pos     # slot in the owner's own list (kept by the owner)
-    Bucket *bucket         # the bucket or the wildcard list holding it
-    uint32_t bucket_pos    # slot in bucket.subs
+    Node *node             # where it is stored
+    uint32_t node_pos      # slot in node.subs
 
 
-cdef struct Bucket:
-    Bucket *next           # hash chain
+cdef struct Node:
+    Node *parent
+    Node *next             # hash chain in Index.table (literal children only)
     uint64_t hash
-    char *segment
+    char *segment          # literal segment; NULL for a '*' child or the root
     uint32_t segment_len
+    Node *star             # child for a segment that is exactly '*'
+    uint32_t nchildren     # literal children, in Index.table
     Sub **subs
     uint32_t n
     uint32_t cap
 
 
+cdef struct Visit:
+    Node *node
+    size_t pos             # where the key's next segment starts; > len: none left
+
+
 cdef struct Index:
-    Bucket **table
+    Node **table           # literal children of every node, keyed (parent, segment)
     uint32_t size          # power of two
-    uint32_t nbuckets
-    Bucket wild            # not in the table
+    uint32_t nnodes        # nodes in the table
+    Node root
     uint64_t nsubs
+    Visit *stack           # scratch for index_match
+    size_t stack_cap
 
 
 # Called for each subscription whose pattern matches the key.
