@@ -8,7 +8,6 @@ runs for real, in local mode, with one session shared by the whole file.
 from __future__ import annotations
 
 import csv
-import glob
 import gzip
 import json
 import os
@@ -22,6 +21,9 @@ from pathlib import Path
 import pytest
 
 from sbus import logschema as ls
+
+# PySpark warns about pandas versions it has not certified; nothing here uses pandas.
+pytestmark = pytest.mark.filterwarnings("ignore:PySpark does not yet fully support pandas")
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = datetime(2026, 11, 21, 10, 0, 30, tzinfo=timezone.utc)
@@ -283,7 +285,7 @@ def expected_client_counters():
 
 @pytest.fixture(scope="session")
 def spark():
-    pytest.importorskip("pyspark", reason="needs the analytics extra: pip install 'sbus[analytics]'")
+    pytest.importorskip("pyspark", reason="needs the extra: pip install 'sbus[analytics]'")
     from sbus.analytics import spark_session
 
     session = spark_session("local[2]", app_name="sbus-tests", conf={
@@ -391,8 +393,8 @@ def test_json_lines_parse_and_malformed_lines_are_counted(spark, log_file):
     assert bad == set(MALFORMED)
     # A parsed record keeps its values and types, including nested ones.
     first_stats = min(of("stats"), key=lambda r: (r["broker_pid"], r["timestamp"]))
-    got = (parsed.where((F.col("event") == "stats") & (F.col("broker_pid") == first_stats["broker_pid"]))
-           .orderBy("timestamp").first())
+    same_broker = F.col("broker_pid") == first_stats["broker_pid"]
+    got = parsed.where((F.col("event") == "stats") & same_broker).orderBy("timestamp").first()
     assert got["totals"].asDict() == first_stats["totals"]
     assert [c.asDict() for c in got["clients"]] == [
         {k: c[k] for k in ls.CLIENT_COUNTER_FIELDS} for c in first_stats["clients"]]
@@ -433,7 +435,8 @@ def test_client_traffic(events):
         g = got[key]
         assert g["counters_from"] == src, key
         assert g["disconnect_reason"] == reason, key
-        for col in ("msgs_in", "bytes_in", "msgs_out", "bytes_out", *ls.DROP_KINDS, "subscriptions"):
+        for col in ("msgs_in", "bytes_in", "msgs_out", "bytes_out", *ls.DROP_KINDS,
+                    "subscriptions"):
             assert g[col] == (counters[col] if counters else None), (key, col)
     # Same client id on two brokers are two connections.
     assert (100, 1) in got and (200, 1) in got
@@ -482,7 +485,8 @@ def test_throughput_per_minute(events):
     for r in of("stats"):
         if r["timestamp"] > last.get(r["broker_pid"], {"timestamp": ""})["timestamp"]:
             last[r["broker_pid"]] = r
-    assert sum(g["msgs_in"] for g in got.values()) == sum(r["totals"]["msgs_in"] for r in last.values())
+    assert (sum(g["msgs_in"] for g in got.values())
+            == sum(r["totals"]["msgs_in"] for r in last.values()))
 
 
 @pytest.mark.spark
@@ -548,7 +552,8 @@ def test_subscription_churn(events):
         per_min[minute(r["timestamp"])][col] += 1
         per_pattern[r["pattern"]][col] += 1
         clients[r["pattern"]].add((r["broker_pid"], r["client"]))
-    df = subscription_churn(events).withColumn("minute", F.date_format("time", "yyyy-MM-dd'T'HH:mm"))
+    df = subscription_churn(events).withColumn(
+        "minute", F.date_format("time", "yyyy-MM-dd'T'HH:mm"))
     got = rows(df, key=lambda r: r["minute"])
     assert set(got) == set(per_min)
     for m, w in per_min.items():
@@ -633,4 +638,5 @@ def test_spark_submit_runs_the_job_file(log_file, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{len(MALFORMED)} malformed" in proc.stdout
     rows_ = read_csv_dir(out / "csv" / "events")
-    assert {r["event"]: int(r["records"]) for r in rows_} == dict(Counter(r["event"] for r in RECORDS))
+    assert ({r["event"]: int(r["records"]) for r in rows_}
+            == dict(Counter(r["event"] for r in RECORDS)))

@@ -112,8 +112,9 @@ def test_notebook_runs_on_a_real_broker_log(start_broker, tmp_path, monkeypatch)
     assert of("broker_stop")[0]["totals"]["msgs_in"] == sent
     messages = of("message")
     assert len(messages) == sent  # --log-messages 1 logs every one
-    connections = ({(r["broker_pid"], r["client"]) for r in of("client_connect") + of("client_disconnect")}
-                   | {(r["broker_pid"], c["client"]) for r in stats for c in r["clients"]})
+    connections = (
+        {(r["broker_pid"], r["client"]) for r in of("client_connect") + of("client_disconnect")}
+        | {(r["broker_pid"], c["client"]) for r in stats for c in r["clients"]})
     want = {
         "lines": len(lines),
         "records": len(records),

@@ -50,7 +50,8 @@ def _keys(rng: random.Random) -> list:
     keys = []
     for room in ("kitchen", "hall", "garage", "attic", "lab"):
         keys += [f"sensors/{room}/temp", f"sensors/{room}/humidity"]
-    keys += [f"logs/{svc}/{lvl}" for svc in ("web", "db", "cron", "auth") for lvl in ("info", "error")]
+    keys += [f"logs/{svc}/{lvl}" for svc in ("web", "db", "cron", "auth")
+             for lvl in ("info", "error")]
     keys += [f"jobs/{n}/{s}" for n in range(8) for s in ("start", "done")]
     keys += [f"metrics/{m}/{h}" for m in ("cpu", "mem", "net") for h in ("h1", "h2", "h3")]
     keys += ["chat/general", "chat/random", "!/cred/100/1000/77/inbox", "solo"]

@@ -21,6 +21,7 @@ if __name__ == "__main__" and not __package__:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -91,8 +92,6 @@ def spark_session(master: str | None = None, app_name: str = "sbus-analytics",
 def _under_spark_submit() -> bool:
     # spark-submit starts the JVM first and hands its gateway port to the
     # Python driver; a plain `python` driver has none yet.
-    import os
-
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
