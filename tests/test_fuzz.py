@@ -463,9 +463,21 @@ index_key = st.lists(st.sampled_from([b"a", b"b", b"ab", b"", b"ba", b"x!", b"\x
                      max_size=5).map(b"/".join)
 
 
-def _is_wild(pattern):
-    seg = pattern.split(b"/", 1)[0]
-    return pattern == b"" or b"*" in seg
+def _trie_path(pattern):
+    """The trie steps a pattern descends (see sbus/_core/index.pxd), written
+    independently: one step per segment that is literal or exactly '*',
+    stopping at a segment that mixes '*' with other bytes or at a trailing '/'."""
+    if not pattern:
+        return ()
+    steps = []
+    segments = pattern.split(b"/")
+    for i, seg in enumerate(segments):
+        if i == len(segments) - 1 and seg == b"" and i > 0:
+            break                   # the trailing '/'
+        if seg != b"*" and b"*" in seg:
+            break
+        steps.append(b"*" if seg == b"*" else (b"=" + seg))
+    return tuple(steps)
 
 
 class IndexMachine(RuleBasedStateMachine):
@@ -524,15 +536,18 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def same_size(self):
         assert len(self.c) == len(self.r) == len(self.live)
-        wild = sum(1 for _, p in self.live.values() if _is_wild(p))
-        assert self.c.wildcard_count == wild
-        literal_segments = {p.split(b"/", 1)[0] for _, p in self.live.values() if not _is_wild(p)}
-        assert self.c.bucket_count == len(literal_segments)
+        paths = [_trie_path(p) for _, p in self.live.values()]
+        # The root keeps exactly the patterns with nothing to descend by.
+        assert self.c.root_count == sum(1 for path in paths if not path)
+        # One literal node per distinct path prefix ending in a literal step:
+        # nodes no live pattern needs are freed.
+        literal = {path[:i + 1] for path in paths for i, step in enumerate(path) if step != b"*"}
+        assert self.c.node_count == len(literal)
 
     def teardown(self):
         for ch in list(self.live):
             self._remove(ch)
-        assert len(self.c) == 0 and self.c.bucket_count == 0 and self.c.wildcard_count == 0
+        assert len(self.c) == 0 and self.c.node_count == 0 and self.c.root_count == 0
         assert self.c.match(b"a") == []
 
 
@@ -657,11 +672,7 @@ def test_dropping_a_queue_sim_with_packets_releases_them():
 CRASH_REGRESSIONS = [
     pytest.param(
         "s = SendQueueSim(1); s.push(b'x'); s.pop(0, 'random', 0)",
-        id="sendq-random-pop-zero",
-        marks=pytest.mark.xfail(strict=True, reason=(
-            "sbus/_core/sendq.pyx sq_select(order=ORDER_RANDOM, max_n=0) reads out[n - 1] "
-            "with n == 0 (out[UINT32_MAX]) and segfaults; SendQueueSim.pop(q, 'random', 0) "
-            "reaches it. The broker always passes SEND_BATCH=64, so clients cannot trigger it"))),
+        id="sendq-random-pop-zero"),
     pytest.param("s = SendQueueSim(2); s.pop(0, 'random', 64); s.pop(1, 'stack', 0); "
                  "s.pop(0, 'queue', 0)", id="sendq-pop-empty"),
     pytest.param("for p in (b'', b'MSG', b'CMSG ', b'UNSUB \\0', b'\\0' * 100000): parse(p)",
