@@ -403,7 +403,7 @@ cdef class Broker:
         cdef int fd
         if not self.fd_exhausted_logged:
             self.fd_exhausted_logged = True
-            self.emit("fd_exhausted", {"errno": err, "clients": self.nclients})
+            self.emit("fd_exhausted", {"errno": err, "connected": self.nclients})
         if self.spare_fd >= 0:
             close(self.spare_fd)
             self.spare_fd = -1
@@ -416,7 +416,7 @@ cdef class Broker:
         if not self.accept_paused:
             self.accept_paused = True
             self.poller.set(self.listen_fd, 0)
-            self.emit("accept_paused", {"clients": self.nclients})
+            self.emit("accept_paused", {"connected": self.nclients})
         return 0
 
     cdef int grow_lists(self, uint32_t need) except -1:
