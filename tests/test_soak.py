@@ -435,18 +435,8 @@ def test_churn_soak_returns_descriptors_and_frees_everything(start_broker, backe
     assert wait_until(lambda: fd_count(pid) == fds_start - 2, 30)
 
 
-RSS_XFAIL = (
-    "broker bug: after the churn soak every churn client is gone and stats show only the "
-    "steady pair's 2 subscriptions and 0 queued bytes, yet VmRSS stays far above its start "
-    "(24.4 MB -> 71.7 MB epoll, 77.5 MB select after 25 s of churn each). The memory is "
-    "freed queue packets and client state that glibc malloc keeps (heap fragmentation): "
-    "repeated churn rounds plateau rather than grow, and calling malloc_trim(0) inside the "
-    "broker (gdb) takes RSS from 44.9 MB back to 30.5 MB, about +6 MiB over the start. The "
-    "broker never hands freed memory back (no malloc_trim when queues drain, no mmap for "
-    "packet storage), so one flood leaves it tens of MiB bigger for good")
 
 
-@pytest.mark.xfail(strict=True, reason=RSS_XFAIL)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_churn_soak_rss_returns_near_start(backend, request):
     """VmRSS after the soak above is within RSS_SLACK_KIB of its start."""

@@ -185,7 +185,8 @@ def test_wheel_metadata(dist):
     project = pyproject()
     info = f"sbus-{version()}.dist-info"
     with zipfile.ZipFile(dist.wheel) as zf:
-        meta = email.message_from_bytes(zf.read(f"{info}/METADATA"))
+        # Core metadata is UTF-8 (the README is not all ASCII).
+        meta = email.message_from_string(zf.read(f"{info}/METADATA").decode("utf-8"))
         entry_points = zf.read(f"{info}/entry_points.txt").decode()
     assert meta["Name"] == "sbus"
     assert meta["Version"] == version()
