@@ -406,6 +406,8 @@ def test_churn_soak_returns_descriptors_and_frees_everything(start_broker, backe
     totals = snapshot["totals"]
     assert pair.finish(), f"steady pair: sent {pair.sent}, received {pair.received}, {pair.errors}"
     assert b.proc.poll() is None, f"broker died: {b.stderr_text()[-3000:]}"
+    # The broker hands memory back at its next tick (at most a second away).
+    wait_until(lambda: proc_status(pid, "VmRSS") - rss_start <= RSS_SLACK_KIB, 5)
     rss_end = proc_status(pid, "VmRSS")
     hwm = proc_status(pid, "VmHWM")
     connects, reasons = _disconnect_reasons(b)

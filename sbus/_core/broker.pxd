@@ -115,6 +115,8 @@ cdef class Broker:
 
     # receive batch
     cdef char *recv_area
+    cdef size_t recv_area_size
+    cdef size_t recv_high           # largest packet since the area was last released
     cdef mmsghdr rhdrs[RECV_BATCH]
     cdef iovec riov[RECV_BATCH]
     cdef Packet *batch_pkts[RECV_BATCH]

@@ -28,6 +28,8 @@ from sbus._core.includes.sys cimport (
     mmsghdr, iovec, SOL_SOCKET, SO_PEERCRED, SO_SNDBUF, SO_SNDBUFFORCE,
     MSG_DONTWAIT, MSG_NOSIGNAL, MSG_TRUNC, MSG_PEEK, SOCK_NONBLOCK, SOCK_CLOEXEC,
     clock_gettime, timespec, CLOCK_MONOTONIC, malloc_trim,
+    mmap, munmap, madvise, MAP_FAILED, PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_ANONYMOUS,
+    MADV_DONTNEED,
 )
 from sbus._core.index cimport (Index, Sub, index_init, index_free, index_add,
                                index_remove, index_match)
@@ -121,6 +123,7 @@ cdef class Broker:
                  on_tick=None, double tick_interval=0.0, int wakeup_fd=-1,
                  int access_mode=-1):
         cdef int i
+        cdef void *area
         self.poller = make_poller(backend)
         self.listen_fd = listen_fd
         self.wakeup_fd = wakeup_fd
@@ -161,9 +164,14 @@ cdef class Broker:
 
         # One slot per batched packet, each big enough for the largest packet
         # plus one byte so MSG_TRUNC can tell an oversized one apart.
-        self.recv_area = <char *>malloc(RECV_BATCH * (max_message + 1))
-        if self.recv_area == NULL:
+        # Mapped, not malloc'd, so the pages a burst of large packets touched
+        # can be handed back (release_recv_area) without freeing the area.
+        self.recv_area_size = RECV_BATCH * (max_message + 1)
+        area = mmap(NULL, self.recv_area_size, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        if area == MAP_FAILED:
             raise MemoryError()
+        self.recv_area = <char *>area
         memset(self.rhdrs, 0, sizeof(self.rhdrs))
         memset(self.shdrs, 0, sizeof(self.shdrs))
         for i in range(RECV_BATCH):
@@ -212,7 +220,8 @@ cdef class Broker:
         free(self.closing)
         free(self.paused)
         free(self.pend)
-        free(self.recv_area)
+        if self.recv_area != NULL:
+            munmap(self.recv_area, self.recv_area_size)
         free(self.scratch)
         free(self.allowed_uids)
         if self.spare_fd >= 0:
@@ -274,6 +283,11 @@ cdef class Broker:
                     # system, so RSS follows the load down after a churn.
                     self.trimmed_at = self.disconnects
                     malloc_trim(0)
+                if self.recv_high > 65536:
+                    # Large packets touched many receive pages: let them go
+                    # (they read back as zeros, and are written before use).
+                    madvise(self.recv_area, self.recv_area_size, MADV_DONTNEED)
+                    self.recv_high = 0
                 if self.on_tick is not None:
                     self.on_tick()
         return self.stop_reason
@@ -459,6 +473,8 @@ cdef class Broker:
             return self.mark_closing(c, R_ERROR, f"recv: {os.strerror(errno)}")
         for i in range(n):
             length = self.rhdrs[i].msg_len
+            if length > self.recv_high:
+                self.recv_high = length
             if length > self.max_message or self.rhdrs[i].msg_hdr.msg_flags & MSG_TRUNC:
                 self.mark_closing(c, R_OVERSIZE,
                                   f"packet larger than {self.max_message} bytes")

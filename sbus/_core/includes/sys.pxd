@@ -115,3 +115,16 @@ cdef extern from "<time.h>" nogil:
 
 cdef extern from "<malloc.h>" nogil:
     int malloc_trim(size_t pad)
+
+
+cdef extern from "<sys/mman.h>" nogil:
+    enum:
+        PROT_READ
+        PROT_WRITE
+        MAP_PRIVATE
+        MAP_ANONYMOUS
+        MADV_DONTNEED
+    void *MAP_FAILED
+    void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
+    int munmap(void *addr, size_t length)
+    int madvise(void *addr, size_t length, int advice)
