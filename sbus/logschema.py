@@ -81,7 +81,12 @@ DISCONNECT_REASONS = (
 # must accept reasons not listed here.
 REFUSE_NOT_SUBSCRIBED = "not_subscribed"   # UNSUB of a pattern the client does not hold
 REFUSE_CRED_MISMATCH = "cred_mismatch"     # !/cred/ pattern for other credentials
-REFUSE_REASONS = (REFUSE_NOT_SUBSCRIBED, REFUSE_CRED_MISMATCH)
+REFUSE_CRED_MALFORMED = "cred_malformed"   # !/cred/ pattern with a bad field, or truncated
+REFUSE_BANG_MISUSE = "bang_misuse"         # the reserved '!' outside a !/cred/ form
+REFUSE_PATTERN_TOO_LONG = "pattern_too_long"          # over --max-pattern
+REFUSE_TOO_MANY = "too_many_subscriptions"            # over --max-subscriptions
+REFUSE_REASONS = (REFUSE_NOT_SUBSCRIBED, REFUSE_CRED_MISMATCH, REFUSE_CRED_MALFORMED,
+                  REFUSE_BANG_MISUSE, REFUSE_PATTERN_TOO_LONG, REFUSE_TOO_MANY)
 
 # --- nested records ---------------------------------------------------------
 # Broker-wide counters.  In ``stats`` and ``broker_stop`` they are cumulative
