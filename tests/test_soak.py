@@ -437,8 +437,6 @@ def test_churn_soak_returns_descriptors_and_frees_everything(start_broker, backe
     assert wait_until(lambda: fd_count(pid) == fds_start - 2, 30)
 
 
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_churn_soak_rss_returns_near_start(backend, request):
     """VmRSS after the soak above is within RSS_SLACK_KIB of its start."""
