@@ -128,6 +128,16 @@ def _prepare_path(path: bytes, reuse: bool) -> None:
         raise StartupError(f"{shown} already exists (use -r to replace a stale socket)")
     if not stat.S_ISSOCK(st.st_mode):
         raise StartupError(f"{shown} exists and is not a socket; refusing to remove it")
+    # Stale means nobody listens: only then may it go.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            pass
+        except OSError as e:
+            raise StartupError(f"{shown}: cannot tell whether it is in use ({e.strerror})")
+        else:
+            raise StartupError(f"{shown} is in use by a running broker; not replacing it")
     os.unlink(path)
 
 

@@ -903,3 +903,22 @@ def test_without_u_the_socket_mode_decides(sbusd, public_dir, flags, expected):
     sock = public_dir / "bus.socket"
     sbusd("-f", "-a", str(sock), *flags).ready()
     assert as_nobody(str(sock)).startswith(expected)
+
+
+def test_reuse_never_replaces_a_socket_a_broker_is_listening_on(tmp_path):
+    path = str(tmp_path / "live.socket")
+    first = subprocess.Popen([SBUSD, "-f", "-a", path], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL)
+    first.stdout.read()
+    try:
+        second = subprocess.run([SBUSD, "-f", "-r", "-a", path], capture_output=True, timeout=10)
+        assert second.returncode != 0
+        assert b"in use" in second.stderr
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(5)
+            s.connect(path)                 # still the first broker's socket
+            s.send(b"CMSG !/cred/whoami")
+            assert s.recv(200).startswith(b"CMSG !/cred/whoami\0")
+    finally:
+        first.terminate()
+        assert first.wait(10) == 0
