@@ -32,7 +32,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 
@@ -317,6 +316,7 @@ from sbus._core import sendq as csendq  # noqa: E402
 from sbus._ref import index as rindex  # noqa: E402
 from sbus._ref import protocol as rproto  # noqa: E402
 
+from steady import SteadyPair
 from conftest import BACKENDS, SBUSD  # noqa: E402
 
 # A timeout that grows with the example count (make fuzz runs for an hour);
@@ -735,77 +735,6 @@ def fd_count(pid):
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-class SteadyPair:
-    """A publisher and a subscriber that must lose nothing: messages alternate
-    between a public key and the subscriber's own !/cred/ key, and the
-    subscriber checks every one arrives, once, in order. The publisher keeps
-    at most ``window`` messages in flight."""
-
-    def __init__(self, broker, window=200):
-        self.pub = broker.connect(timeout=60)
-        self.sub = broker.connect(timeout=0.5)
-        self.sub.send(b"SUB steady/seq")
-        self.sub.send(b"SUB !/cred////steady/")
-        cred, other = sync(self.sub)
-        assert other == []
-        self.cred_prefix = cred + b"/"          # b"!/cred/G/U/P/"
-        self.keys = (b"steady/seq", self.cred_prefix + b"steady/seq")
-        self.window = window
-        self.sent = 0
-        self.received = 0
-        self.errors = []
-        self.done = threading.Event()
-        self.stop_flag = False
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def packet(self, i):
-        return b"MSG " + self.keys[i % 2] + b"\0%08d" % i + b"." * (i % 97)
-
-    def _read(self):
-        try:
-            while not self.stop_flag:
-                try:
-                    packet = self.sub.recv(1 << 20)
-                except socket.timeout:
-                    continue
-                if packet == b"":
-                    self.errors.append("subscriber disconnected")
-                    return
-                want = self.packet(self.received)
-                if packet != want:
-                    self.errors.append(f"message {self.received}: got {packet[:60]!r}, "
-                                       f"want {want[:60]!r}")
-                    return
-                self.received += 1
-        except Exception as e:  # pragma: no cover - reported by check()
-            self.errors.append(repr(e))
-        finally:
-            self.done.set()
-
-    def publish_some(self, budget):
-        """Send up to budget messages, respecting the window; returns how many."""
-        n = 0
-        while n < budget and self.sent - self.received < self.window:
-            self.pub.send(self.packet(self.sent))
-            self.sent += 1
-            n += 1
-        return n
-
-    def finish(self, timeout=60.0):
-        """Wait for everything sent to arrive; stop the reader."""
-        deadline = time.monotonic() + timeout
-        while self.received < self.sent and not self.errors and time.monotonic() < deadline:
-            time.sleep(0.02)
-        self.stop_flag = True
-        self.reader.join(5)
-        return self.received == self.sent and not self.errors
-
-    def close(self):
-        self.pub.close()
-        self.sub.close()
-
-
 RATE = 1000     # steady messages per second during the live fuzz
 WARN_REASONS_WITH_DETAIL = {"protocol_error", "bang_misuse", "cred_refused", "limit",
                             "oversize", "flood_error", "error"}
@@ -830,12 +759,12 @@ def test_live_fuzz_broker_survives_and_steady_pair_loses_nothing(start_broker, b
         started = time.monotonic()
         while any(w.poll() is None for w in workers):
             due = int((time.monotonic() - started) * RATE) - pair.sent
-            if due <= 0 or pair.publish_some(min(due, 50)) == 0:
+            if due <= 0 or pair.publish(min(due, 50)) == 0:
                 time.sleep(0.002)
             assert not pair.errors, pair.errors
             assert b.proc.poll() is None, f"broker died: {b.stderr_text()[-3000:]}"
         while pair.sent < 3000:         # at least a few thousand messages
-            if pair.publish_some(200) == 0:
+            if pair.publish(200) == 0:
                 time.sleep(0.002)
     finally:
         reports = []

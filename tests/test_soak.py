@@ -21,7 +21,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 
@@ -206,6 +205,7 @@ import resource  # noqa: E402
 
 import pytest  # noqa: E402
 
+from steady import SteadyPair
 from conftest import BACKENDS  # noqa: E402
 
 RSS_SLACK_KIB = 20 * 1024
@@ -273,67 +273,6 @@ def wait_until(predicate, timeout, interval=0.1):
     return predicate()
 
 
-class SteadyPair:
-    """Publisher and subscriber that must lose nothing (public and private
-    keys alternate; at most ``window`` messages in flight)."""
-
-    def __init__(self, broker, window=300):
-        self.pub = broker.connect(timeout=60)
-        self.sub = broker.connect(timeout=0.5)
-        self.sub.send(b"SUB steady/seq")
-        self.sub.send(b"SUB !/cred////steady/")
-        self.sub.settimeout(30)
-        cred = sync(self.sub)
-        self.sub.settimeout(0.5)
-        self.keys = (b"steady/seq", cred + b"/steady/seq")
-        self.window = window
-        self.sent = self.received = 0
-        self.errors = []
-        self.stop_flag = False
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def packet(self, i):
-        return b"MSG " + self.keys[i % 2] + b"\0%08d" % i + b"s" * (i % 257)
-
-    def _read(self):
-        try:
-            while not self.stop_flag:
-                try:
-                    packet = self.sub.recv(1 << 20)
-                except socket.timeout:
-                    continue
-                if packet == b"":
-                    self.errors.append("subscriber disconnected")
-                    return
-                want = self.packet(self.received)
-                if packet != want:
-                    self.errors.append(f"message {self.received}: got {packet[:50]!r}, "
-                                       f"want {want[:50]!r}")
-                    return
-                self.received += 1
-        except Exception as e:  # pragma: no cover - reported by the test
-            self.errors.append(repr(e))
-
-    def publish_due(self, due):
-        n = 0
-        while n < due and self.sent - self.received < self.window:
-            self.pub.send(self.packet(self.sent))
-            self.sent += 1
-            n += 1
-        return n
-
-    def finish(self, timeout=60.0):
-        wait_until(lambda: self.received >= self.sent or self.errors, timeout, 0.02)
-        self.stop_flag = True
-        self.reader.join(5)
-        return self.received == self.sent and not self.errors
-
-    def close(self):
-        self.pub.close()
-        self.sub.close()
-
-
 def _known_reasons():
     from sbus import logschema
     return set(logschema.DISCONNECT_REASONS)
@@ -365,7 +304,7 @@ def test_churn_soak_returns_descriptors_and_frees_everything(start_broker, backe
     pid = b.pid()
     pair = SteadyPair(b)
     # Warm the broker up (first replies, first queue) before taking the baseline.
-    pair.publish_due(100)
+    pair.publish(100)
     assert wait_until(lambda: pair.received == pair.sent, 30)
     fds_start, rss_start = fd_count(pid), proc_status(pid, "VmRSS")
     fds_peak, rss_peak = fds_start, rss_start
@@ -378,7 +317,7 @@ def test_churn_soak_returns_descriptors_and_frees_everything(start_broker, backe
         started = last_sample = time.monotonic()
         while any(w.poll() is None for w in workers):
             due = int((time.monotonic() - started) * RATE) + 100 - pair.sent
-            if due <= 0 or pair.publish_due(min(due, 100)) == 0:
+            if due <= 0 or pair.publish(min(due, 100)) == 0:
                 time.sleep(0.005)
             assert not pair.errors, pair.errors
             assert b.proc.poll() is None, f"broker died: {b.stderr_text()[-3000:]}"
