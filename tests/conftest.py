@@ -145,3 +145,21 @@ def recv_or_none(sock: socket.socket, timeout=0.2, size=1 << 20):
         return None
     finally:
         sock.settimeout(old)
+
+
+def fd_count(pid: int) -> int:
+    """How many file descriptors a process holds."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def report_line(request, text: str) -> None:
+    """Write figures to the terminal even under -q and output capture."""
+    tr = request.config.pluginmanager.getplugin("terminalreporter")
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    if tr is None:
+        return
+    if capman is not None:
+        with capman.global_and_fixture_disabled():
+            tr.write_line(text)
+    else:
+        tr.write_line(text)

@@ -317,7 +317,7 @@ from sbus._ref import index as rindex  # noqa: E402
 from sbus._ref import protocol as rproto  # noqa: E402
 
 from steady import SteadyPair
-from conftest import BACKENDS, SBUSD  # noqa: E402
+from conftest import BACKENDS, SBUSD, fd_count, report_line  # noqa: E402
 
 # A timeout that grows with the example count (make fuzz runs for an hour);
 # tests with a timeout mark of their own keep it.
@@ -332,19 +332,6 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, print_blob=True,
 _calls = Counter()
 
 
-def _terminal(request, text):
-    """Write figures to the terminal even under -q and output capture."""
-    tr = request.config.pluginmanager.getplugin("terminalreporter")
-    capman = request.config.pluginmanager.getplugin("capturemanager")
-    if tr is None:
-        return
-    if capman is not None:
-        with capman.global_and_fixture_disabled():
-            tr.write_line(text)
-    else:
-        tr.write_line(text)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _report_examples(request):
     """Say how many inputs each fuzz target saw (shown even under -q)."""
@@ -353,7 +340,7 @@ def _report_examples(request):
     if not _calls:
         return
     line = ", ".join(f"{k}={v}" for k, v in sorted(_calls.items()))
-    _terminal(request, f"\n[fuzz] SBUS_FUZZ_EXAMPLES={EXAMPLES}; inputs per target: {line}; "
+    report_line(request, f"\n[fuzz] SBUS_FUZZ_EXAMPLES={EXAMPLES}; inputs per target: {line}; "
                        f"{time.monotonic() - started:.1f}s")
 
 
@@ -731,10 +718,6 @@ def assert_disconnected(sock, timeout=5.0):
         return
 
 
-def fd_count(pid):
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 RATE = 1000     # steady messages per second during the live fuzz
 WARN_REASONS_WITH_DETAIL = {"protocol_error", "bang_misuse", "cred_refused", "limit",
                             "oversize", "flood_error", "error"}
@@ -819,7 +802,7 @@ def test_live_fuzz_broker_survives_and_steady_pair_loses_nothing(start_broker, b
     stats = Counter()
     for r in reports:
         stats.update(r["stats"])
-    _terminal(request, f"\n[live fuzz {backend}] {LIVE_SECONDS:g}s, {nproc}x{per_proc} hostile "
+    report_line(request, f"\n[live fuzz {backend}] {LIVE_SECONDS:g}s, {nproc}x{per_proc} hostile "
                        f"clients: {connects} connections, {stats['packets']} packets sent, "
                        f"{stats['disconnects']} disconnects seen; steady pair {pair.received} "
                        f"messages in order; broker reasons {dict(reasons)}")

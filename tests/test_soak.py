@@ -206,27 +206,10 @@ import resource  # noqa: E402
 import pytest  # noqa: E402
 
 from steady import SteadyPair
-from conftest import BACKENDS  # noqa: E402
+from conftest import BACKENDS, fd_count, report_line  # noqa: E402
 
 RSS_SLACK_KIB = 20 * 1024
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def _terminal(request, text):
-    """Write figures to the terminal even under -q and output capture."""
-    tr = request.config.pluginmanager.getplugin("terminalreporter")
-    capman = request.config.pluginmanager.getplugin("capturemanager")
-    if tr is None:
-        return
-    if capman is not None:
-        with capman.global_and_fixture_disabled():
-            tr.write_line(text)
-    else:
-        tr.write_line(text)
-
-
-def fd_count(pid):
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def proc_status(pid, field):
@@ -350,7 +333,7 @@ def test_churn_soak_returns_descriptors_and_frees_everything(start_broker, backe
     rss_end = proc_status(pid, "VmRSS")
     hwm = proc_status(pid, "VmHWM")
     connects, reasons = _disconnect_reasons(b)
-    _terminal(request, (
+    report_line(request, (
         f"\n[soak {backend}] {seconds:g}s: {totals['connects'] - 3} clients churned "
         f"({churn['clients']} in-process in {churn['waves']} waves, {churn['children']} forked "
         f"children, {churn['children_killed']} SIGKILLed), {totals['msgs_in']} messages in, "
@@ -461,7 +444,7 @@ def test_fd_exhaustion_neither_crashes_nor_spins_and_recovers(start_broker, back
     fresh.close()
     assert b.proc.poll() is None
     assert "Traceback" not in b.stderr_text(), b.stderr_text()[-3000:]
-    _terminal(request, f"\n[fd exhaustion {backend}] RLIMIT_NOFILE={NOFILE}: {len(socks)} storm "
+    report_line(request, f"\n[fd exhaustion {backend}] RLIMIT_NOFILE={NOFILE}: {len(socks)} storm "
                        f"connections, {len(served)} served, {len(socks) - len(served)} dropped, "
                        f"{len(knocked)} more while full; broker CPU {cpu_share:.1%} of wall time "
                        f"while saturated; fd_exhausted records: {len(exhausted)}")
