@@ -6,6 +6,7 @@
  *                   [-d SECONDS] [-w WINDOW] [-P SERVER_PID]
  *   loadgen latency -a PATH [-s SIZE] [-d SECONDS] [-P SERVER_PID]
  *   loadgen hold    -a PATH [-c CLIENTS] [-p PATS]
+ *   loadgen wake    [-s SIZE] [-d SECONDS] [-C CPU]
  *
  * flood: one publisher (this process) and SUBS subscriber processes.  The
  * publisher keeps at most WINDOW messages in flight toward the slowest
@@ -21,6 +22,12 @@
  * the pinger times each round trip (ping -> broker -> echo -> broker -> pong)
  * with blocking receives.
  *
+ * wake: no broker.  Two processes bounce one packet over a socketpair, the
+ * echo process pinned to CPU (default: where this one runs); prints the round
+ * trip percentiles.  Across cores this is the machine's floor for waking a
+ * sleeping process on the other core twice: an echo through a broker on the
+ * other core crosses four times.
+ *
  * hold: connects CLIENTS clients, proves each is served with a round trip,
  * prints {"phase":"connected"}, waits for a line on stdin, subscribes PATS
  * distinct patterns spread over the clients, prints {"phase":"subscribed"}
@@ -31,6 +38,7 @@
  */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <sched.h>
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
@@ -87,6 +95,7 @@ static int n_subs = 1, n_idle = 0, n_pats = 10, n_slow = 0, n_clients = 1, wild_
 static double duration = 2.0;
 static uint64_t window = 256;
 static long server_pid = 0;
+static int echo_cpu = -1;
 static struct shared *sh;
 
 static void
@@ -569,6 +578,22 @@ cmp_double(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
+/* Ends the JSON line print_common began: round-trip count and percentiles. */
+static void
+print_percentiles(double *rtt, size_t n)
+{
+	qsort(rtt, n, sizeof(double), cmp_double);
+	double sum = 0;
+	for (size_t i = 0; i < n; i++)
+		sum += rtt[i];
+#define PCT(p) (n ? rtt[(size_t)((p) / 100.0 * (n - 1) + 0.5)] : 0)
+	printf(",\"round_trips\":%zu,\"mean_us\":%.2f,\"p50_us\":%.2f,\"p90_us\":%.2f,"
+	       "\"p99_us\":%.2f,\"p999_us\":%.2f,\"max_us\":%.2f}\n",
+	       n, n ? sum / n : 0, PCT(50), PCT(90), PCT(99), PCT(99.9), n ? rtt[n - 1] : 0);
+#undef PCT
+	fflush(stdout);
+}
+
 static void
 echoer(void)
 {
@@ -663,20 +688,71 @@ latency(void)
 	close(fd);
 	waitpid(pid, NULL, 0);
 
-	qsort(rtt, n, sizeof(double), cmp_double);
-	double sum = 0;
-	for (size_t i = 0; i < n; i++)
-		sum += rtt[i];
-#define PCT(p) (n ? rtt[(size_t)((p) / 100.0 * (n - 1) + 0.5)] : 0)
 	double cpu = cpu0 >= 0 && cpu1 >= 0 ? cpu1 - cpu0 : -1;
 	print_common("latency", seconds, cpu);
-	printf(",\"round_trips\":%zu,\"lost\":%llu,\"bad\":%llu,\"mean_us\":%.2f,\"p50_us\":%.2f,"
-	       "\"p90_us\":%.2f,\"p99_us\":%.2f,\"p999_us\":%.2f,\"max_us\":%.2f,"
-	       "\"server_cpu_us_per_delivery\":%.4f}\n",
-	       n, (unsigned long long)lost, (unsigned long long)bad, n ? sum / n : 0, PCT(50), PCT(90),
-	       PCT(99), PCT(99.9), n ? rtt[n - 1] : 0, cpu >= 0 && n ? cpu * 1e6 / (2.0 * n) : -1);
-	fflush(stdout);
+	printf(",\"lost\":%llu,\"bad\":%llu,\"server_cpu_us_per_delivery\":%.4f",
+	       (unsigned long long)lost, (unsigned long long)bad, cpu >= 0 && n ? cpu * 1e6 / (2.0 * n) : -1);
+	print_percentiles(rtt, n);
 	return lost || bad ? 2 : 0;
+}
+
+/* ------------------------------------------------------------------- wake */
+
+static void
+pin_to(int cpu)
+{
+	cpu_set_t set;
+	CPU_ZERO(&set);
+	CPU_SET(cpu, &set);
+	if (sched_setaffinity(0, sizeof(set), &set) < 0)
+		die("sched_setaffinity(%d):", cpu);
+}
+
+static int
+wake(void)
+{
+	int sv[2];
+	if (socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) < 0)
+		die("socketpair:");
+	size_t size = payload_size ? payload_size : 1;
+	char *buf = calloc(1, size);
+	pid_t pid = fork();
+	if (pid < 0)
+		die("fork:");
+	if (pid == 0) {
+		close(sv[0]);
+		if (echo_cpu >= 0)
+			pin_to(echo_cpu);
+		ssize_t r;
+		while ((r = recv(sv[1], buf, size, 0)) > 0 || (r < 0 && errno == EINTR))
+			if (r > 0 && send(sv[1], buf, r, 0) < 0)
+				break;
+		_exit(0);
+	}
+	close(sv[1]);
+	size_t cap = 2000000, n = 0;
+	double *rtt = malloc(cap * sizeof(double));
+	double t0 = 0, deadline = 0;
+	for (int i = 0;; i++) {
+		if (i == 2000) {
+			t0 = now();
+			deadline = t0 + duration;
+		}
+		if (i > 2000 && (n >= cap || now() >= deadline))
+			break;
+		double a = now();
+		if (send(sv[0], buf, size, 0) < 0 || recv(sv[0], buf, size, 0) <= 0)
+			die("ping-pong:");
+		if (i >= 2000)
+			rtt[n++] = (now() - a) * 1e6;
+	}
+	double seconds = now() - t0;
+	close(sv[0]);
+	waitpid(pid, NULL, 0);
+	print_common("wake", seconds, -1);
+	printf(",\"echo_cpu\":%d", echo_cpu);
+	print_percentiles(rtt, n);
+	return 0;
 }
 
 /* ------------------------------------------------------------------- hold */
@@ -724,8 +800,8 @@ hold(void)
 static void
 usage(void)
 {
-	fprintf(stderr, "usage: loadgen flood|latency|hold -a PATH [-s SIZE] [-n SUBS] [-i IDLE] "
-			"[-p PATS] [-W] [-S SLOW] [-c CLIENTS] [-d SECONDS] [-w WINDOW] [-P PID]\n");
+	fprintf(stderr, "usage: loadgen flood|latency|hold|wake -a PATH [-s SIZE] [-n SUBS] [-i IDLE] "
+			"[-p PATS] [-W] [-S SLOW] [-c CLIENTS] [-d SECONDS] [-w WINDOW] [-P PID] [-C CPU]\n");
 	exit(2);
 }
 
@@ -737,7 +813,7 @@ main(int argc, char **argv)
 	const char *mode = argv[1];
 	int opt;
 	optind = 2;
-	while ((opt = getopt(argc, argv, "a:s:n:i:p:S:c:d:w:P:W")) != -1) {
+	while ((opt = getopt(argc, argv, "a:s:n:i:p:S:c:d:w:P:WC:")) != -1) {
 		switch (opt) {
 		case 'a': address = optarg; break;
 		case 's': payload_size = strtoul(optarg, NULL, 0); break;
@@ -750,10 +826,11 @@ main(int argc, char **argv)
 		case 'w': window = strtoull(optarg, NULL, 0); break;
 		case 'P': server_pid = atol(optarg); break;
 		case 'W': wild_idle = 1; break;
+		case 'C': echo_cpu = atoi(optarg); break;
 		default: usage();
 		}
 	}
-	if (!address || window < 4)
+	if ((!address && strcmp(mode, "wake")) || window < 4)
 		usage();
 	signal(SIGPIPE, SIG_IGN);
 	sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -766,6 +843,8 @@ main(int argc, char **argv)
 		return latency();
 	if (!strcmp(mode, "hold"))
 		return hold();
+	if (!strcmp(mode, "wake"))
+		return wake();
 	usage();
 	return 2;
 }

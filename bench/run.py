@@ -57,7 +57,7 @@ FLOOD = {
     "slow": (["-n", "4", "-S", "1"], ["-n", "4"], "deliveries_per_s", "dlv/s"),
 }
 LATENCY = {"latency": "split", "latency1": "one core"}
-ALL = [*FLOOD, *LATENCY, "logging", "memory", "micro", "analytics"]
+ALL = [*FLOOD, "idle", *LATENCY, "wake", "logging", "memory", "micro", "analytics"]
 # What the issue asks for; shown in the goal column, never asserted.
 GOAL_RATIO, GOAL_CPU_RATIO, GOAL_P99_US = 0.9, 1.2, 80.0
 GOAL_BYTES_PER_CLIENT, GOAL_MANYSUBS_VS_PAIR = 2048, 0.9
@@ -254,7 +254,8 @@ def wait_quiet(limit=10.0):
 def run_group(configs, workdir, reps, mode, make_args, loadgen_cpus=LOADGEN_CPUS):
     """Starts every server of the group, then alternates their loadgen runs.
 
-    configs: {label: (kind, extra sbusd args)}; returns {label: [runs] or error}."""
+    configs: {label: (kind, extra sbusd args)}; make_args(kind, label) gives the
+    loadgen arguments; returns {label: [runs] or error}."""
     wait_quiet()
     servers = {label: start(kind, workdir, extra) for label, (kind, extra) in configs.items()}
     results = {label: [] if isinstance(s, Server) else s for label, s in servers.items()}
@@ -268,7 +269,8 @@ def run_group(configs, workdir, reps, mode, make_args, loadgen_cpus=LOADGEN_CPUS
                     servers[label] = results[label]
                     continue
                 try:
-                    results[label].append(loadgen(mode, s, make_args(configs[label][0]), cpus=loadgen_cpus))
+                    results[label].append(loadgen(mode, s, make_args(configs[label][0], label),
+                                                  cpus=loadgen_cpus))
                 except subprocess.TimeoutExpired:
                     results[label].append({"error": "loadgen timed out"})
     finally:
@@ -310,7 +312,7 @@ def flood_rows(name, sizes, reps, duration, workdir):
     for size in sizes:
         window = "256" if size <= 1024 else "64"
 
-        def make_args(kind):
+        def make_args(kind, label):
             return [*(relay_args if kind == "relay" else sbus_args),
                     "-s", str(size), "-d", str(duration), "-w", window]
 
@@ -329,12 +331,46 @@ def flood_rows(name, sizes, reps, duration, workdir):
     return rows
 
 
+def idle_rows(sizes, reps, duration, workdir):
+    """manysubs against pair, each server measured on both, runs interleaved.
+
+    Run-to-run noise on this kind of machine (the kernel's per-packet cost
+    drifts by 20% between runs) swamps a comparison of two workloads measured
+    minutes apart; alternating them on the same servers cancels the drift."""
+    pair_args, many_args = FLOOD["pair"][0], FLOOD["manysubs"][0]
+    configs = {"relay pair": ("relay", ()), "relay manysubs": ("relay", ()),
+               "sbus pair": ("sbusd", ()), "sbus manysubs": ("sbusd", ())}
+    rows = []
+    for size in sizes:
+        window = "256" if size <= 1024 else "64"
+
+        def make_args(kind, label):
+            return [*(many_args if label.endswith("manysubs") else pair_args),
+                    "-s", str(size), "-d", str(duration), "-w", window]
+
+        res = run_group(configs, workdir, max(reps, 5), "flood", make_args)
+        fig = {label: summarize(runs, "msgs_per_s") for label, runs in res.items()}
+        row = dict(workload="manysubs / pair", payload=size, metric="ratio",
+                   relay=ratio(fig["relay manysubs"][0], fig["relay pair"][0]),
+                   sbus=ratio(fig["sbus manysubs"][0], fig["sbus pair"][0]),
+                   relay_cpu_us=ratio(fig["relay manysubs"][1], fig["relay pair"][1]),
+                   sbus_cpu_us=ratio(fig["sbus manysubs"][1], fig["sbus pair"][1]),
+                   problems=sorted({p for f in fig.values() for p in f[2]}), raw=res, no_ratio=True,
+                   figures={label: dict(msgs_per_s=f[0], cpu_us=f[1]) for label, f in fig.items()},
+                   goals=[("sbus", ">=", GOAL_MANYSUBS_VS_PAIR)],
+                   note="interleaved runs; the CPU columns are manysubs/pair of µs per message")
+        rows.append(row)
+        say(f"manysubs / pair {size} B: relay {fmt(row['relay'])} sbus {fmt(row['sbus'])} "
+            + " ".join(f"{label} {fmt(f[0])}" for label, f in fig.items()))
+    return rows
+
+
 def latency_rows(name, sizes, reps, duration, workdir):
     split = LATENCY[name] == "split"
     cpus = LOADGEN_CPUS if split else SERVER_CPUS
     rows = []
     for size in sizes:
-        def make_args(kind):
+        def make_args(kind, label):
             return ["-s", str(size), "-d", str(duration)]
 
         servers = {"relay": ("relay", ()), "sbus": ("sbusd", ())}
@@ -354,6 +390,34 @@ def latency_rows(name, sizes, reps, duration, workdir):
                 row["goals"] = [("sbus", "<=", GOAL_P99_US)]
             rows.append(row)
         say(f"{name} {size} B: p99 relay {fmt(rows[-2]['relay'])} sbus {fmt(rows[-2]['sbus'])} µs")
+    return rows
+
+
+def wake_rows(sizes, reps, duration):
+    """The machine's floor for the latency rows: no broker, two processes
+    bouncing one packet over a socketpair, across the two cores and on one."""
+    rows = []
+    if SERVER_CPUS is None:
+        return rows
+    placements = {"across cores": min(SERVER_CPUS), "one core": min(LOADGEN_CPUS)}
+    for size in sizes[:1]:
+        for where, cpu in placements.items():
+            wait_quiet()
+            argv = [str(BIN / "loadgen"), "wake", "-s", str(size), "-d", str(duration), "-C", str(cpu)]
+            runs = []
+            for _ in range(reps):
+                p = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                                   preexec_fn=pinned(LOADGEN_CPUS))
+                lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+                runs.append(json.loads(lines[-1]) if lines else {"error": p.stderr.strip()[-300:]})
+            for pct in ("p50_us", "p99_us"):
+                val, _, probs = summarize(runs, pct)
+                rows.append(dict(workload=f"wake floor, {where}", payload=size, metric=pct.replace("_us", " µs"),
+                                 relay=val, problems=probs, no_ratio=True, lower_is_better=True,
+                                 raw=runs if pct == "p50_us" else None))
+        rows[0]["note"] = ("no broker: two processes ping-pong (in the relay column); "
+                           "an echo through a broker on the other core crosses twice as often")
+        say(f"wake floor {size} B: " + ", ".join(f"{r['workload']} {r['metric']} {fmt(r['relay'])}" for r in rows))
     return rows
 
 
@@ -386,7 +450,7 @@ def logging_rows(sizes, reps, duration, workdir):
     for size in sizes[:1]:
         window = "256" if size <= 1024 else "64"
         res = run_group(configs, workdir, reps, "flood",
-                        lambda kind: ["-n", "1", "-s", str(size), "-d", str(duration), "-w", window])
+                        lambda kind, label: ["-n", "1", "-s", str(size), "-d", str(duration), "-w", window])
         r_val, r_cpu, r_prob = summarize(res["relay"], "msgs_per_s")
         off, off_cpu, _ = summarize(res["log off"], "msgs_per_s")
         for label in LOG_CONFIGS:
@@ -631,9 +695,11 @@ def judge(row):
 
 
 def derived(rows):
-    """Whole-run figures: manysubs against pair for sbusd itself."""
+    """Whole-run figures: manysubs against pair for sbusd itself, unless the
+    interleaved `idle` workload measured it better."""
     out = []
-    for size in sorted({r["payload"] for r in rows if r["workload"] == "pair"}):
+    measured = {r["payload"] for r in rows if r["workload"] == "manysubs / pair"}
+    for size in sorted({r["payload"] for r in rows if r["workload"] == "pair"} - measured):
         pair = next((r for r in rows if r["workload"] == "pair" and r["payload"] == size), None)
         many = next((r for r in rows if r["workload"] == "manysubs" and r["payload"] == size), None)
         if pair and many:
@@ -759,8 +825,12 @@ def main(argv=None):
         for name in chosen:
             if name in FLOOD:
                 rows += flood_rows(name, sizes, reps, duration, workdir)
+            elif name == "idle":
+                rows += idle_rows(sizes, reps, duration, workdir)
             elif name in LATENCY:
                 rows += latency_rows(name, sizes, reps, max(duration, 1.0), workdir)
+            elif name == "wake":
+                rows += wake_rows(sizes, reps, max(duration, 1.0))
             elif name == "logging":
                 rows += logging_rows(sizes, reps, duration, workdir)
             elif name == "memory":
