@@ -17,7 +17,7 @@ job relies on that to read all events through one schema.
 """
 from __future__ import annotations
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # --- field type tags -------------------------------------------------------
 INT = "int"            # JSON integer, fits in a signed 64-bit integer

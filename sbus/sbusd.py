@@ -223,7 +223,7 @@ class Service:
     def write_stats(self) -> None:
         totals, delta = self.broker.stats_delta()
         self.log.info("stats", interval_s=self.cfg.stats_interval, totals=totals, delta=delta,
-                      clients=self.broker.stats()["clients"])
+                      clients=self.broker.changed_clients())
 
 
 def main(argv: Optional[List[str]] = None) -> int:

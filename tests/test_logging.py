@@ -220,9 +220,35 @@ def test_stats_records_carry_totals_deltas_and_clients(start_broker):
     stats = [r for r in b.events("stats")]
     assert sum(r["delta"]["msgs_in"] for r in stats) == stats[-1]["totals"]["msgs_in"] == 10
     assert sum(r["delta"]["msgs_out"] for r in stats) == stats[-1]["totals"]["msgs_out"]
-    latest = stats[-1]["clients"]
-    assert sorted(c["msgs_in"] for c in latest) == [0, 10]
-    assert sorted(c["subscriptions"] for c in latest) == [0, 1]
+    latest = {}     # a client is listed when it is new or changed: keep its last entry
+    for r in stats:
+        latest.update((c["client"], c) for c in r["clients"])
+    assert sorted(c["msgs_in"] for c in latest.values()) == [0, 10]
+    assert sorted(c["subscriptions"] for c in latest.values()) == [0, 1]
+
+
+def test_stats_records_list_a_client_when_it_connects_or_changes(start_broker):
+    b = start_broker("--stats-interval", "0.1")
+    idle, busy = b.connect(), b.connect()
+    sync(idle)
+    sync(busy)
+
+    def next_stats(after, predicate=lambda r: True):
+        return b.wait_for_event("stats", predicate=lambda r: r["timestamp"] > after["timestamp"] and predicate(r))
+
+    synced = b.records()[-1]
+    quiet = next_stats(synced, lambda r: not r["clients"])     # nothing changed: nobody listed
+    assert quiet["totals"]["clients"] == 2
+    listed = {c["client"] for r in b.events("stats") if r["timestamp"] <= quiet["timestamp"]
+              for c in r["clients"]}
+    assert len(listed) == 2                                     # each was listed when it came
+    busy.send(b"MSG k\0abc")
+    rec = next_stats(quiet, lambda r: r["clients"])
+    assert [c["msgs_in"] for c in rec["clients"]] == [1]        # only the one that changed
+    busy.send(b"CMSG order/stack")                              # a mode is a change too
+    rec = next_stats(rec, lambda r: r["clients"])
+    assert [(c["msgs_in"], c["order"]) for c in rec["clients"]] == [(1, "stack")]
+
 
 
 def test_log_level_filters_and_off_writes_nothing(start_broker):

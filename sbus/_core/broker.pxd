@@ -45,6 +45,17 @@ cdef struct Counters:
     uint64_t blocks         # times this client started holding the bus
 
 
+# A client's state as a periodic stats record last listed it: an idle client
+# is listed once, not in every record.
+cdef struct Listed:
+    Counters c
+    uint64_t queued_bytes
+    uint32_t queued_msgs
+    uint32_t nsubs
+    uint8_t modes           # soft, hard, order and echo packed
+    uint8_t ever
+
+
 cdef struct Client:
     int fd
     uint64_t id
@@ -71,6 +82,8 @@ cdef struct Client:
     int32_t pend_tail
     Counters c
     Counters reported       # c at the last flood summary
+    Listed listed           # what the last periodic stats listing showed
+
 
 
 # One delivery waiting for the end of the batch: a received slot or a packet.
@@ -206,4 +219,5 @@ cdef class Broker:
     cdef int emit(self, str name, dict fields) except -1
     cdef dict ident(self, Client *c)
     cdef dict counters(self, Client *c)
+    cdef dict client_entry(self, Client *c)
     cdef dict zero_counters(self, dict ident)

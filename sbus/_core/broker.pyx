@@ -1077,12 +1077,41 @@ cdef class Broker:
         for fd in range(self.clients_cap):
             c = self.clients[fd]
             if c != NULL and not c.closing:
-                d = self.counters(c)
-                d.update(soft=MODES[c.soft], hard=MODES[c.hard], order=ORDERS[c.order],
-                         echo=bool(c.echo))
-                clients.append(d)
+                clients.append(self.client_entry(c))
         return {"uptime_s": round(monotonic() - self.started, 3),
                 "backend": self.poller.name, "totals": self.totals(), "clients": clients}
+
+    def changed_clients(self):
+        """Entries, as in stats(), for the clients that connected or changed
+        (counters, queue, subscriptions or modes) since the last call. A
+        periodic record lists these: an idle client is listed once, so ten
+        thousand of them neither stall the loop nor fill the log every time."""
+        cdef int fd
+        cdef Client *c
+        cdef uint8_t modes
+        out = []
+        for fd in range(self.clients_cap):
+            c = self.clients[fd]
+            if c == NULL or c.closing:
+                continue
+            modes = c.soft | (c.hard << 2) | (c.order << 4) | (c.echo << 6)
+            if (c.listed.ever and c.listed.modes == modes and c.listed.nsubs == c.nsubs
+                    and c.listed.queued_msgs == c.q.live and c.listed.queued_bytes == c.q.bytes
+                    and memcmp(&c.listed.c, &c.c, sizeof(Counters)) == 0):
+                continue
+            c.listed.c = c.c
+            c.listed.queued_msgs = c.q.live
+            c.listed.queued_bytes = c.q.bytes
+            c.listed.nsubs = c.nsubs
+            c.listed.modes = modes
+            c.listed.ever = 1
+            out.append(self.client_entry(c))
+        return out
+
+    cdef dict client_entry(self, Client *c):
+        d = self.counters(c)
+        d.update(soft=MODES[c.soft], hard=MODES[c.hard], order=ORDERS[c.order], echo=bool(c.echo))
+        return d
 
     def stats_delta(self):
         """Totals, plus the change of each traffic counter since the last call."""
