@@ -98,8 +98,9 @@ TOTALS_FIELDS = (
     "disconnects",        # admitted connections closed since start
     "msgs_in",            # MSG packets received
     "bytes_in",           # bytes of those packets
-    "msgs_out",           # deliveries (one per recipient)
+    "msgs_out",           # MSG deliveries (one per recipient)
     "bytes_out",          # bytes of those deliveries
+    "replies_out",        # control replies the broker wrote (whoami, stats), not deliveries
     "drops_soft",         # deliveries discarded by a soft "discard" mode
     "drops_hard",         # deliveries discarded by a hard "discard" mode
     "drops_disconnect",   # deliveries lost because the recipient was disconnected
@@ -122,8 +123,9 @@ DELTA_FIELDS = (
 )
 
 # One client's counters, cumulative since it connected.  msgs_in/bytes_in
-# count MSG packets it published; msgs_out/bytes_out count deliveries to it;
-# drops_* count deliveries meant for it that were discarded.
+# count MSG packets it published; msgs_out/bytes_out count MSG deliveries to
+# it, replies_out the control replies it was sent; drops_* count packets
+# meant for it that were discarded.
 CLIENT_COUNTER_FIELDS = (
     "client",
     "pid",
@@ -133,6 +135,7 @@ CLIENT_COUNTER_FIELDS = (
     "bytes_in",
     "msgs_out",
     "bytes_out",
+    "replies_out",
     "drops_soft",
     "drops_hard",
     "drops_disconnect",

@@ -310,4 +310,18 @@ def test_stats_snapshot_counts_traffic(broker):
     assert snap["totals"]["subscriptions"] == 1
     assert snap["backend"] == broker.proc.args[broker.proc.args.index("--backend") + 1]
     per = {c["subscriptions"]: c for c in snap["clients"]}
-    assert per[1]["msgs_out"] >= 10 and per[0]["msgs_in"] == 10
+    assert per[1]["msgs_out"] == 10 and per[0]["msgs_in"] == 10
+    assert per[1]["bytes_out"] == 10 * len(b"MSG k\0abc")
+
+
+def test_control_replies_are_counted_apart_from_deliveries(broker):
+    asker = client(broker)
+    for _ in range(3):
+        sync(asker)                             # whoami: one reply each
+    first = stats(asker)                        # this reply is written after the snapshot
+    mine = [c for c in first["clients"] if c["replies_out"] == 3]
+    assert len(mine) == 1 and mine[0]["msgs_out"] == 0 and mine[0]["bytes_out"] == 0
+    again = stats(asker)
+    mine = [c for c in again["clients"] if c["client"] == mine[0]["client"]][0]
+    assert (mine["replies_out"], mine["msgs_out"]) == (4, 0)
+    assert again["totals"]["msgs_out"] == 0 and again["totals"]["replies_out"] >= 4

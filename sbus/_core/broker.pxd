@@ -37,8 +37,9 @@ cdef enum:
 cdef struct Counters:
     uint64_t msgs_in        # MSG packets published
     uint64_t bytes_in
-    uint64_t msgs_out       # deliveries
+    uint64_t msgs_out       # MSG deliveries
     uint64_t bytes_out
+    uint64_t replies_out    # control replies the broker wrote (whoami, stats)
     uint64_t drops_soft
     uint64_t drops_hard
     uint64_t drops_disconnect
@@ -205,6 +206,7 @@ cdef class Broker:
     cdef int flush_client(self, Client *c) except -1
     cdef int enqueue(self, Client *c, Pending *e) except -1
     cdef int drain(self, Client *c) except -1
+    cdef void count_sent(self, Client *c, int sent, uint64_t nbytes, int replies) noexcept
     cdef int send_failed(self, Client *c, int err) except -1
     cdef int write_dead(self, Client *c) except -1
     cdef int set_mode(self, Client *c, int which, int value) except -1

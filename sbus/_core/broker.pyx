@@ -696,6 +696,7 @@ cdef class Broker:
         if p == NULL:
             raise MemoryError()
         p.refs = 1          # released when the pending entry is consumed
+        p.reply = 1
         return self.pend_add(c, -1, p)
 
     cdef int set_mode(self, Client *c, int which, int value) except -1:
@@ -758,7 +759,7 @@ cdef class Broker:
     cdef int flush_client(self, Client *c) except -1:
         cdef int32_t e = c.pend_head
         cdef int32_t k
-        cdef int sent, i
+        cdef int sent, i, replies
         cdef Pending *p
         cdef uint64_t nbytes
         if not c.closing and not c.write_dead and c.q.live == 0:
@@ -782,16 +783,19 @@ cdef class Broker:
                         self.send_failed(c, errno)
                     sent = 0
                 nbytes = 0
+                replies = 0
                 for i in range(sent):
-                    nbytes += self.siov[i].iov_len
                     p = &self.pend[self.sent_entries[i]]
                     if p.pkt != NULL:
+                        if p.pkt.reply:
+                            replies += 1
+                        else:
+                            nbytes += self.siov[i].iov_len
                         packet_release(p.pkt)
                         p.pkt = NULL
-                c.c.msgs_out += sent
-                c.c.bytes_out += nbytes
-                self.tot.msgs_out += sent
-                self.tot.bytes_out += nbytes
+                    else:
+                        nbytes += self.siov[i].iov_len
+                self.count_sent(c, sent, nbytes, replies)
                 if sent < k:
                     e = self.sent_entries[sent]     # the rest takes the queue path
                     break
@@ -862,10 +866,19 @@ cdef class Broker:
             self.update_interest(c)
         return 0
 
+    cdef void count_sent(self, Client *c, int sent, uint64_t nbytes, int replies) noexcept:
+        """Counts what one sendmmsg wrote: deliveries apart from control replies."""
+        c.c.msgs_out += sent - replies
+        c.c.bytes_out += nbytes
+        c.c.replies_out += replies
+        self.tot.msgs_out += sent - replies
+        self.tot.bytes_out += nbytes
+        self.tot.replies_out += replies
+
     cdef int drain(self, Client *c) except -1:
         """Write queued packets in c's order, SEND_BATCH per syscall."""
         cdef uint32_t k, i
-        cdef int sent
+        cdef int sent, replies
         cdef uint64_t nbytes
         while c.q.live:
             k = sq_select(&c.q, c.order, self.spos, self.ssel, SEND_BATCH)
@@ -878,12 +891,13 @@ cdef class Broker:
                     self.send_failed(c, errno)
                 break
             nbytes = 0
+            replies = 0
             for i in range(<uint32_t>sent):
-                nbytes += self.ssel[i].len
-            c.c.msgs_out += sent
-            c.c.bytes_out += nbytes
-            self.tot.msgs_out += sent
-            self.tot.bytes_out += nbytes
+                if self.ssel[i].reply:
+                    replies += 1
+                else:
+                    nbytes += self.ssel[i].len
+            self.count_sent(c, sent, nbytes, replies)
             sq_consume(&c.q, self.spos, sent)
             if <uint32_t>sent < k:
                 break
@@ -1039,7 +1053,7 @@ cdef class Broker:
     cdef dict counters(self, Client *c):
         d = self.ident(c)
         d.update(msgs_in=c.c.msgs_in, bytes_in=c.c.bytes_in, msgs_out=c.c.msgs_out,
-                 bytes_out=c.c.bytes_out, drops_soft=c.c.drops_soft,
+                 bytes_out=c.c.bytes_out, replies_out=c.c.replies_out, drops_soft=c.c.drops_soft,
                  drops_hard=c.c.drops_hard, drops_disconnect=c.c.drops_disconnect,
                  queued_msgs=c.q.live, queued_bytes=c.q.bytes, subscriptions=c.nsubs)
         return d
@@ -1047,7 +1061,7 @@ cdef class Broker:
     cdef dict zero_counters(self, dict ident):
         """Counters of a connection refused at accept: all zero."""
         d = dict(ident)
-        for name in COUNTER_FIELDS + ("queued_msgs", "queued_bytes", "subscriptions"):
+        for name in COUNTER_FIELDS + ("replies_out", "queued_msgs", "queued_bytes", "subscriptions"):
             d[name] = 0
         return d
 
@@ -1063,6 +1077,7 @@ cdef class Broker:
                 "disconnects": self.disconnects,
                 "msgs_in": self.tot.msgs_in, "bytes_in": self.tot.bytes_in,
                 "msgs_out": self.tot.msgs_out, "bytes_out": self.tot.bytes_out,
+                "replies_out": self.tot.replies_out,
                 "drops_soft": self.tot.drops_soft, "drops_hard": self.tot.drops_hard,
                 "drops_disconnect": self.tot.drops_disconnect,
                 "queued_msgs": queued_msgs, "queued_bytes": ps.bytes,

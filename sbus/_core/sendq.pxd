@@ -18,6 +18,7 @@ cdef struct Packet:
     uint32_t len
     uint64_t seq           # arrival order: ties in random order go oldest first
     char *data             # points just past the header, same allocation
+    bint reply             # the broker's own control reply, not a delivery
 
 
 cdef struct SendQueue:

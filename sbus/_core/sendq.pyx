@@ -24,6 +24,7 @@ cdef Packet *packet_new(const char *data, size_t n, uint64_t seq) noexcept nogil
     p.refs = 0
     p.len = <uint32_t>n
     p.seq = seq
+    p.reply = 0
     p.data = <char *>(p + 1)
     memcpy(p.data, data, n)
     packet_stats.live += 1
