@@ -236,6 +236,28 @@ def test_largest_packet_is_delivered_whole(broker):
     assert sub.recv(2 * BIG) == packet
 
 
+def test_mixed_sizes_in_one_batch_arrive_whole_and_in_order(broker):
+    # One publisher's burst lands in one receive batch: small and near-maximal
+    # packets side by side, a key longer than a page, and deliveries that must
+    # be queued (one reader is not reading yet) all come through byte for byte.
+    pub, live, late = client(broker, sndbuf=8 * BIG), client(broker), client(broker)
+    for s in (live, late):
+        s.send(b"SUB big/*")
+        sync(s)
+    keys = [b"big/k", b"big/" + b"k" * 10_000]
+    sizes = [64, 8191, 8192, 8193, 8194, 20_000, 100, BIG // 2, 64, BIG - 20_000]
+    packets = []
+    for i, size in enumerate(sizes):
+        head = b"MSG " + keys[i % 2] + b"\0"
+        packets.append(head + os.urandom(max(0, size - len(head))))
+    for packet in packets:
+        pub.send(packet)
+    live.settimeout(5)
+    assert [live.recv(2 * BIG) for _ in packets] == packets
+    late.settimeout(5)
+    assert [late.recv(2 * BIG) for _ in packets] == packets
+
+
 def test_oversized_packet_is_never_forwarded_and_is_logged(broker):
     pub, sub = client(broker, sndbuf=4 * BIG), client(broker)
     sub.send(b"SUB big")
