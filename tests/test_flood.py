@@ -383,6 +383,27 @@ def test_discard_mode_drops_only_for_the_slow_one_and_counts_every_drop(
     assert len(recs) < 20
 
 
+@pytest.mark.parametrize("soft", ["discard", "error"])
+def test_control_replies_are_queued_whatever_the_soft_mode(sbusd, backend, soft):
+    # Thousands of requests with no reading in between: the replies overflow
+    # the socket into the queue. The soft modes are about deliveries; a reply
+    # is what a client waits for (whoami as a barrier), so none is dropped and
+    # blocking/soft/error does not disconnect the client for it.
+    b = sbusd(*SMALL, backend=backend)
+    asker, aid = subscriber(b, cmsgs=[b"blocking/soft/" + soft.encode()])
+    n = 5000
+    for _ in range(n):
+        asker.send(b"CMSG !/cred/whoami")
+    wait_until(lambda: per_client(snapshot(b), aid)["queued_msgs"] > 0,
+               what="the replies to overflow the socket")
+    asker.settimeout(10)
+    replies = [asker.recv(200) for _ in range(n)]
+    assert all(r.startswith(b"CMSG !/cred/whoami\0") for r in replies)
+    c = per_client(snapshot(b), aid)
+    assert c["replies_out"] == n + 2        # and subscriber()'s whoami and stats
+    assert c["drops_soft"] == c["drops_disconnect"] == 0
+
+
 @pytest.mark.parametrize("which", ["soft", "hard"])
 def test_error_mode_disconnects_the_slow_client_and_the_rest_carry_on(
         sbusd, backend, publisher, which):

@@ -645,6 +645,44 @@ def test_second_user_subscribes_to_its_own_key(bus, spawn, conns, template):
     assert wild.collect() == []
 
 
+def test_leading_zeros_in_a_key_name_the_same_client(bus, conns):
+    me = conns(bus.address)
+    g, u, p = me.me.split("/")[2:]
+    assert me.sub_ok(f"!/cred/0{g}/00{u}/{p}/x")          # stored as !/cred/G/U/P/x
+    pub = conns(bus.address)
+    keys = [f"!/cred/{g}/{u}/{p}/x", f"!/cred/0{g}/00{u}/{p}/x", f"!/cred/{g}/{u}/000{p}/x"]
+    for k in keys:
+        pub.pub(k, b"z")
+    assert pub.whoami()
+    assert me.collect() == [msg(k, b"z") for k in keys]
+    pub.pub(f"!/cred/{g}/{u}/{p}0/x", b"no")                 # another pid entirely
+    assert pub.whoami()
+    assert me.collect() == []
+
+
+@asroot
+def test_an_empty_field_in_a_key_restricts_nothing(bus, spawn, conns):
+    root_all = conns(bus.address)
+    assert root_all.sub_ok("")
+
+    def child(ctl):
+        c = Conn(bus.address)
+        ctl.send({"kept": c.sub_ok("")})
+        ctl.wait()
+        return _s(c.collect())
+
+    ch = spawn(child)
+    assert ch.recv() == {"kept": True}
+    pub = conns(bus.address)
+    pub.pub("!/cred////anyone", b"a")                       # names no one: all who match
+    pub.pub("!/cred//0//root-uid", b"b")                    # any gid and pid, uid 0
+    pub.pub(f"!/cred/{NOBODY}///nobody-gid", b"c")
+    assert pub.whoami()
+    ch.send({"go": True})
+    assert _pkts(ch.result()) == [msg("!/cred////anyone", b"a"), msg(f"!/cred/{NOBODY}///nobody-gid", b"c")]
+    assert root_all.collect() == [msg("!/cred////anyone", b"a"), msg("!/cred//0//root-uid", b"b")]
+
+
 @asroot
 def test_anyone_may_publish_to_a_cred_key(bus, spawn, conns):
     rp = os.getpid()
@@ -887,7 +925,7 @@ def test_publishing_to_the_whoami_key_is_refused(bus, spawn):
 
 # -- the reserved '!' ---------------------------------------------------------------
 
-MISUSE = ["a/!/b", "!", "!/x", "x/!", "/!", "!/", "a/!", "!/!", "a//!//b"]
+MISUSE = ["a/!/b", "!", "!/x", "x/!", "/!", "!/", "a/!", "!/!", "a//!//b", "!/cred////a/!/b"]
 FINE = ["a!b", "!x", "x!", "a/!x/b", "a/x!/b", "!!", "a/!!/b"]
 
 

@@ -3,6 +3,7 @@ from libc.stdint cimport uint8_t, int32_t, uint32_t, uint64_t, int64_t
 
 from sbus._core.includes.sys cimport mmsghdr, iovec, ucred
 from sbus._core.index cimport Index, Sub
+from sbus._core.protocol cimport CredForm
 from sbus._core.loop cimport Poller
 from sbus._core.sendq cimport SendQueue, Packet
 
@@ -196,6 +197,7 @@ cdef class Broker:
     cdef int on_readable(self, Client *c, int mask) except -1
     cdef int handle_packet(self, Client *c, int slot, size_t n) except -1
     cdef int publish(self, Client *c, int slot, const char *key, size_t klen, size_t n) except -1
+    cdef int match_canonical(self, const char *key, size_t klen, CredForm *form, FanOut *f) except -1
     cdef int subscribe(self, Client *c, const char *pat, size_t n) except -1
     cdef int unsubscribe(self, Client *c, const char *pat, size_t n) except -1
     cdef int control(self, Client *c, const char *key, size_t n) except -1

@@ -38,7 +38,7 @@ from sbus._core.loop import make_poller
 from sbus._core.protocol cimport (
     ParsedPacket, parse_packet, VERB_MSG, VERB_SUB, VERB_UNSUB, VERB_CMSG,
     CredForm, parse_cred_form, is_cred_key, check_rest, KEY_OK, KEY_BANG_MISUSE,
-    CRED_EMPTY,
+    CRED_EMPTY, CRED_CANONICAL_MAX, cred_canonical_prefix,
 )
 from sbus._core.sendq cimport (Packet, SendQueue, PacketStats, get_packet_stats,
                                packet_new, packet_release, sq_push, sq_select,
@@ -83,7 +83,10 @@ cdef void fan_one(void *ctx, Sub *sub) noexcept nogil:
     if c == f.sender and not c.echo:
         return
     # A !/cred/G/U/P/ key reaches only G/U/P, whatever pattern matched it.
-    if f.is_cred and (c.gid != f.gid or c.uid != f.uid or c.pid != f.pid):
+    # An empty field names no one, so it restricts nothing.
+    if f.is_cred and ((f.gid != CRED_EMPTY and c.gid != f.gid) or
+                      (f.uid != CRED_EMPTY and c.uid != f.uid) or
+                      (f.pid != CRED_EMPTY and c.pid != f.pid)):
         return
     f.recips[f.n] = c
     f.n += 1
@@ -539,6 +542,8 @@ cdef class Broker:
         f.recips = self.recips
         f.n = 0
         index_match(&self.index, key, klen, fan_one, &f)
+        if f.is_cred:
+            self.match_canonical(key, klen, &form, &f)
         for i in range(f.n):
             self.pend_add(f.recips[i], slot, NULL)
         if self.sample_rate > 0:
@@ -596,6 +601,26 @@ cdef class Broker:
         memcpy(self.scratch + len(prefix), rest, rest_len)
         return len(prefix) + rest_len
 
+    cdef int match_canonical(self, const char *key, size_t klen, CredForm *form, FanOut *f) except -1:
+        """Subscriptions store !/cred/ numbers without leading zeros, so a
+        key spelling them with zeros ("!/cred/007/...") is matched again in
+        that form: both spellings name the same client. Clients already
+        picked are not picked twice."""
+        cdef char canon[CRED_CANONICAL_MAX]
+        cdef size_t clen = cred_canonical_prefix(form, canon)
+        cdef size_t rest = klen - form.prefix_len
+        cdef char *alt
+        if clen == form.prefix_len and memcmp(canon, key, clen) == 0:
+            return 0
+        alt = <char *>malloc(clen + rest)
+        if alt == NULL:
+            raise MemoryError()
+        memcpy(alt, canon, clen)
+        memcpy(alt + clen, key + form.prefix_len, rest)
+        index_match(&self.index, alt, clen + rest, fan_one, f)
+        free(alt)
+        return 0
+
     cdef int subscribe(self, Client *c, const char *pat, size_t n) except -1:
         cdef Py_ssize_t stored
         cdef Sub *sub
@@ -636,7 +661,9 @@ cdef class Broker:
         cdef uint32_t i
         cdef Sub *sub
         cdef Sub *last
-        if stored < 0 and check_rest(pat, n, True) == KEY_BANG_MISUSE and not is_cred_key(pat, n):
+        if stored < 0 and self.refusal == "bang_misuse":
+            # as in SUB; a pattern refused for its credentials was simply
+            # never stored, so it is not found
             return self.mark_closing(c, R_BANG, "reserved '!' in pattern")
         if stored >= 0:
             i = c.nsubs
@@ -819,11 +846,15 @@ cdef class Broker:
         cdef uint64_t length = pkt.len if pkt != NULL else self.rhdrs[e.slot].msg_len
         cdef PacketStats *ps = get_packet_stats()
         cdef bint over
-        if c.soft == MODE_DISCARD:
+        # The soft modes are about deliveries. The broker's own reply is what
+        # a client waits for (whoami as a barrier): it is queued, and only
+        # the hard limit can refuse it.
+        cdef bint reply = pkt != NULL and pkt.reply
+        if c.soft == MODE_DISCARD and not reply:
             c.c.drops_soft += 1
             self.tot.drops_soft += 1
             return 0
-        if c.soft == MODE_ERROR:
+        if c.soft == MODE_ERROR and not reply:
             c.c.drops_disconnect += 1
             self.tot.drops_disconnect += 1
             return self.mark_closing(c, R_FLOOD, "would block (blocking/soft/error)")
@@ -860,7 +891,7 @@ cdef class Broker:
             c.c.drops_hard += 1
             self.tot.drops_hard += 1
             return 0
-        if c.soft == MODE_BLOCK:
+        if c.soft == MODE_BLOCK and not reply:
             self.start_blocking(c)
         if c.q.live == 1:
             self.update_interest(c)

@@ -30,6 +30,7 @@ cdef enum KeyCheck:
 cdef enum:
     CRED_EMPTY = -1         # an empty credential field
     CRED_PREFIX_LEN = 7     # len("!/cred/")
+    CRED_CANONICAL_MAX = 40 # "!/cred/" + three 10-digit fields and their '/'s
 
 
 cdef struct CredForm:
@@ -46,4 +47,5 @@ cdef size_t first_segment_len(const char *s, size_t n) noexcept nogil
 cdef bint is_cred_key(const char *s, size_t n) noexcept nogil
 cdef int parse_cred_form(const char *s, size_t n, bint allow_star,
                          CredForm *out) noexcept nogil
+cdef size_t cred_canonical_prefix(const CredForm *form, char *out) noexcept nogil
 cdef int check_rest(const char *s, size_t n, bint is_pattern) noexcept nogil

@@ -4,7 +4,7 @@
 The ``def`` functions at the bottom expose the C functions to Python for tests,
 benchmarks and fuzzing; the broker itself only uses the ``cdef`` ones.
 """
-from libc.string cimport memchr, memcmp
+from libc.string cimport memchr, memcmp, memcpy
 from libc.stdint cimport int64_t
 
 
@@ -110,6 +110,34 @@ cdef int parse_cred_form(const char *s, size_t n, bint allow_star,
     out.pid = fields[2]
     out.prefix_len = i
     return 0
+
+
+cdef size_t cred_canonical_prefix(const CredForm *form, char *out) noexcept nogil:
+    """Write ``!/cred/G/U/P/`` without leading zeros (empty fields stay
+    empty) to out, which holds at least CRED_CANONICAL_MAX bytes; returns
+    its length."""
+    cdef size_t n = CRED_PREFIX_LEN
+    cdef int field, k
+    cdef int64_t v
+    cdef char digits[10]
+    memcpy(out, b"!/cred/", CRED_PREFIX_LEN)
+    for field in range(3):
+        v = form.gid if field == 0 else form.uid if field == 1 else form.pid
+        if v != CRED_EMPTY:
+            k = 0
+            while True:
+                digits[k] = <char>(48 + v % 10)     # 48 == '0'
+                k += 1
+                v //= 10
+                if v == 0:
+                    break
+            while k > 0:
+                k -= 1
+                out[n] = digits[k]
+                n += 1
+        out[n] = b'/'
+        n += 1
+    return n
 
 
 cdef int check_rest(const char *s, size_t n, bint is_pattern) noexcept nogil:
