@@ -449,7 +449,9 @@ def logging_rows(sizes, reps, duration, workdir):
     rows = []
     for size in sizes[:1]:
         window = "256" if size <= 1024 else "64"
-        res = run_group(configs, workdir, reps, "flood",
+        # At least 5 alternated runs each, as for `idle`: a comparison of
+        # sbusd with itself drowns in the kernel's run-to-run drift otherwise.
+        res = run_group(configs, workdir, max(reps, 5), "flood",
                         lambda kind, label: ["-n", "1", "-s", str(size), "-d", str(duration), "-w", window])
         r_val, r_cpu, r_prob = summarize(res["relay"], "msgs_per_s")
         off, off_cpu, _ = summarize(res["log off"], "msgs_per_s")
