@@ -69,6 +69,9 @@ def parse(text: Union[str, bytes]) -> Address:
             if len(hexpart) > 2 * SUN_PATH_SIZE:
                 raise AddressError(f"bad unix socket address {text!r}: name too long")
             raw = bytes.fromhex(hexpart).ljust(SUN_PATH_SIZE, b"\0")
+            if raw[:1] != b"\0":
+                raise AddressError(f"bad unix socket address {text!r}: an abstract name's hex "
+                                   f"begins with 00, its leading NUL (e.g. {ABSTRACT_PREFIX}/00{hexpart})")
             return Address(text, sun_path=raw)
     path = os.fsencode(text)
     if len(path) >= SUN_PATH_SIZE:

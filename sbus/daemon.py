@@ -189,9 +189,34 @@ def daemonise() -> Callable[[], None]:
     return ready
 
 
+def ensure_stdio() -> None:
+    """Open /dev/null on any of fds 0-2 we were started without, before any
+    socket is created: else the listening socket could become fd 1, which
+    readiness (detach_stdio) then replaces."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)      # the lowest free fd: this one
+
+
+def announce(text: str) -> None:
+    """Print a line on stdout for whoever started us; nobody listening
+    (stdout closed, or a pipe whose reader left) is not an error."""
+    try:
+        if sys.stdout is not None:
+            print(text, file=sys.stdout, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 def detach_stdio() -> None:
     """Readiness for a parent reading our stdout: close it (and stdin)."""
-    sys.stdout.flush()
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)

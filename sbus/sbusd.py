@@ -112,6 +112,8 @@ def _number(opt: str, value: str, kind=int, low=0, high=None):
         n = kind(value)
     except ValueError:
         raise UsageError(f"{opt}: not a number: {value!r}")
+    if n != n or n in (float("inf"), float("-inf")):     # nan, inf: no JSON for them either
+        raise UsageError(f"{opt}: not a finite number: {value!r}")
     if n < low or (high is not None and n > high):
         raise UsageError(f"{opt}: out of range: {value!r}")
     return n
@@ -244,6 +246,20 @@ def run(cfg: Config) -> int:
     def warn(text: str) -> None:
         print(f"sbusd: {text}", file=sys.stderr)
 
+    # The socket accepts connections before the broker loop exists: a stop
+    # signal arriving in between is remembered and honoured at once, so the
+    # broker still exits cleanly and removes its socket. (A log reopen
+    # request before the log is open has nothing to do.)
+    early_stop: List[str] = []
+
+    def remember(signo, frame):
+        if signo != signal.SIGHUP or cfg.foreground:
+            early_stop.append(signal.Signals(signo).name)
+
+    for signo in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signo, remember)
+    daemon.ensure_stdio()
+
     # A daemon chdirs to "/": every path it keeps using must be absolute.
     if cfg.pidfile:
         cfg.pidfile = os.path.abspath(cfg.pidfile)
@@ -269,7 +285,7 @@ def run(cfg: Config) -> int:
     pidfile_written = False
     try:
         if listener.printed_address:
-            print(listener.printed_address, flush=True)
+            daemon.announce(listener.printed_address)
         ready = None
         if not cfg.foreground:
             ready = daemon.daemonise()
@@ -280,7 +296,7 @@ def run(cfg: Config) -> int:
                 daemon.quiet_tty_stderr()
         if allowed:
             allowed.append(os.getuid())
-        return serve(cfg, listener, allowed, ready)
+        return serve(cfg, listener, allowed, ready, early_stop)
     except daemon.StartupError as e:
         warn(str(e))
         return 1
@@ -297,7 +313,7 @@ def run(cfg: Config) -> int:
                 pass
 
 
-def serve(cfg: Config, listener, allowed, ready) -> int:
+def serve(cfg: Config, listener, allowed, ready, early_stop=()) -> int:
     from . import daemon, log as logging_
     from ._core.broker import Broker
 
@@ -331,6 +347,8 @@ def serve(cfg: Config, listener, allowed, ready) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGHUP, stop if cfg.foreground else reopen)
+    if early_stop:
+        broker.stop(early_stop[0])      # run() then returns at once
 
     started = time.monotonic()
     log.info("broker_start", version=__version__, address=listener.printed_address or cfg.address,

@@ -1,6 +1,7 @@
 """``sbus``: publish, subscribe and ask the broker from the shell.
 
-    sbus pub KEY [MESSAGE | -]      publish MESSAGE (default empty; '-' reads stdin)
+    sbus pub KEY [MESSAGE | -]      publish MESSAGE (default empty; '-' reads stdin);
+                                    exits 1 if the broker refuses it
     sbus sub [--json] [--count N] PATTERN...
                                     print messages as they arrive
     sbus whoami                     print this client's credentials
@@ -20,7 +21,7 @@ from typing import BinaryIO, Dict, List, Optional, Union
 
 from . import __version__
 from .address import from_environment
-from .client import Client, ControlMessage, Message
+from .client import MAX_MESSAGE, Client, ControlMessage, Message
 from .errors import BusClosedError, SbusError
 
 # How long whoami and stats wait for the broker's reply.
@@ -55,6 +56,9 @@ def cmd_pub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bina
     else:
         payload = args.message
     bus.publish(args.key, payload)
+    # The broker answers in order: a reply means it took the message, and a
+    # hang-up means it refused it (oversized, or a misused '!').
+    bus.whoami(timeout=REPLY_TIMEOUT)
     return 0
 
 
@@ -89,7 +93,10 @@ def cmd_stats(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bi
 
 
 def _count(text: str) -> int:
-    n = int(text)
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
     if n < 0:
         raise argparse.ArgumentTypeError("must be 0 or more")
     return n
@@ -106,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-a", "--address", metavar="ADDRESS", default=argparse.SUPPRESS,
                         help="the bus to connect to")
+    common.add_argument("--max-message", metavar="BYTES", type=_count, default=MAX_MESSAGE,
+                        help=f"the largest packet to send or receive, as the broker's "
+                             f"--max-message (default {MAX_MESSAGE})")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     pub = commands.add_parser("pub", parents=[common], help="publish a message")
@@ -142,7 +152,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     where = from_environment(args.address)
     stdout = sys.stdout.buffer
     try:
-        with Client(where) as bus:
+        with Client(where, max_message=args.max_message) as bus:
             return args.run(bus, args, sys.stdin.buffer, stdout)
     except KeyboardInterrupt:
         return 130
@@ -152,7 +162,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
         return 0
     except BusClosedError:
-        return _fail(f"{where}: the broker closed the connection")
+        return _fail(f"{where}: the broker closed the connection (its log says why)")
     except TimeoutError:
         return _fail(f"{where}: no reply from the broker within {REPLY_TIMEOUT:g} s")
     except OSError as exc:

@@ -347,3 +347,17 @@ def test_control_replies_are_counted_apart_from_deliveries(broker):
     mine = [c for c in again["clients"] if c["client"] == mine[0]["client"]][0]
     assert (mine["replies_out"], mine["msgs_out"]) == (4, 0)
     assert again["totals"]["msgs_out"] == 0 and again["totals"]["replies_out"] >= 4
+
+
+def test_closing_with_unread_deliveries_is_an_ordinary_eof(broker):
+    pub, sub = client(broker), client(broker)
+    sub.send(b"SUB k")
+    sync(sub)
+    for _ in range(5):
+        pub.send(b"MSG k\0unread")
+    sync(pub)
+    sync(pub)       # the deliveries sit in sub's socket: it closes without reading them
+    sub.close()
+    rec = broker.wait_for_event("client_disconnect")
+    assert rec["reason"] == "eof" and rec["detail"] == "closed with unread deliveries", rec
+    assert rec["level"] == "info"

@@ -287,6 +287,9 @@ def test_version_prints_version_then_exits_0(flag):
     ["--backend", "kqueue"],
     ["--log-level", "loud"],
     ["--max-message", "lots"],
+    ["--stats-interval", "nan"],  # no JSON can carry these into broker_start
+    ["--block-timeout", "inf"],
+    ["--log-messages", "nan"],
 ], ids=lambda a: " ".join(a))
 def test_bad_usage_exits_nonzero_with_usage_on_stderr(tmp_path, bad):
     sock = tmp_path / "never.socket"
@@ -548,6 +551,61 @@ def test_foreground_signal_exits_0_and_removes_socket(sbusd, tmp_path, sig, back
     assert not os.path.lexists(sock)
     stop = [r for r in b.records() if r["event"] == "broker_stop"]
     assert stop and stop[0]["reason"] == sig.name
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_signal_as_soon_as_the_socket_accepts_still_stops_cleanly(sbusd, tmp_path, sig):
+    """A supervisor that waits for connect() to succeed rather than for EOF on
+    stdout, then stops the broker at once, hits the moment between listen()
+    and the event loop: the signal is remembered, not fatal."""
+    for attempt in range(5):
+        sock = tmp_path / f"race-{attempt}.socket"
+        b = sbusd("-f", "-a", str(sock))
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                    s.connect(str(sock))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                assert time.monotonic() < deadline, "never listened"
+                time.sleep(0.0005)
+        b.proc.send_signal(sig)
+        assert b.wait() == 0, b.stderr()
+        assert not os.path.lexists(sock)
+        stop = [r for r in b.records() if r["event"] == "broker_stop"]
+        assert stop and stop[0]["reason"] == sig.name
+
+
+def test_a_closed_stdout_is_no_error(tmp_path):
+    """`sbusd -f ... >&-`: nobody to tell it is ready, and nothing breaks."""
+    sock = tmp_path / "bus.socket"
+    proc = subprocess.Popen(["sh", "-c", f'exec "$0" -f -a "$1" >&-', SBUSD, str(sock)],
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            try:
+                assert serving(str(sock))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(TIMEOUT) == 0
+        assert b"Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_an_abstract_hex_name_without_its_leading_nul_is_a_clear_error():
+    proc = run_sbusd("-f", "-a", "/dev/unix/abstract/6162")
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("sbusd: bad unix socket address") and "begins with 00" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

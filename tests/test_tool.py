@@ -149,3 +149,27 @@ def test_an_oversized_payload_is_refused(broker, listener):
     assert proc.stderr.startswith(b"sbus: packet of 409608 bytes exceeds the bus limit")
     with pytest.raises(TimeoutError):
         listener.receive(timeout=0.2)
+
+
+def test_pub_fails_when_the_broker_refuses_the_message(start_broker):
+    b = start_broker("--max-message", "1000")
+    proc = sbus("pub", "-a", b.address, "big", "-", input=b"x" * 2000, check=False)
+    assert proc.returncode == 1
+    assert b"the broker closed the connection" in proc.stderr
+    assert b.wait_for_event("client_disconnect")["reason"] == "oversize"
+    proc = sbus("pub", "-a", b.address, "a/!/b", "x", check=False)     # a misused '!'
+    assert proc.returncode == 1
+
+
+def test_max_message_matches_a_broker_with_a_raised_limit(start_broker):
+    b = start_broker("--max-message", "1000000")
+    with Client(b.address, max_message=1_000_000) as listener:
+        listener.subscribe("big")
+        listener.whoami(timeout=TIMEOUT)
+        payload = os.urandom(600_000)
+        proc = sbus("pub", "-a", b.address, "big", "-", input=payload, check=False)
+        assert proc.returncode == 1 and b"exceeds the bus limit of 409600" in proc.stderr
+        sbus("pub", "-a", b.address, "--max-message", "1000000", "big", "-", input=payload)
+        assert listener.receive(timeout=TIMEOUT) == Message(b"big", payload)
+    proc = sbus("pub", "-a", b.address, "--max-message", "lots", "k", check=False)
+    assert proc.returncode == 2 and b"not a whole number: 'lots'" in proc.stderr

@@ -472,6 +472,10 @@ cdef class Broker:
         if n < 0:
             if errno == EAGAIN or errno == EINTR:
                 return 0
+            if errno == ECONNRESET:
+                # The client closed with deliveries still unread in its
+                # socket: an ordinary close, not a fault.
+                return self.mark_closing(c, R_EOF, "closed with unread deliveries")
             import os
             return self.mark_closing(c, R_ERROR, f"recv: {os.strerror(errno)}")
         for i in range(n):
