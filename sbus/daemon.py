@@ -223,9 +223,16 @@ def detach_stdio() -> None:
     os.close(devnull)
 
 
-def quiet_tty_stderr() -> None:
-    """A daemon must not write to the terminal it left."""
-    if os.isatty(2):
+def release_stderr() -> None:
+    """A daemon lets go of a terminal it left, and of a pipe: whoever
+    launched it (`$(sbusd ... 2>&1)`, subprocess with captured output)
+    would otherwise wait for EOF until the daemon exits. A file or a socket
+    (the journal) is kept for its logs."""
+    try:
+        st = os.fstat(2)
+    except OSError:
+        return
+    if os.isatty(2) or stat.S_ISFIFO(st.st_mode):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
         os.close(devnull)

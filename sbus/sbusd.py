@@ -293,7 +293,7 @@ def run(cfg: Config) -> int:
                 daemon.write_pidfile(cfg.pidfile)
                 pidfile_written = True
             if not cfg.log_file:
-                daemon.quiet_tty_stderr()
+                daemon.release_stderr()
         if allowed:
             allowed.append(os.getuid())
         return serve(cfg, listener, allowed, ready, early_stop)

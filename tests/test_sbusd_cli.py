@@ -686,6 +686,34 @@ def test_daemon_sighup_reopens_its_log_file(daemon, tmp_path):
     assert not os.path.lexists(sock) and not os.path.lexists(pidfile)
 
 
+def test_a_daemon_without_log_file_lets_go_of_captured_output(daemon, tmp_path):
+    """subprocess.run(capture_output=True), or $(sbusd ... 2>&1): the caller
+    reads both pipes to EOF, so the daemon must keep neither."""
+    sock, pidfile = tmp_path / "cap.socket", tmp_path / "cap.pid"
+    started = time.monotonic()
+    proc = subprocess.run([SBUSD, "-a", str(sock), "-p", str(pidfile)], stdin=subprocess.DEVNULL,
+                          capture_output=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - started < TIMEOUT
+    pid = read_pid(pidfile)
+    daemon.track(pid)
+    assert serving(str(sock))
+    os.kill(pid, signal.SIGTERM)
+    assert wait_gone(pid)
+    # A file on stderr is kept for the logs.
+    err = tmp_path / "cap.stderr"
+    with open(err, "wb") as e:
+        proc = subprocess.run([SBUSD, "-a", str(sock), "-p", str(pidfile), "--log-format", "json"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=e,
+                              timeout=TIMEOUT)
+    assert proc.returncode == 0
+    pid = read_pid(pidfile)
+    daemon.track(pid)
+    os.kill(pid, signal.SIGTERM)
+    assert wait_gone(pid)
+    assert [r["event"] for r in records(err)][-1] == "broker_stop"
+
+
 def test_daemon_pidfile_dev_null_means_none(daemon, tmp_path):
     args, sock, pidfile, log = daemon_args(tmp_path)
     args[args.index(str(pidfile))] = "/dev/null"
