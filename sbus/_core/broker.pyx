@@ -570,7 +570,8 @@ cdef class Broker:
         cdef int check
         cdef const char *rest = pat
         cdef size_t rest_len = n
-        cdef bytes prefix = b""
+        cdef char prefix[CRED_CANONICAL_MAX]
+        cdef size_t plen = 0
         if is_cred_key(pat, n):
             if parse_cred_form(pat, n, False, &form) < 0:
                 self.refusal = "cred_malformed"
@@ -584,7 +585,8 @@ cdef class Broker:
                 if refuse:
                     self.mark_closing(c, R_CRED, "credentials do not match the client's")
                 return -1
-            prefix = b"!/cred/%d/%d/%d/" % (c.gid, c.uid, c.pid)
+            form.gid, form.uid, form.pid = c.gid, c.uid, c.pid     # empty fields: its own
+            plen = cred_canonical_prefix(&form, prefix)
             rest = pat + form.prefix_len
             rest_len = n - form.prefix_len
         check = check_rest(rest, rest_len, True)
@@ -596,14 +598,14 @@ cdef class Broker:
                 else:
                     self.mark_closing(c, R_CRED, "malformed nested !/cred/ pattern")
             return -1
-        if len(prefix) + rest_len > self.scratch_cap:
+        if plen + rest_len > self.scratch_cap:
             self.refusal = "pattern_too_long"
             if refuse:
                 self.mark_closing(c, R_LIMIT, "pattern too long")
             return -1
-        memcpy(self.scratch, <const char *>prefix, len(prefix))
-        memcpy(self.scratch + len(prefix), rest, rest_len)
-        return len(prefix) + rest_len
+        memcpy(self.scratch, prefix, plen)
+        memcpy(self.scratch + plen, rest, rest_len)
+        return plen + rest_len
 
     cdef int match_canonical(self, const char *key, size_t klen, CredForm *form, FanOut *f) except -1:
         """Subscriptions store !/cred/ numbers without leading zeros, so a
