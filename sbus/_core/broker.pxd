@@ -1,4 +1,4 @@
-# The broker: the connection table and the per-message path.
+# The broker: the per-message path, from receive slot to sendmmsg.
 #
 # The life of a message:
 #   1. receive: recvmmsg reads up to RECV_BATCH packets of one connection
@@ -70,24 +70,27 @@ cdef class Broker(Server):
     # 4. a slot's shared packet, made once some recipient had to queue it
     cdef Packet *batch_pkts[RECV_BATCH]
 
+    # ---- buffers
+    cdef int release_buffers(self) except -1     # madvise away pages large packets touched
+
     # ---- receiving: one batch of one connection, then flush_pending
-    cdef int on_readable(self, Conn *c, int mask) except -1
-    cdef int handle_packet(self, Conn *c, int slot, size_t n) except -1
-    cdef int publish(self, Conn *c, int slot, const char *key, size_t klen, size_t n) except -1
+    cdef int on_readable(self, Conn *c, int mask) except -1   # EOF, oversize, empty: close c
+    cdef int handle_packet(self, Conn *c, int slot, size_t n) except -1  # by verb, or close c
+    cdef int publish(self, Conn *c, int slot, const char *key, size_t klen,
+                     size_t n) except -1         # check the key, count, pend_add per recipient
     cdef int match_canonical(self, const char *key, size_t klen, CredForm *form,
-                             FanOut *f) except -1     # a !/cred/ key spelt with zeros
+                             FanOut *f) except -1   # match a !/cred/ key spelt with zeros again
     cdef int sample(self, Conn *c, const char *key, size_t klen, size_t n,
-                    uint32_t fanout) except -1        # on_message, log_messages of the time
-    cdef int reply(self, Conn *c, bytes packet) except -1   # a control reply, as a delivery
-    cdef int release_buffers(self) except -1
+                    uint32_t fanout) except -1      # on_message for a log_messages share
 
     # ---- delivering: pending entries, one sendmmsg per recipient, the queue
-    cdef int pend_add(self, Conn *c, int32_t slot, Packet *pkt) except -1
-    cdef int flush_pending(self) except -1       # every recipient's chain, then the packets
-    cdef int flush_conn(self, Conn *c) except -1  # one chain: send, the rest to enqueue
-    cdef int send_prepared(self, Conn *c, uint32_t k) except -1  # returns packets sent
-    cdef int enqueue(self, Conn *c, Pending *e) except -1        # acts on flood_action
-    cdef Packet *shared_packet(self, Pending *e) noexcept        # NULL: out of memory
-    cdef int drain(self, Conn *c) except -1      # write c's queue in its order
-    cdef int send_failed(self, Conn *c, int err) except -1
-    cdef int stop_writing(self, Conn *c) except -1   # peer gone: drop its queue and later deliveries
+    cdef int reply(self, Conn *c, bytes packet) except -1      # behind c's deliveries
+    cdef int pend_add(self, Conn *c, int32_t slot, Packet *pkt) except -1  # chain onto c's entries
+    cdef int flush_pending(self) except -1       # every recipient's chain, then the batch's packets
+    cdef int flush_conn(self, Conn *c) except -1  # send c's chain; the rest goes to enqueue
+    cdef int send_prepared(self, Conn *c, uint32_t k) except -1  # sendmmsg siov[0:k]; returns sent
+    cdef int enqueue(self, Conn *c, Pending *e) except -1        # act on policy.flood_action
+    cdef Packet *shared_packet(self, Pending *e) noexcept        # the slot's; NULL: no memory
+    cdef int drain(self, Conn *c) except -1      # write c's queue in its order, on EPOLLOUT
+    cdef int send_failed(self, Conn *c, int err) except -1       # EPIPE: stop_writing; else close
+    cdef int stop_writing(self, Conn *c) except -1   # peer gone: drop queue and later deliveries

@@ -102,6 +102,8 @@ cdef class Broker(Server):
         if self.recv_area != NULL:
             munmap(self.recv_area, self.recv_area_size)
 
+    # ---- buffers -----------------------------------------------------------
+
     cdef int release_buffers(self) except -1:
         if self.recv_high > 65536:
             # Large packets touched many receive pages: let them go (they
@@ -245,6 +247,8 @@ cdef class Broker(Server):
                 self.keep_callback_error(err)
         return 0
 
+    # ---- delivering --------------------------------------------------------
+
     cdef int reply(self, Conn *c, bytes packet) except -1:
         """Queue a broker-made packet behind c's pending deliveries."""
         cdef Packet *p = packet_new(packet, len(packet), 0)
@@ -253,8 +257,6 @@ cdef class Broker(Server):
         p.refs = 1          # released when the pending entry is consumed
         p.reply = 1
         return self.pend_add(c, -1, p)
-
-    # ---- delivering --------------------------------------------------------
 
     cdef int pend_add(self, Conn *c, int32_t slot, Packet *pkt) except -1:
         cdef Pending *e

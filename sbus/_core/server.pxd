@@ -92,39 +92,41 @@ cdef class Server:
     cdef int dispatch(self, int n) except -1     # handle fired[0:n]
     cdef int before_sleep(self) except -1        # tear down marked conns, block timeouts
     cdef int housekeeping(self) except -1        # on the tick: trim memory, on_tick
-    cdef int raise_callback_error(self) except -1
+    cdef int raise_callback_error(self) except -1   # the turn's kept exception, once
 
     # ---- accepting
     cdef int accept_clients(self) except -1      # up to ACCEPT_BATCH per event
-    cdef int admit(self, int fd, ucred *cred) except -1
-    cdef Conn *add_conn(self, int fd, ucred *cred) except NULL
+    cdef int admit(self, int fd, ucred *cred) except -1   # add_conn, or close with a record
+    cdef Conn *add_conn(self, int fd, ucred *cred) except NULL  # in the default modes
     cdef str refuse_peer(self, ucred *cred)      # why it may not connect, or None
-    cdef int fd_exhausted(self, int err) except -1
-    cdef int grow_table(self, int fd) except -1
-    cdef int grow_lists(self, uint32_t need) except -1
+    cdef int fd_exhausted(self, int err) except -1   # spare fd, else pause accepting
+    cdef int grow_table(self, int fd) except -1      # conns[] to hold fd
+    cdef int grow_lists(self, uint32_t need) except -1   # one entry per connection
 
     # ---- subscriptions
-    cdef int subscribe(self, Conn *c, const char *pat, size_t n) except -1
-    cdef int unsubscribe(self, Conn *c, const char *pat, size_t n) except -1
-    cdef int refuse_pattern(self, Conn *c, int refusal, const char *pat, size_t n) except -1
+    cdef int subscribe(self, Conn *c, const char *pat, size_t n) except -1    # refused: close
+    cdef int unsubscribe(self, Conn *c, const char *pat, size_t n) except -1  # '!' misuse: close
+    cdef int refuse_pattern(self, Conn *c, int refusal, const char *pat,
+                            size_t n) except -1   # log the refused SUB, close c
 
     # ---- control messages
-    cdef int control(self, Conn *c, const char *key, size_t n) except -1
-    cdef int set_mode(self, Conn *c, int which, int value) except -1
+    cdef int control(self, Conn *c, const char *key, size_t n) except -1   # reply, mode, or ignore
+    cdef int set_mode(self, Conn *c, int which, int value) except -1   # may release the bus
 
     # ---- blocking the bus (the decisions: policy.pxd)
-    cdef int start_blocking(self, Conn *c) except -1
-    cdef int maybe_unblock(self, Conn *c) except -1
-    cdef int pause(self, Conn *c) except -1
-    cdef int resume_all(self) except -1
-    cdef int check_block_timeouts(self) except -1
-    cdef int update_interest(self, Conn *c) except -1
+    cdef int start_blocking(self, Conn *c) except -1        # c holds the bus from now
+    cdef int maybe_unblock(self, Conn *c) except -1         # stop_blocking unless holds_bus
+    cdef int stop_blocking(self, Conn *c) except -1         # the last one resumes the paused
+    cdef int pause(self, Conn *c) except -1                 # stop reading c until resume_all
+    cdef int resume_all(self) except -1                     # read every paused connection again
+    cdef int check_block_timeouts(self) except -1           # close who held it block_timeout
+    cdef int update_interest(self, Conn *c) except -1       # read unless paused, write if queued
 
     # ---- closing: mark now, tear down at the end of the turn
-    cdef int mark_closing(self, Conn *c, int reason, detail) except -1
-    cdef int finalize_closing(self) except -1
+    cdef int mark_closing(self, Conn *c, int reason, detail) except -1   # first reason wins
+    cdef int finalize_closing(self) except -1    # free, log client_disconnect, auto_close
     cdef void count_drops_disconnect(self, Conn *c, uint64_t n) noexcept
 
     # ---- reporting (records: report.pyx)
-    cdef int emit(self, str name, dict fields) except -1
-    cdef int keep_callback_error(self, object err) except -1
+    cdef int emit(self, str name, dict fields) except -1   # on_event; an exception is kept
+    cdef int keep_callback_error(self, object err) except -1   # the first of the turn

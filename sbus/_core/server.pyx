@@ -345,10 +345,9 @@ cdef class Server:
             setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &self.sndbuf, sizeof(int))
         c = self.add_conn(fd, cred)
         if self.nblocking:
-            c.paused = 1
-            self.paused[self.npaused] = c
-            self.npaused += 1
-        self.update_interest(c)
+            self.pause(c)
+        else:
+            self.update_interest(c)
         self.emit(CLIENT_CONNECT, report.ident(c))
         return 0
 
@@ -586,6 +585,9 @@ cdef class Server:
         if holds_bus(c.soft, c.hard, c.q.live, c.q.bytes, self.queue_max_bytes,
                      self.queue_max_msgs):
             return 0
+        return self.stop_blocking(c)
+
+    cdef int stop_blocking(self, Conn *c) except -1:
         c.blocking = 0
         self.nblocking -= 1
         if self.nblocking == 0:
@@ -665,10 +667,7 @@ cdef class Server:
             self.disconnects += 1
             record = report.disconnect(c, self.close_details.pop(c.id, None), self.now)
             if c.blocking:
-                c.blocking = 0
-                self.nblocking -= 1
-                if self.nblocking == 0:
-                    self.resume_all()
+                self.stop_blocking(c)
             free(c)
             self.emit(CLIENT_DISCONNECT, record)
         self.nclosing = 0
