@@ -18,10 +18,8 @@ from . import logschema as schema
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "off": 50}
 
 # Events that say a client did something wrong, or the broker is in trouble.
-_WARNING_REASONS = frozenset({
-    "protocol_error", "cred_refused", "bang_misuse", "user_refused",
-    "flood_error", "oversize", "limit", "fd_limit", "error",
-})
+_WARNING_REASONS = frozenset(schema.DISCONNECT_REASONS) - {
+    schema.DISCONNECT_EOF, schema.DISCONNECT_SHUTDOWN}
 _EVENT_LEVELS = {
     "cmsg_ignored": "debug",
     "flood": "warning",

@@ -43,10 +43,13 @@ STATS = "stats"
 MESSAGE = "message"
 # Operational events that carry no counters the analytics job aggregates.
 # Their fields are not part of the schema and may clash with it (e.g.
-# accept_paused carries `clients` as a number); readers skip them.
-CMSG_IGNORED = "cmsg_ignored"
-LOG_REOPENED = "log_reopened"
-ACCEPT_PAUSED = "accept_paused"
+# accept_paused carries `connected` as a number); readers skip them.
+CMSG_IGNORED = "cmsg_ignored"      # client, pid, uid, gid, key
+LOG_REOPENED = "log_reopened"      # path
+FD_EXHAUSTED = "fd_exhausted"      # errno, connected: accept ran out of descriptors
+ACCEPT_PAUSED = "accept_paused"    # connected: even the spare descriptor is gone
+ACCEPT_ERROR = "accept_error"      # errno: accept failed for another reason
+OPERATIONAL_EVENTS = (CMSG_IGNORED, LOG_REOPENED, FD_EXHAUSTED, ACCEPT_PAUSED, ACCEPT_ERROR)
 
 LEVELS = ("debug", "info", "warning", "error")
 

@@ -216,16 +216,16 @@ class Service:
         now = time.monotonic()
         if now >= self.next_flood:
             self.next_flood = now + FLOOD_INTERVAL
-            for record in self.broker.flood_report():
+            for record in self.broker.take_flood_report():
                 self.log.warning("flood", interval_s=FLOOD_INTERVAL, **record)
         if self.cfg.stats_interval > 0 and now >= self.next_stats:
             self.next_stats = now + self.cfg.stats_interval
             self.write_stats()
 
     def write_stats(self) -> None:
-        totals, delta = self.broker.stats_delta()
+        totals, delta = self.broker.take_stats_delta()
         self.log.info("stats", interval_s=self.cfg.stats_interval, totals=totals, delta=delta,
-                      clients=self.broker.changed_clients())
+                      clients=self.broker.take_changed_clients())
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -325,15 +325,10 @@ def serve(cfg: Config, listener, allowed, ready, early_stop=()) -> int:
     wakeup = daemon.SignalWakeup()
     tick = min(FLOOD_INTERVAL, cfg.stats_interval) if cfg.stats_interval > 0 else FLOOD_INTERVAL
     broker = Broker(
-        listener.sock.fileno(), backend=cfg.backend, max_message=cfg.max_message,
-        allowed_uids=allowed, auto_close=cfg.auto_close, soft=cfg.soft, hard=cfg.hard,
-        order=cfg.order, queue_max_bytes=cfg.queue_max_bytes,
-        queue_max_msgs=cfg.queue_max_msgs, total_max_bytes=cfg.total_max_bytes,
-        block_timeout=cfg.block_timeout, max_subs=cfg.max_subscriptions,
-        max_pattern=cfg.max_pattern, sample_rate=cfg.log_messages,
+        listener.sock.fileno(), cfg, allowed_uids=allowed,
+        access_mode=cfg.mode if listener.abstract else -1, wakeup_fd=wakeup.fileno(),
         on_event=service.on_event, on_message=service.on_message,
-        on_tick=service.on_tick, tick_interval=tick, wakeup_fd=wakeup.fileno(),
-        access_mode=cfg.mode if listener.abstract else -1)
+        on_tick=service.on_tick, tick_interval=tick)
     service.broker = broker
     service.next_stats = time.monotonic() + cfg.stats_interval
 

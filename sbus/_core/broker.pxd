@@ -1,227 +1,96 @@
-# The broker: client table, receive/parse/match/fan-out/send, flood control.
+# The broker: the per-message path, from receive slot to sendmmsg.
+#
+# The life of a message:
+#   1. receive: recvmmsg reads up to RECV_BATCH packets of one connection
+#      into fixed receive slots (rhdrs/riov over recv_area).
+#   2. match: a MSG's key is looked up in the segment trie (index); every
+#      recipient gets a Pending entry naming the slot, chained per recipient.
+#   3. send: at the end of the batch each recipient gets one sendmmsg of its
+#      chain, straight from the receive slots.
+#   4. queue: only what a send could not take is copied, once per message,
+#      into a refcounted Packet that every recipient's send queue shares; the
+#      flood policy (policy.pxd) decides per delivery to queue, drop, block
+#      the bus or disconnect. EPOLLOUT then drains the queue.
+# Everything around this path (the connection table, accept, subscriptions,
+# control messages, closing, the loop) is server.Server's; Broker extends it.
 from libc.stdint cimport uint8_t, int32_t, uint32_t, uint64_t, int64_t
 
-from sbus._core.includes.sys cimport mmsghdr, iovec, ucred
-from sbus._core.index cimport Index, Sub
+from sbus._core.conn cimport Conn
+from sbus._core.includes.sys cimport mmsghdr, iovec
 from sbus._core.protocol cimport CredForm
-from sbus._core.loop cimport Poller
-from sbus._core.sendq cimport SendQueue, Packet
-
-
-cdef enum Mode:
-    MODE_QUEUE = 0
-    MODE_DISCARD = 1
-    MODE_BLOCK = 2
-    MODE_ERROR = 3
-
-
-cdef enum Reason:
-    R_NONE = 0
-    R_EOF
-    R_ERROR
-    R_PROTOCOL
-    R_CRED
-    R_BANG
-    R_USER
-    R_FLOOD
-    R_OVERSIZE
-    R_LIMIT
-    R_SHUTDOWN
-    R_FD_LIMIT
+from sbus._core.sendq cimport Packet
+from sbus._core.server cimport Server
 
 
 cdef enum:
-    RECV_BATCH = 32         # packets read from one client per recvmmsg
-    SEND_BATCH = 64         # packets written to one client per sendmmsg
+    RECV_BATCH = 32         # packets read from one connection per recvmmsg
+    SEND_BATCH = 64         # packets written to one connection per sendmmsg
 
 
-cdef struct Counters:
-    uint64_t msgs_in        # MSG packets published
-    uint64_t bytes_in
-    uint64_t msgs_out       # MSG deliveries
-    uint64_t bytes_out
-    uint64_t replies_out    # control replies the broker wrote (whoami, stats)
-    uint64_t drops_soft
-    uint64_t drops_hard
-    uint64_t drops_disconnect
-    uint64_t blocks         # times this client started holding the bus
-
-
-# A client's state as a periodic stats record last listed it: an idle client
-# is listed once, not in every record.
-cdef struct Listed:
-    Counters c
-    uint64_t queued_bytes
-    uint32_t queued_msgs
-    uint32_t nsubs
-    uint8_t modes           # soft, hard, order and echo packed
-    uint8_t ever
-
-
-cdef struct Client:
-    int fd
-    uint64_t id
-    int64_t pid
-    int64_t uid
-    int64_t gid
-    uint8_t soft
-    uint8_t hard
-    uint8_t order
-    uint8_t echo
-    uint8_t closing         # marked; torn down at the end of the loop turn
-    uint8_t paused          # not read while the bus is blocked
-    uint8_t blocking        # counted in Broker.nblocking
-    uint8_t write_dead      # peer gone: deliveries are dropped, input read to EOF
-    int reason
-    double connected_at
-    double block_since
-    SendQueue q
-    Sub **subs
-    uint32_t nsubs
-    uint32_t subs_cap
-    uint64_t stamp          # seq of the last message it was picked for
-    int32_t pend_head       # its deliveries pending in this batch
-    int32_t pend_tail
-    Counters c
-    Counters reported       # c at the last flood summary
-    Listed listed           # what the last periodic stats listing showed
-
-
-
-# One delivery waiting for the end of the batch: a received slot or a packet.
+# One delivery waiting for the end of the batch: a receive slot or a packet.
 cdef struct Pending:
-    int32_t next
+    int32_t next            # next entry of the same recipient, or -1
     int32_t slot            # receive slot, or -1 for pkt
-    Packet *pkt
+    Packet *pkt             # a control reply (slot -1), or NULL
 
 
+# The state of one MSG while the segment trie is walked for its recipients.
 cdef struct FanOut:
     uint64_t seq
-    Client *sender
-    bint is_cred
+    Conn *sender
+    bint is_cred            # a !/cred/ key: only gid/uid/pid may receive it
     int64_t gid
     int64_t uid
     int64_t pid
-    Client **recips
+    Conn **recips
     uint32_t n
 
 
-cdef class Broker:
-    cdef Poller poller
-    cdef int listen_fd
-    cdef int wakeup_fd
-    cdef int spare_fd
-    cdef Index index
-    cdef Client **clients           # fd-indexed
-    cdef int clients_cap
-    cdef uint32_t nclients
-    cdef uint32_t list_cap          # capacity of the per-client scratch lists
-    cdef Client **recips
-    cdef Client **touched
-    cdef uint32_t ntouched
-    cdef Client **closing
-    cdef uint32_t nclosing
-    cdef Client **paused
-    cdef uint32_t npaused
-    cdef uint32_t nblocking
-    cdef Pending *pend
-    cdef int32_t npend
-    cdef int32_t pend_cap
-
-    # receive batch
+cdef class Broker(Server):
+    # 1. receive slots
     cdef char *recv_area
     cdef size_t recv_area_size
     cdef size_t recv_high           # largest packet since the area was last released
     cdef mmsghdr rhdrs[RECV_BATCH]
     cdef iovec riov[RECV_BATCH]
-    cdef Packet *batch_pkts[RECV_BATCH]
     cdef uint64_t batch_seqs[RECV_BATCH]
-    # send batch
+    cdef uint64_t seq               # messages published since start
+    cdef uint64_t rng               # xorshift state for sampling
+    # 2. pending entries, chained per recipient (Conn.pend_head/pend_tail)
+    cdef Pending *pend
+    cdef int32_t npend
+    cdef int32_t pend_cap
+    # 3. one sendmmsg per recipient: siov/sreply are filled, send_prepared writes them
     cdef mmsghdr shdrs[SEND_BATCH]
     cdef iovec siov[SEND_BATCH]
-    cdef Packet *ssel[SEND_BATCH]
+    cdef uint8_t sreply[SEND_BATCH]
+    cdef int32_t sent_entries[SEND_BATCH]   # the Pending entry behind each siov
+    cdef Packet *ssel[SEND_BATCH]           # drain: the queued packets behind each siov
     cdef uint32_t spos[SEND_BATCH]
-    cdef int32_t sent_entries[SEND_BATCH]
-    cdef char *scratch              # normalised patterns, replies
-    cdef size_t scratch_cap
+    # 4. a slot's shared packet, made once some recipient had to queue it
+    cdef Packet *batch_pkts[RECV_BATCH]
 
-    # configuration
-    cdef size_t max_message
-    cdef int sndbuf
-    cdef uint8_t soft_default
-    cdef uint8_t hard_default
-    cdef uint8_t order_default
-    cdef uint64_t q_max_bytes
-    cdef uint64_t q_max_msgs
-    cdef uint64_t total_max_bytes
-    cdef double block_timeout
-    cdef uint32_t max_subs
-    cdef uint32_t max_pattern
-    cdef bint auto_close
-    cdef bint had_client
-    cdef int64_t *allowed_uids
-    cdef int n_allowed
-    cdef int access_mode            # mode enforced at accept (abstract sockets), or -1
-    cdef int64_t own_uid
-    cdef int64_t own_gid
-    cdef double sample_rate
-    cdef uint64_t rng
+    # ---- buffers
+    cdef int release_buffers(self) except -1     # madvise away pages large packets touched
 
-    # state
-    cdef Counters tot               # broker-wide traffic counters
-    cdef uint64_t connects
-    cdef uint64_t disconnects
-    cdef uint64_t trimmed_at        # disconnects at the last malloc_trim
-    cdef uint64_t cmsgs_ignored
-    cdef uint64_t next_id
-    cdef uint64_t seq
-    cdef double now
-    cdef double started
-    cdef double next_tick
-    cdef double tick_interval
-    cdef bint running
-    cdef bint accept_paused
-    cdef bint fd_exhausted_logged
-    cdef object stop_reason
-    cdef dict close_details
-    cdef str refusal                # why normalise() refused a pattern
-    cdef object on_event
-    cdef object on_message
-    cdef object on_tick
-    cdef dict last_totals
+    # ---- receiving: one batch of one connection, then flush_pending
+    cdef int on_readable(self, Conn *c, int mask) except -1   # EOF, oversize, empty: close c
+    cdef int handle_packet(self, Conn *c, int slot, size_t n) except -1  # by verb, or close c
+    cdef int publish(self, Conn *c, int slot, const char *key, size_t klen,
+                     size_t n) except -1         # check the key, count, pend_add per recipient
+    cdef int match_canonical(self, const char *key, size_t klen, CredForm *form,
+                             FanOut *f) except -1   # match a !/cred/ key spelt with zeros again
+    cdef int sample(self, Conn *c, const char *key, size_t klen, size_t n,
+                    uint32_t fanout) except -1      # on_message for a log_messages share
 
-    cdef int accept_clients(self) except -1
-    cdef str refuse_peer(self, ucred *cred)
-    cdef int fd_exhausted(self, int err) except -1
-    cdef int grow_lists(self, uint32_t need) except -1
-    cdef int on_readable(self, Client *c, int mask) except -1
-    cdef int handle_packet(self, Client *c, int slot, size_t n) except -1
-    cdef int publish(self, Client *c, int slot, const char *key, size_t klen, size_t n) except -1
-    cdef int match_canonical(self, const char *key, size_t klen, CredForm *form, FanOut *f) except -1
-    cdef int subscribe(self, Client *c, const char *pat, size_t n) except -1
-    cdef int unsubscribe(self, Client *c, const char *pat, size_t n) except -1
-    cdef int control(self, Client *c, const char *key, size_t n) except -1
-    cdef int reply(self, Client *c, bytes packet) except -1
-    cdef Py_ssize_t normalise(self, Client *c, const char *pat, size_t n, bint refuse) except -2
-    cdef int pend_add(self, Client *c, int32_t slot, Packet *pkt) except -1
-    cdef int flush_pending(self) except -1
-    cdef int flush_client(self, Client *c) except -1
-    cdef int enqueue(self, Client *c, Pending *e) except -1
-    cdef int drain(self, Client *c) except -1
-    cdef void count_sent(self, Client *c, int sent, uint64_t nbytes, int replies) noexcept
-    cdef int send_failed(self, Client *c, int err) except -1
-    cdef int write_dead(self, Client *c) except -1
-    cdef int set_mode(self, Client *c, int which, int value) except -1
-    cdef int start_blocking(self, Client *c) except -1
-    cdef int maybe_unblock(self, Client *c) except -1
-    cdef int pause(self, Client *c) except -1
-    cdef int resume_all(self) except -1
-    cdef int update_interest(self, Client *c) except -1
-    cdef int mark_closing(self, Client *c, int reason, detail) except -1
-    cdef int finalize_closing(self) except -1
-    cdef int check_block_timeouts(self) except -1
-    cdef int emit(self, str name, dict fields) except -1
-    cdef dict ident(self, Client *c)
-    cdef dict counters(self, Client *c)
-    cdef dict client_entry(self, Client *c)
-    cdef dict zero_counters(self, dict ident)
+    # ---- delivering: pending entries, one sendmmsg per recipient, the queue
+    cdef int reply(self, Conn *c, bytes packet) except -1      # behind c's deliveries
+    cdef int pend_add(self, Conn *c, int32_t slot, Packet *pkt) except -1  # chain onto c's entries
+    cdef int flush_pending(self) except -1       # every recipient's chain, then the batch's packets
+    cdef int flush_conn(self, Conn *c) except -1  # send c's chain; the rest goes to enqueue
+    cdef int send_prepared(self, Conn *c, uint32_t k) except -1  # sendmmsg siov[0:k]; returns sent
+    cdef int enqueue(self, Conn *c, Pending *e) except -1        # act on policy.flood_action
+    cdef Packet *shared_packet(self, Pending *e) noexcept        # the slot's; NULL: no memory
+    cdef int drain(self, Conn *c) except -1      # write c's queue in its order, on EPOLLOUT
+    cdef int send_failed(self, Conn *c, int err) except -1       # EPIPE: stop_writing; else close
+    cdef int stop_writing(self, Conn *c) except -1   # peer gone: drop queue and later deliveries

@@ -1,13 +1,13 @@
-# The pattern index: a trie over path segments.
+# The pattern index: a segment trie, a trie over path segments.
 #
-# The first-segment index generalised to every segment: a pattern descends
-# through one node per segment that is literal, or exactly '*'; it is stored
-# at the node where it stops (its end, a trailing '/', or a segment that mixes
-# '*' with other bytes). So the root holds the empty pattern and patterns like
-# 'a*/...', the root's literal children are the first-segment buckets, and
-# '*/x/...' lives under the root's '*' child. A key visits only the nodes
-# along its own segments (literal child and '*' child at each level), and
-# every candidate there is confirmed by the full matcher.
+# A pattern descends through one node per segment that is literal, or
+# exactly '*'; it is stored at the node where it stops (its end, a trailing
+# '/', or a segment that mixes '*' with other bytes). So the root holds the
+# empty pattern and patterns like 'a*/...', the root's literal children are
+# the first-segment buckets, and '*/x/...' lives under the root's '*' child.
+# A key visits only the nodes along its own segments (literal child and '*'
+# child at each level), and every candidate there is confirmed by the full
+# matcher.
 from libc.stdint cimport uint32_t, uint64_t
 
 

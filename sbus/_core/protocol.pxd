@@ -33,6 +33,16 @@ cdef enum:
     CRED_CANONICAL_MAX = 40 # "!/cred/" + three 10-digit fields and their '/'s
 
 
+# Why a SUB/UNSUB pattern cannot be stored (normalise_pattern).
+cpdef enum PatternRefusal:
+    PATTERN_OK = 0
+    PATTERN_CRED_MALFORMED = 1          # the !/cred/ prefix has a bad field or is truncated
+    PATTERN_CRED_MISMATCH = 2           # the !/cred/ prefix names someone else
+    PATTERN_NESTED_CRED_MALFORMED = 3   # a nested !/cred/ form after the prefix is malformed
+    PATTERN_BANG_MISUSE = 4             # the reserved '!' outside a !/cred/ form
+    PATTERN_TOO_LONG = 5                # the stored form does not fit the buffer
+
+
 cdef struct CredForm:
     int64_t gid
     int64_t uid
@@ -49,3 +59,6 @@ cdef int parse_cred_form(const char *s, size_t n, bint allow_star,
                          CredForm *out) noexcept nogil
 cdef size_t cred_canonical_prefix(const CredForm *form, char *out) noexcept nogil
 cdef int check_rest(const char *s, size_t n, bint is_pattern) noexcept nogil
+cdef PatternRefusal normalise_pattern(const char *pat, size_t n, int64_t gid, int64_t uid,
+                                      int64_t pid, char *out, size_t cap,
+                                      size_t *out_len) noexcept nogil

@@ -6,6 +6,7 @@ benchmarks and fuzzing; the broker itself only uses the ``cdef`` ones.
 """
 from libc.string cimport memchr, memcmp, memcpy
 from libc.stdint cimport int64_t
+from cpython.mem cimport PyMem_Malloc, PyMem_Free
 
 
 cdef int parse_packet(const char *buf, size_t n, ParsedPacket *out) noexcept nogil:
@@ -162,6 +163,46 @@ cdef int check_rest(const char *s, size_t n, bint is_pattern) noexcept nogil:
     return KEY_OK
 
 
+cdef PatternRefusal normalise_pattern(const char *pat, size_t n, int64_t gid, int64_t uid,
+                                      int64_t pid, char *out, size_t cap,
+                                      size_t *out_len) noexcept nogil:
+    """Check a SUB/UNSUB pattern of the client gid/uid/pid and write its
+    stored form to out (cap bytes), its length to out_len. A !/cred/ prefix
+    may name only the client itself; its empty fields become the client's
+    own credentials, and every number is written without leading zeros, so
+    the stored form is the one publish matches (cred_canonical_prefix)."""
+    cdef CredForm form
+    cdef int check
+    cdef const char *rest = pat
+    cdef size_t rest_len = n
+    cdef size_t plen = 0
+    cdef char prefix[CRED_CANONICAL_MAX]
+    if is_cred_key(pat, n):
+        if parse_cred_form(pat, n, False, &form) < 0:
+            return PATTERN_CRED_MALFORMED
+        if ((form.gid != CRED_EMPTY and form.gid != gid) or
+                (form.uid != CRED_EMPTY and form.uid != uid) or
+                (form.pid != CRED_EMPTY and form.pid != pid)):
+            return PATTERN_CRED_MISMATCH
+        form.gid = gid
+        form.uid = uid
+        form.pid = pid
+        plen = cred_canonical_prefix(&form, prefix)
+        rest = pat + form.prefix_len
+        rest_len = n - form.prefix_len
+    check = check_rest(rest, rest_len, True)
+    if check == KEY_BANG_MISUSE:
+        return PATTERN_BANG_MISUSE
+    if check != KEY_OK:
+        return PATTERN_NESTED_CRED_MALFORMED
+    if plen + rest_len > cap:
+        return PATTERN_TOO_LONG
+    memcpy(out, prefix, plen)
+    memcpy(out + plen, rest, rest_len)
+    out_len[0] = plen + rest_len
+    return PATTERN_OK
+
+
 # ---- Python-visible wrappers (tests, fuzzing, benchmarks) -------------------
 
 _VERB_NAMES = {VERB_INVALID: None, VERB_SUB: "SUB", VERB_UNSUB: "UNSUB",
@@ -206,3 +247,18 @@ def cred_form(bytes key):
         return None
     return tuple(None if v == CRED_EMPTY else v
                  for v in (form.gid, form.uid, form.pid)) + (form.prefix_len,)
+
+
+def normalise(bytes pattern, int64_t gid, int64_t uid, int64_t pid, size_t cap=4096):
+    """(PatternRefusal, stored form or None) of a pattern subscribed by the
+    client gid/uid/pid, as the broker stores it (see normalise_pattern)."""
+    cdef char *out = <char *>PyMem_Malloc(cap if cap else 1)
+    cdef size_t n = 0
+    cdef PatternRefusal r
+    if out == NULL:
+        raise MemoryError()
+    try:
+        r = normalise_pattern(pattern, len(pattern), gid, uid, pid, out, cap, &n)
+        return PatternRefusal(r), (out[:n] if r == PATTERN_OK else None)
+    finally:
+        PyMem_Free(out)

@@ -1,0 +1,84 @@
+# One connection as the broker keeps it: its record, its counters, and the
+# enums that describe its state. Declarations only; the broker owns the
+# records (one calloc'd Conn per accepted socket, freed at teardown).
+from libc.stdint cimport uint8_t, int32_t, uint32_t, uint64_t, int64_t
+
+from sbus._core.index cimport Sub
+from sbus._core.sendq cimport SendQueue
+
+
+# What a connection does with a delivery it cannot take now (CMSG blocking/...).
+cdef enum Mode:
+    MODE_QUEUE = 0
+    MODE_DISCARD = 1
+    MODE_BLOCK = 2
+    MODE_ERROR = 3
+
+
+# Why a connection was closed; named by report.REASON_NAMES (logschema's words).
+cdef enum Reason:
+    R_NONE = 0
+    R_EOF
+    R_ERROR
+    R_PROTOCOL
+    R_CRED
+    R_BANG
+    R_USER
+    R_FLOOD
+    R_OVERSIZE
+    R_LIMIT
+    R_SHUTDOWN
+    R_FD_LIMIT
+    R_COUNT                 # not a reason: one past the last
+
+
+cdef struct Counters:
+    uint64_t msgs_in        # MSG packets published
+    uint64_t bytes_in
+    uint64_t msgs_out       # MSG deliveries
+    uint64_t bytes_out
+    uint64_t replies_out    # control replies the broker wrote (whoami, stats)
+    uint64_t drops_soft
+    uint64_t drops_hard
+    uint64_t drops_disconnect
+    uint64_t blocks         # times this connection started holding the bus
+
+
+# A connection's state as a periodic stats record last listed it: an idle
+# connection is listed once, not in every record.
+cdef struct Listed:
+    Counters counts
+    uint64_t queued_bytes
+    uint32_t queued_msgs
+    uint32_t nsubs
+    uint8_t modes           # soft, hard, order and echo packed
+    uint8_t ever
+
+
+cdef struct Conn:
+    int fd
+    uint64_t id
+    int64_t pid
+    int64_t uid
+    int64_t gid
+    uint8_t soft            # Mode
+    uint8_t hard            # Mode, never MODE_QUEUE
+    uint8_t order           # sendq Order
+    uint8_t echo
+    uint8_t closing         # marked; torn down at the end of the loop turn
+    uint8_t paused          # not read while the bus is blocked
+    uint8_t blocking        # counted in Broker.nblocking
+    uint8_t write_dead      # peer gone: deliveries are dropped, input read to EOF
+    int reason              # Reason, once closing
+    double connected_at
+    double block_since
+    SendQueue q
+    Sub **subs
+    uint32_t nsubs
+    uint32_t subs_cap
+    uint64_t stamp          # seq of the last message it was picked for
+    int32_t pend_head       # its deliveries pending in this batch
+    int32_t pend_tail
+    Counters counts
+    Counters reported       # counts at the last flood summary
+    Listed listed           # what the last periodic stats listing showed

@@ -1,0 +1,21 @@
+# Records about connections and the broker, as the log and the stats reply
+# carry them: Python dicts keyed by sbus.logschema's field names, built only
+# for events, ticks and control replies, never per message.
+from libc.stdint cimport uint32_t, uint64_t, int64_t
+
+from sbus._core.conn cimport Conn, Counters
+
+
+cdef dict ident(const Conn *c)                   # client, pid, uid, gid
+cdef dict counters(const Conn *c)                # CLIENT_COUNTER_FIELDS
+cdef dict entry(const Conn *c)                   # counters plus its modes (stats)
+cdef dict subscription(const Conn *c, str pattern, bint accepted, str reason)
+cdef dict disconnect(const Conn *c, object detail, double now)
+cdef dict refused(uint64_t id, int64_t pid, int64_t uid, int64_t gid, int reason, str detail)
+
+# Over the broker's fd-indexed table (cap slots, NULL where no connection).
+cdef list entries(Conn **table, int cap)                 # every open connection
+cdef list take_changed_entries(Conn **table, int cap)    # changed since the last call
+cdef list take_flood_records(Conn **table, int cap)      # drops/blocks grew since the last call
+cdef dict totals(Conn **table, int cap, uint32_t nclients, uint64_t connects,
+                 uint64_t disconnects, const Counters *tot, uint64_t subscriptions)
