@@ -7,8 +7,9 @@
 OUT may be "-" for stdout; a name ending in ".gz" is gzipped.  The output is
 a deterministic function of the arguments.  It simulates one broker run:
 clients connect, subscribe to patterns, publish on a fixed key space (fan-out
-is computed by matching keys against the live subscriptions), some consume
-slowly and lose deliveries, and the broker writes ``stats`` and ``flood``
+is computed as the broker does, with the spec's matcher from sbus._ref.protocol
+against the live subscriptions), some consume slowly and lose deliveries, and
+the broker writes ``stats`` and ``flood``
 records every --stats-interval simulated seconds, so counters, deltas and
 sampled messages agree with each other the way a real broker's would.
 
