@@ -9,9 +9,9 @@ a deterministic function of the arguments.  It simulates one broker run:
 clients connect, subscribe to patterns, publish on a fixed key space (fan-out
 is computed as the broker does, with the spec's matcher from sbus._ref.protocol
 against the live subscriptions), some consume slowly and lose deliveries, and
-the broker writes ``stats`` and ``flood``
-records every --stats-interval simulated seconds, so counters, deltas and
-sampled messages agree with each other the way a real broker's would.
+the broker writes ``stats`` and ``flood`` records every --stats-interval
+simulated seconds, so counters, deltas and sampled messages agree with each
+other the way a real broker's would.
 
 Speed matters (the benchmark needs a million lines), so the frequent records
 are written from string templates rather than ``json.dumps``.
