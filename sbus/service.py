@@ -24,15 +24,13 @@ class Service:
     and ``stream`` is the sink both write to (flushed each tick).
     """
 
-    def __init__(self, cfg, *, log, message_log, stream, make_broker: Callable,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cfg, *, log, message_log, stream, make_broker: Callable):
         self.cfg = cfg
         self.log = log
         self.message_log = message_log
         self.stream = stream
-        self.clock = clock
         self.next_flood = 0.0
-        self.next_stats = clock() + cfg.stats_interval
+        self.next_stats = time.monotonic() + cfg.stats_interval
         self.broker = make_broker(on_event=self.on_event, on_message=self.on_message,
                                   on_tick=self.on_tick, tick_interval=self.tick_interval)
 
@@ -53,7 +51,7 @@ class Service:
 
     def on_tick(self) -> None:
         self.stream.flush()     # sampled message records since the last tick
-        now = self.clock()
+        now = time.monotonic()
         if now >= self.next_flood:
             self.next_flood = now + FLOOD_INTERVAL
             for record in self.broker.flood_report():
