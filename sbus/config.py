@@ -60,11 +60,11 @@ def number(kind: type = int, low: float = 0,
     return parse
 
 
-def text(flag: str, value: str) -> str:
+def verbatim(flag: str, value: str) -> str:
     return value
 
 
-_UNSET = object()       # an Option that shares its field with an earlier one
+_UNSET = object()       # no default here: the field's first option gives it
 
 
 @dataclass(frozen=True)
@@ -84,13 +84,13 @@ class Option:
     arg: Optional[str] = None
     default: Any = _UNSET
     choices: Sequence[str] = ()
-    parse: Callable[[str, str], Any] = text
+    parse: Callable[[str, str], Any] = verbatim
     store: str = "set"              # "set", "append" or "or"
     const: Any = True
 
     @property
     def flags(self) -> str:
-        """"-a, --address ADDRESS" as --help and README show it."""
+        """The flags as --help and README show them: ``-a, --address ADDRESS``."""
         short = f"-{self.short}, " if self.short else "    "
         return f"{short}--{self.long}" + (f" {self.arg}" if self.arg else "")
 
