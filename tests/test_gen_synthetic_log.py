@@ -10,6 +10,7 @@ from pathlib import Path
 
 from sbus import logschema as ls
 from sbus._ref.protocol import cred_form, matches
+from sbus.config import Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import gen_synthetic_log  # noqa: E402
@@ -34,7 +35,10 @@ def test_every_message_fanout_agrees_with_the_reference_matcher(tmp_path):
         r = json.loads(line)
         event = r["event"]
         assert r["schema"] == ls.SCHEMA_VERSION
-        if event == ls.CLIENT_CONNECT:
+        if event == ls.BROKER_START:       # the settings a real broker logs
+            assert set(r["config"]) == set(Config().summary())
+            seen["broker_start"] += 1
+        elif event == ls.CLIENT_CONNECT:
             creds[r["client"]] = {k: r[k] for k in ("gid", "uid", "pid")}
             patterns[r["client"]] = []
         elif event == ls.SUBSCRIBE and r["accepted"]:
@@ -53,5 +57,5 @@ def test_every_message_fanout_agrees_with_the_reference_matcher(tmp_path):
             # A client whose several patterns match is still one recipient.
             seen["overlapping"] += any(len(hits) > 1 for hits in held.values())
             seen["cred_keys"] += cred_form(key) is not None
-    assert seen["messages"] > 10_000
+    assert seen["messages"] > 10_000 and seen["broker_start"] == 1
     assert seen["delivered"] > 1_000 and seen["overlapping"] > 100 and seen["cred_keys"] > 0

@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sbus import logschema as ls  # noqa: E402
 from sbus._ref.protocol import cred_form, matches  # noqa: E402  (the spec's matcher)
+from sbus.config import Config  # noqa: E402
 
 START_US = 1_795_219_200_000_000  # 2026-11-21T00:00:00Z: fixed, so output is reproducible
 BROKER_PID = 4242
@@ -253,9 +254,10 @@ class Generator:
         """Yield chunks (lists of lines) totalling exactly ``n`` lines."""
         rng = self.rng
         mean_gap_us = 1e6 / self.rate
-        out = [self.record(ls.BROKER_START, version="0.1.0", address="/run/sbus.socket",
-                           pid=BROKER_PID, config={"backend": "epoll", "stats_interval": 10,
-                                                   "log_messages": self.sample_rate})]
+        cfg = Config(stats_interval=self.stats_us / 1e6, log_messages=self.sample_rate)
+        # A fixed version keeps the output a function of the arguments alone.
+        out = [self.record(ls.BROKER_START, version="0.1.0", address=cfg.address,
+                           pid=BROKER_PID, config=cfg.summary())]
         written = 0
         while True:
             # One step writes at most a flood record and a disconnect per
