@@ -62,9 +62,7 @@ def _keys(rng: random.Random) -> list:
 
 
 def _reaches(cred, c: "Client") -> bool:
-    """Whether a key with this !/cred/ form (None: not one) may reach ``c``."""
-    if cred is None:
-        return True
+    """Whether a key with this !/cred/ form may reach ``c``."""
     gid, uid, pid, _ = cred
     return all(want is None or want == have for want, have in ((gid, c.gid), (uid, c.uid),
                                                                (pid, c.pid)))
@@ -93,7 +91,8 @@ class Generator:
         self.keys = _keys(self.rng)
         self.key_json = {k: json.dumps(k) for k in self.keys}
         # Patterns and keys are few: match each pair once, with the reference matcher.
-        self.match = {(p, k): matches(p.encode(), k.encode()) for p in PATTERNS for k in self.keys}
+        self.matching = {k: frozenset(p for p in PATTERNS if matches(p.encode(), k.encode()))
+                         for k in self.keys}
         self.cred = {k: cred_form(k.encode()) for k in self.keys}
         self.pattern_names = list(PATTERNS)
         self.pattern_cum = list(itertools.accumulate(PATTERNS.values()))
@@ -186,9 +185,9 @@ class Generator:
         patterns match, and a !/cred/ key only for the credentials it names."""
         got = self.fanout_cache.get(key)
         if got is None:
-            match, cred = self.match, self.cred[key]
+            matching, cred = self.matching[key], self.cred[key]
             got = [c for c in self.clients.values()
-                   if any(match[p, key] for p in c.patterns) and _reaches(cred, c)]
+                   if not matching.isdisjoint(c.patterns) and (cred is None or _reaches(cred, c))]
             self.fanout_cache[key] = got
         return got
 
