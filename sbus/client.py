@@ -21,6 +21,7 @@ import time
 from typing import Any, Deque, Dict, Iterator, NamedTuple, Optional, Union
 
 from . import address as _address
+from .config import MAX_MESSAGE  # the largest packet sbusd accepts by default (--max-message)
 from .errors import AddressError, BusClosedError, MessageTooLargeError, ProtocolError
 
 __all__ = [
@@ -38,9 +39,6 @@ __all__ = [
     "parse_packet",
     "parse_stats",
 ]
-
-MAX_MESSAGE = 409600
-"""The largest packet ``sbusd`` accepts by default (``sbusd --max-message``)."""
 
 WHOAMI = b"!/cred/whoami"
 

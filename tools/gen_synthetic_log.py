@@ -7,10 +7,11 @@
 OUT may be "-" for stdout; a name ending in ".gz" is gzipped.  The output is
 a deterministic function of the arguments.  It simulates one broker run:
 clients connect, subscribe to patterns, publish on a fixed key space (fan-out
-is computed by matching keys against the live subscriptions), some consume
-slowly and lose deliveries, and the broker writes ``stats`` and ``flood``
-records every --stats-interval simulated seconds, so counters, deltas and
-sampled messages agree with each other the way a real broker's would.
+is computed as the broker does, with the spec's matcher from sbus._ref.protocol
+against the live subscriptions), some consume slowly and lose deliveries, and
+the broker writes ``stats`` and ``flood`` records every --stats-interval
+simulated seconds, so counters, deltas and sampled messages agree with each
+other the way a real broker's would.
 
 Speed matters (the benchmark needs a million lines), so the frequent records
 are written from string templates rather than ``json.dumps``.
@@ -22,7 +23,6 @@ import gzip
 import itertools
 import json
 import random
-import re
 import sys
 import time
 from collections import Counter
@@ -30,6 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sbus import logschema as ls  # noqa: E402
+from sbus._ref.protocol import cred_form, matches  # noqa: E402  (the spec's matcher)
+from sbus.config import Config  # noqa: E402
 
 START_US = 1_795_219_200_000_000  # 2026-11-21T00:00:00Z: fixed, so output is reproducible
 BROKER_PID = 4242
@@ -59,16 +61,11 @@ def _keys(rng: random.Random) -> list:
     return keys
 
 
-def _matcher(pattern: str):
-    """A predicate for one routing-key pattern, straight from the spec."""
-    if pattern == "":
-        return lambda key: True
-    rx = ""
-    body, tail = (pattern[:-1], "/.*") if pattern.endswith("/") else (pattern, "")
-    for part in re.split(r"(\*)", body):
-        rx += "[^/]*" if part == "*" else re.escape(part)
-    compiled = re.compile(rx + (tail or "") + r"\Z", re.S)
-    return lambda key: compiled.match(key) is not None
+def _reaches(cred, c: "Client") -> bool:
+    """Whether a key with this !/cred/ form may reach ``c``."""
+    gid, uid, pid, _ = cred
+    return all(want is None or want == have for want, have in ((gid, c.gid), (uid, c.uid),
+                                                               (pid, c.pid)))
 
 
 class Client:
@@ -93,7 +90,10 @@ class Generator:
         self.sample_rate, self.malformed = sample_rate, malformed
         self.keys = _keys(self.rng)
         self.key_json = {k: json.dumps(k) for k in self.keys}
-        self.matchers = {p: _matcher(p) for p in PATTERNS}
+        # Patterns and keys are few: match each pair once, with the reference matcher.
+        self.matching = {k: frozenset(p for p in PATTERNS if matches(p.encode(), k.encode()))
+                         for k in self.keys}
+        self.cred = {k: cred_form(k.encode()) for k in self.keys}
         self.pattern_names = list(PATTERNS)
         self.pattern_cum = list(itertools.accumulate(PATTERNS.values()))
         self.ids: list = []  # self.clients' keys, rebuilt on connect/disconnect
@@ -181,10 +181,13 @@ class Generator:
                                detail="uid 666 not allowed", duration_s=0.0, counters=c))
 
     def recipients(self, key: str) -> list:
+        """As the broker picks them: each client once, however many of its
+        patterns match, and a !/cred/ key only for the credentials it names."""
         got = self.fanout_cache.get(key)
         if got is None:
+            matching, cred = self.matching[key], self.cred[key]
             got = [c for c in self.clients.values()
-                   for p in c.patterns if self.matchers[p](key)]
+                   if not matching.isdisjoint(c.patterns) and (cred is None or _reaches(cred, c))]
             self.fanout_cache[key] = got
         return got
 
@@ -221,8 +224,9 @@ class Generator:
             t["bytes_out"] += size
         if self.sample_rate >= 1.0 or rng.random() < self.sample_rate:
             out.append(
-                f'{{"timestamp":"{self.ts()}","level":"debug","event":"message","schema":1,'
-                f'"broker_pid":{BROKER_PID},"client":{pub.id},"pid":{pub.pid},"uid":{pub.uid},'
+                f'{{"timestamp":"{self.ts()}","level":"debug","event":"message",'
+                f'"schema":{ls.SCHEMA_VERSION},"broker_pid":{BROKER_PID},'
+                f'"client":{pub.id},"pid":{pub.pid},"uid":{pub.uid},'
                 f'"key":{self.key_json[key]},"size":{size},"fanout":{fanout},'
                 f'"sample_rate":{self.sample_rate}}}\n')
 
@@ -249,9 +253,10 @@ class Generator:
         """Yield chunks (lists of lines) totalling exactly ``n`` lines."""
         rng = self.rng
         mean_gap_us = 1e6 / self.rate
-        out = [self.record(ls.BROKER_START, version="0.1.0", address="/run/sbus.socket",
-                           pid=BROKER_PID, config={"backend": "epoll", "stats_interval": 10,
-                                                   "log_messages": self.sample_rate})]
+        cfg = Config(stats_interval=self.stats_us / 1e6, log_messages=self.sample_rate)
+        # A fixed version keeps the output a function of the arguments alone.
+        out = [self.record(ls.BROKER_START, version="0.1.0", address=cfg.address,
+                           pid=BROKER_PID, config=cfg.summary())]
         written = 0
         while True:
             # One step writes at most a flood record and a disconnect per
@@ -320,7 +325,8 @@ class Generator:
                 elif kind == 2:
                     chunk[i] = "[1, 2, 3]\n"  # JSON, not an object
                 else:
-                    chunk[i] = line.replace('"schema":1', '"schema":"one"', 1)  # wrong type
+                    # the wrong type
+                    chunk[i] = line.replace(f'"schema":{ls.SCHEMA_VERSION}', '"schema":"two"', 1)
                 counts["_malformed"] += 1
             else:
                 counts[line.split('"event":"', 1)[1].split('"', 1)[0]] += 1

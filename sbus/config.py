@@ -1,0 +1,268 @@
+"""sbusd's configuration: every option's flags, default, help and validation, once.
+
+``OPTIONS`` is the table; ``Config``, the getopt specification, ``help_text()``
+and the option table in README.md (``markdown_table()``) are all built from it,
+and the broker reads its settings from a ``Config`` under the same names.
+Plain Python with light imports: sbusd parses its command line before it
+loads anything heavy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import getopt
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from . import logschema
+from .address import DEFAULT_ADDRESS
+from ._version import __version__
+
+# Defaults that another module also needs live here as names, once.
+MAX_MESSAGE = 409600            # bytes; a client's buffer must match the broker's
+QUEUE_MAX_BYTES = 8 << 20
+QUEUE_MAX_MSGS = 65536
+TOTAL_MAX_BYTES = 256 << 20
+MAX_SUBSCRIPTIONS = 65536
+MAX_PATTERN = 4096
+PIDFILE = "/run/sbus.pid"
+NO_PIDFILE = "/dev/null"        # -p /dev/null: write no pidfile
+SOCKET_MODE = 0o700             # -g and -o add group and other bits
+
+USAGE = "usage: sbusd [-a address] [-f | -p pidfile] [-u user] ... [-cgor] [options]"
+
+
+class UsageError(Exception):
+    """A command line sbusd cannot run with; the text names the option."""
+
+
+class Exit(Exception):
+    """--help or --version: print ``text`` on stdout and exit 0."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+
+# --- validation: each returns the value for (flag, text) or raises UsageError ---
+
+def number(kind: type = int, low: float = 0,
+           high: Optional[float] = None) -> Callable[[str, str], Any]:
+    def parse(flag: str, text: str):
+        try:
+            n = kind(text)
+        except ValueError:
+            raise UsageError(f"{flag}: not a number: {text!r}") from None
+        if n != n or n in (float("inf"), float("-inf")):    # nan, inf: no JSON for them either
+            raise UsageError(f"{flag}: not a finite number: {text!r}")
+        if n < low or (high is not None and n > high):
+            raise UsageError(f"{flag}: out of range: {text!r}")
+        return n
+    return parse
+
+
+def verbatim(flag: str, value: str) -> str:
+    return value
+
+
+_UNSET = object()       # no default here: the field's first option gives it
+
+
+@dataclass(frozen=True)
+class Option:
+    """One command-line option.
+
+    ``field`` is the ``Config`` attribute it sets (None for --help and
+    --version). ``arg`` names its value in the help; an option without one is
+    a switch that stores ``const`` (``|`` it in with ``store="or"``). The first
+    option for a field gives its ``default``. ``help`` may use ``{default}``
+    and ``{choices}``; a newline starts a continuation line.
+    """
+    field: Optional[str]
+    long: str
+    help: str
+    short: Optional[str] = None
+    arg: Optional[str] = None
+    default: Any = _UNSET
+    choices: Sequence[str] = ()
+    parse: Callable[[str, str], Any] = verbatim
+    store: str = "set"              # "set", "append" or "or"
+    const: Any = True
+
+    @property
+    def flags(self) -> str:
+        """The flags as --help and README show them: ``-a, --address ADDRESS``."""
+        short = f"-{self.short}, " if self.short else "    "
+        return f"{short}--{self.long}" + (f" {self.arg}" if self.arg else "")
+
+    def describe(self) -> str:
+        *most, last = self.choices or ("",)
+        choices = f"{', '.join(most)} or {last}" if most else last
+        return self.help.format(default=show(self.default), choices=choices)
+
+    def value(self, flag: str, text: str) -> Any:
+        if self.choices and text not in self.choices:
+            raise UsageError(f"{flag}: choose one of {', '.join(self.choices)}")
+        return self.parse(flag, text)
+
+
+def show(value: Any) -> str:
+    """A default as a person reads it: 8 MiB, 10 (not 10.0)."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 20 \
+            and value % (1 << 20) == 0:
+        return f"{value >> 20} MiB"
+    return str(value)
+
+
+OPTIONS = (
+    Option("address", "address", short="a", arg="ADDRESS", default=DEFAULT_ADDRESS,
+           help="socket path (default {default}),\n/dev/unix/abstract (random; printed on"
+                " stdout),\n/dev/unix/abstract/HEX, or /dev/fd/N"),
+    Option("foreground", "foreground", short="f", default=False,
+           help="do not daemonise; SIGINT, SIGTERM, SIGHUP stop it"),
+    Option("pidfile", "pidfile", short="p", arg="PATH", default=PIDFILE,
+           help=f"daemon's pidfile (default {{default}}; {NO_PIDFILE}: none)"),
+    Option("users", "user", short="u", arg="USER", default=(), store="append",
+           help="allow only USER (name or uid) and our own uid; repeatable"),
+    Option("auto_close", "auto-close", short="c", default=False,
+           help="exit once the last client has left"),
+    Option("mode", "group", short="g", default=SOCKET_MODE, store="or", const=0o070,
+           help="socket mode allows the group (0770)"),
+    Option("mode", "other", short="o", store="or", const=0o007,
+           help="socket mode allows others (0707; with -g 0777)"),
+    Option("reuse", "reuse", short="r", default=False,
+           help="replace a stale socket at the path (only a socket)"),
+    Option("backend", "backend", arg="NAME", default="epoll", choices=("epoll", "select"),
+           help="event loop: {choices} (default {default})"),
+    Option("max_message", "max-message", arg="BYTES", default=MAX_MESSAGE,
+           parse=number(low=64, high=64 << 20),
+           help="largest packet accepted (default {default})"),
+    Option("soft", "soft", arg="MODE", default="queue",
+           choices=("queue", "discard", "block", "error"),
+           help="default soft flood mode: {choices} ({default})"),
+    Option("hard", "hard", arg="MODE", default="discard", choices=("discard", "block", "error"),
+           help="default hard flood mode: {choices} ({default})"),
+    Option("order", "order", arg="ORDER", default="queue", choices=("queue", "stack", "random"),
+           help="default queue order: {choices} ({default})"),
+    Option("queue_max_bytes", "queue-max-bytes", arg="N", default=QUEUE_MAX_BYTES,
+           parse=number(low=1), help="per-client queue limit in bytes (default {default})"),
+    Option("queue_max_msgs", "queue-max-msgs", arg="N", default=QUEUE_MAX_MSGS,
+           parse=number(low=1), help="per-client queue limit in messages (default {default})"),
+    Option("total_max_bytes", "total-max-bytes", arg="N", default=TOTAL_MAX_BYTES,
+           parse=number(low=1), help="broker-wide cap on queued bytes (default {default})"),
+    Option("block_timeout", "block-timeout", arg="S", default=10.0,
+           parse=number(float, low=0.001),
+           help="a client blocking the bus longer is an error (default {default})"),
+    Option("max_subscriptions", "max-subscriptions", arg="N", default=MAX_SUBSCRIPTIONS,
+           parse=number(low=1, high=2**32 - 1), help="per client (default {default})"),
+    Option("max_pattern", "max-pattern", arg="BYTES", default=MAX_PATTERN,
+           parse=number(low=1, high=1 << 20), help="longest pattern (default {default})"),
+    Option("log_format", "log-format", arg="FORMAT", default=None, choices=("json", "console"),
+           help="{choices} (default: json unless stderr is a terminal)"),
+    Option("log_file", "log-file", arg="PATH", default=None,
+           help="log here instead of stderr (reopened on SIGHUP as a daemon)"),
+    Option("log_level", "log-level", arg="LEVEL", default="info",
+           choices=(*logschema.LEVELS, "off"), help="{choices} (default {default})"),
+    Option("stats_interval", "stats-interval", arg="S", default=10.0, parse=number(float, low=0),
+           help="seconds between stats records (default {default}; 0: none)"),
+    Option("log_messages", "log-messages", arg="RATE", default=0.0,
+           parse=number(float, low=0, high=1),
+           help="fraction of messages logged as samples, 0..1 (default {default})"),
+    Option(None, "help", short="h", help="show this help"),
+    Option(None, "version", short="V", help="show the version"),
+)
+
+
+def _build_config(options: Sequence[Option]) -> type:
+    fields: Dict[str, Any] = {}
+    for o in options:
+        if o.field is None:
+            continue
+        if o.field in fields:
+            if o.default is not _UNSET:
+                raise ValueError(f"{o.field}: default given twice")
+            continue
+        if o.default is _UNSET:
+            raise ValueError(f"{o.field}: the first option for it gives no default")
+        if o.store == "append":     # mutable: each Config gets its own list
+            fields[o.field] = dataclasses.field(default_factory=lambda d=o.default: list(d))
+        else:
+            fields[o.field] = dataclasses.field(default=o.default)
+    return dataclasses.make_dataclass(
+        "Config", [(name, Any, f) for name, f in fields.items()],
+        namespace={"summary": _summary, "__module__": __name__,
+                   "__doc__": "sbusd's settings; one field per option in OPTIONS."})
+
+
+def _summary(self) -> dict:
+    """The configuration as logged in broker_start (scalars only)."""
+    d = {k: v for k, v in dataclasses.asdict(self).items() if k != "users"}
+    if self.foreground:
+        d["pidfile"] = None     # only a daemon writes one
+    d["mode"] = oct(self.mode)
+    d["users"] = ",".join(self.users)
+    return d
+
+
+Config = _build_config(OPTIONS)
+
+_BY_FLAG = {f"--{o.long}": o for o in OPTIONS}
+_BY_FLAG.update({f"-{o.short}": o for o in OPTIONS if o.short})
+_GETOPT_SHORT = "".join(o.short + (":" if o.arg else "") for o in OPTIONS if o.short)
+_GETOPT_LONG = [o.long + ("=" if o.arg else "") for o in OPTIONS]
+
+
+def parse_args(argv: List[str]) -> "Config":
+    """The Config for sbusd's arguments, parsed getopt-style as the C sbusd does.
+
+    Raises UsageError for a bad line, Exit for --help and --version.
+    """
+    try:
+        opts, rest = getopt.gnu_getopt(argv, _GETOPT_SHORT, _GETOPT_LONG)
+    except getopt.GetoptError as e:
+        raise UsageError(str(e)) from None
+    if rest:
+        raise UsageError(f"unexpected argument {rest[0]!r}")
+    cfg = Config()
+    for flag, text in opts:
+        o = _BY_FLAG[flag]
+        if o.long == "help":
+            raise Exit(help_text())
+        if o.long == "version":
+            raise Exit(f"sbusd {__version__}\n")
+        value = o.value(flag, text) if o.arg else o.const
+        if o.store == "append":
+            getattr(cfg, o.field).append(value)
+        elif o.store == "or":
+            setattr(cfg, o.field, getattr(cfg, o.field) | value)
+        else:
+            setattr(cfg, o.field, value)
+    if cfg.pidfile == NO_PIDFILE:
+        cfg.pidfile = None
+    return cfg
+
+
+_HELP_COLUMN = 26
+
+
+def help_text() -> str:
+    lines = [USAGE, "",
+             "The sbus message broker. It listens on a Unix-domain SOCK_SEQPACKET socket",
+             "and routes each published message to every client with a matching pattern.", ""]
+    for o in OPTIONS:
+        first, *more = o.describe().split("\n")
+        left = f"  {o.flags}"
+        gap = " " * (_HELP_COLUMN - len(left) if len(left) < _HELP_COLUMN else 2)
+        lines.append(f"{left}{gap}{first}")
+        lines.extend(" " * _HELP_COLUMN + line for line in more)
+    return "\n".join(lines) + "\n"
+
+
+def markdown_table() -> str:
+    """The option table README.md carries between its ``options`` markers."""
+    rows = ["| option | meaning |", "|---|---|"]
+    for o in OPTIONS:
+        flags = ", ".join(f"`{f}`" for f in o.flags.strip().split(", "))
+        rows.append(f"| {flags} | {' '.join(o.describe().split(chr(10)))} |")
+    return "\n".join(rows) + "\n"
