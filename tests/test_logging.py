@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import SBUSD
+from support import SBUSD
 from sbus import logschema as schema
 
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SBUSD
+from support import SBUSD
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "tools" / "log_analytics.ipynb"

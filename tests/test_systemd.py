@@ -34,7 +34,7 @@ import pytest
 from sbus import Client
 from sbus.client import WHOAMI, pack_control, parse_packet
 
-from conftest import ROOT, SBUSD
+from support import ROOT, SBUSD
 
 TIMEOUT = 10.0
 UNITS = ROOT / "tools" / "systemd"
