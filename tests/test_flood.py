@@ -97,20 +97,6 @@ def drain_now(sock, limit=None):
     return out
 
 
-def seqs_to_eof(sock, timeout=60.0):
-    """Sequence numbers of every packet up to EOF (or a reset)."""
-    out = []
-    sock.settimeout(timeout)
-    while True:
-        try:
-            packet = sock.recv(1 << 16)
-        except ConnectionResetError:
-            return out
-        if not packet:
-            return out
-        out.append(seq(packet))
-
-
 def flood_records(broker, cid):
     return [r for r in broker.events("flood") if r["client"] == cid]
 
@@ -360,7 +346,7 @@ def test_error_mode_disconnects_the_slow_client_and_the_rest_carry_on(
     counters = rec["counters"]
     delivered = counters["msgs_out"] - base
     # It keeps what reached its socket, the oldest first, then EOF.
-    assert seqs_to_eof(slow) == list(range(delivered))
+    assert [seq(p) for p in slow.until_closed(60)] == list(range(delivered))
     lost = counters["drops_disconnect"]
     if which == "soft":
         assert lost >= 1                      # the first that would have blocked

@@ -1,8 +1,5 @@
 """The sbus protocol against real sbusd processes, on both event-loop backends."""
-import json
 import os
-import socket
-import time
 
 import pytest
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import itertools
-import json
 import os
 import re
 import select

@@ -108,6 +108,11 @@ class Conn(socket.socket):
                 return packet[len(WHOAMI) + 1:].decode()
             self.got.append(packet)
 
+    def sub_ok(self, pattern) -> bool:
+        """Subscribe; True if the broker kept the connection."""
+        self.sub(pattern)
+        return self.whoami() is not None
+
     def sync(self, timeout=None) -> str:
         """The barrier for a client that expects nothing else: fails if the
         broker closed the connection or delivered anything before the reply.
@@ -157,11 +162,22 @@ class Conn(socket.socket):
             out.append(packet)
         return out
 
+    def until_closed(self, timeout=5.0) -> list:
+        """Every packet until the broker closes the connection (EOF or a
+        reset); socket.timeout if no packet and no close comes within ``timeout``."""
+        out = []
+        while True:
+            packet = self.next_packet(timeout)
+            if packet is None:
+                raise socket.timeout(f"the connection is still open after {timeout}s")
+            if packet == b"":
+                return out
+            out.append(packet)
+
     def assert_closed(self, timeout=5.0) -> None:
         """The broker closes the connection next: EOF (or a reset) and no packet before it."""
-        packet = self.next_packet(timeout)
-        assert packet is not None, f"not closed within {timeout}s"
-        assert packet == b"", f"expected EOF, got {packet[:60]!r}"
+        packets = self.until_closed(timeout)
+        assert packets == [], f"expected EOF, got {packets[0][:60]!r}"
 
 
 def recv_or_none(sock: socket.socket, timeout=0.2, size=1 << 20):
