@@ -15,7 +15,6 @@ their defaults.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -27,7 +26,7 @@ import pytest
 from sbus._ref import protocol as rproto
 
 from support import (BACKENDS, SBUSD, SteadyPair, fd_count, report_line, start_worker,
-                     wait_until)
+                     wait_until, worker_report)
 from support.budget import FUZZ_TIMEOUT, LIVE_SECONDS
 
 pytestmark = pytest.mark.timeout(FUZZ_TIMEOUT)
@@ -72,15 +71,7 @@ def test_live_fuzz_broker_survives_and_steady_pair_loses_nothing(start_broker, b
             if pair.publish(200) == 0:
                 time.sleep(0.002)       # the window is full: let the subscriber read
     finally:
-        reports = []
-        for w in workers:
-            try:
-                out, err = w.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                w.kill()
-                out, err = w.communicate()
-            assert w.returncode == 0, err.decode(errors="replace")[-3000:]
-            reports.append(json.loads(out))
+        reports = [worker_report(w, 60) for w in workers]
     assert pair.finish(), f"steady pair: sent {pair.sent}, received {pair.received}, {pair.errors}"
     assert b.proc.poll() is None, f"broker died: {b.stderr_text()[-3000:]}"
 

@@ -444,7 +444,7 @@ def test_a_signal_as_soon_as_the_socket_accepts_still_stops_cleanly(sbusd, tmp_p
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 assert time.monotonic() < deadline, "never listened"
-                time.sleep(0.0005)
+                time.sleep(0.0005)      # polling connect() is the supervisor under test
         b.proc.send_signal(sig)
         assert b.wait() == 0, b.stderr_text()
         assert not os.path.lexists(sock)
@@ -466,7 +466,7 @@ def test_a_closed_stdout_is_no_error(tmp_path):
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 assert time.monotonic() < deadline
-                time.sleep(0.01)
+                time.sleep(0.01)        # stdout is closed: no readiness signal to wait for
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(TIMEOUT) == 0
         assert b"Traceback" not in proc.stderr.read()

@@ -19,14 +19,13 @@ import os
 import resource
 import signal
 import socket
-import subprocess
 import time
 from collections import Counter
 
 import pytest
 
 from support import (BACKENDS, Conn, SteadyPair, cpu_seconds, fd_count, report_line,
-                     start_worker, status_field, status_kib, wait_until)
+                     start_worker, status_field, status_kib, wait_until, worker_report)
 from support.budget import SOAK_SECONDS
 
 RSS_SLACK_KIB = 20 * 1024
@@ -70,7 +69,6 @@ def test_churn_soak_returns_descriptors_and_frees_everything(start_broker, backe
 
     workers = [start_worker("churn", b.address, seconds, i * 7919 + os.getpid())
                for i in range(2)]
-    reports = []
     try:
         started = last_sample = time.monotonic()
         while any(w.poll() is None for w in workers):
@@ -84,14 +82,7 @@ def test_churn_soak_returns_descriptors_and_frees_everything(start_broker, backe
                 fds_peak = max(fds_peak, fd_count(pid))
                 rss_peak = max(rss_peak, status_kib(pid, "VmRSS"))
     finally:
-        for w in workers:
-            try:
-                out, err = w.communicate(timeout=120)
-            except subprocess.TimeoutExpired:
-                w.kill()
-                out, err = w.communicate()
-            assert w.returncode == 0, err.decode(errors="replace")[-3000:]
-            reports.append(json.loads(out))
+        reports = [worker_report(w, 120) for w in workers]
     churn = Counter()
     for r in reports:
         churn.update(r)

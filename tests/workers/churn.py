@@ -87,7 +87,7 @@ def _in_process_wave(rng, address, stats):
             stats["send_errors"] += 1
         keep.append(s)
     keep += _hoard(rng, address, stats)
-    time.sleep(rng.uniform(0, 0.2))
+    time.sleep(rng.uniform(0, 0.2))         # hold the queues a while: part of the churn
     for s in keep:          # the rest leave all at once, most with data queued
         s.close()
 
@@ -132,7 +132,7 @@ def _child(address, seed):
                 s.send(b"MSG churn/%d/x\0" % rng.randrange(20) + b"k" * rng.choice(SIZES))
             except OSError:
                 break
-        time.sleep(0.005)
+        time.sleep(0.005)                   # a steady sender, until it is killed
 
 
 def _forked_wave(rng, address, stats):
@@ -147,7 +147,7 @@ def _forked_wave(rng, address, stats):
                 os._exit(0)
         pids.append(pid)
     stats["children"] += len(pids)
-    time.sleep(rng.uniform(0.05, 0.3))
+    time.sleep(rng.uniform(0.05, 0.3))      # let the children send before killing them
     for pid in pids:
         if rng.random() < 0.7:
             try:
@@ -168,7 +168,7 @@ def churn_main(argv):
         _in_process_wave(rng, address, stats)
         _forked_wave(rng, address, stats)
         stats["waves"] += 1
-        time.sleep(0.05)
+        time.sleep(0.05)                    # a breath between waves
     sys.stdout.write(json.dumps(stats) + "\n")
     return 0
 

@@ -210,7 +210,7 @@ class Hostile:
                 if self.socks[i] is not None:
                     self.socks[i].close()
                     self.socks[i] = None
-            time.sleep(0.0005)
+            time.sleep(0.0005)      # a rate the broker can take alongside the steady pair
         for s in self.socks:
             if s is not None:
                 try:
