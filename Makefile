@@ -39,7 +39,7 @@ bench: build
 	$(PY) bench/run.py
 
 fuzz: build
-	SBUS_FUZZ_EXAMPLES=200000 $(PY) -m pytest -q tests/test_fuzz.py
+	SBUS_FUZZ_EXAMPLES=200000 $(PY) -m pytest -q tests/test_properties.py tests/test_fuzz.py
 
 soak: build
 	SBUS_SOAK_SECONDS=600 $(PY) -m pytest -q tests/test_soak.py

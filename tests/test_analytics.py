@@ -22,10 +22,11 @@ import pytest
 
 from sbus import logschema as ls
 
+from support import ROOT
+
 # PySpark warns about pandas versions it has not certified; nothing here uses pandas.
 pytestmark = pytest.mark.filterwarnings("ignore:PySpark does not yet fully support pandas")
 
-ROOT = Path(__file__).resolve().parent.parent
 T0 = datetime(2026, 11, 21, 10, 0, 30, tzinfo=timezone.utc)
 
 

@@ -13,14 +13,9 @@ import pytest
 from sbus import AddressError, BusClosedError, Client, MessageTooLargeError, ProtocolError
 from sbus.client import MAX_MESSAGE, ControlMessage, Credentials, Message, pack_publish
 
-from conftest import recv_or_none
+from support import recv_or_none
 
 TIMEOUT = 5.0
-
-
-def sync(client: Client) -> None:
-    """Return once the broker has handled everything ``client`` sent before."""
-    client.whoami(timeout=TIMEOUT)
 
 
 @pytest.fixture
@@ -52,7 +47,7 @@ def subscriber(connect, address, *patterns) -> Client:
     c = connect(address)
     for p in patterns:
         c.subscribe(p)
-    sync(c)
+    c.whoami(timeout=TIMEOUT)
     return c
 
 
@@ -74,13 +69,12 @@ def test_publish_reaches_subscriber_byte_identical(broker, connect):
 def test_packets_on_the_wire_are_the_protocol(broker, connect):
     raw = broker.connect()
     raw.send(b"SUB k/*")
-    raw.send(b"CMSG !/cred/whoami")
-    assert raw.recv(1024).startswith(b"CMSG !/cred/whoami\0!/cred/")
+    assert raw.sync().startswith("!/cred/")
     client = connect(broker.address)
     client.publish("k/é", b"\x00\xff")
     assert raw.recv(1024) == b"MSG k/\xc3\xa9\x00\x00\xff"
     client.subscribe(b"k/*")
-    sync(client)
+    client.whoami(timeout=TIMEOUT)
     raw.send(b"MSG k/raw\0" + b"p" * 100)
     assert client.receive(timeout=TIMEOUT) == Message(b"k/raw", b"p" * 100)
     raw.close()
@@ -125,14 +119,14 @@ def test_unsubscribe_removes_one_of_two_identical_patterns(broker, connect):
     sub = subscriber(connect, broker.address, "dup/*", "dup/*")
     pub = connect(broker.address)
     sub.unsubscribe("dup/*")
-    sync(sub)
+    sub.whoami(timeout=TIMEOUT)
     pub.publish("dup/1", b"still subscribed once")
     assert sub.receive(timeout=TIMEOUT).payload == b"still subscribed once"
     sub.unsubscribe(b"dup/*")
-    sync(sub)
+    sub.whoami(timeout=TIMEOUT)
     pub.publish("dup/2", b"gone")
     pub.publish("dup-control", b"")
-    sync(pub)
+    pub.whoami(timeout=TIMEOUT)
     with pytest.raises(TimeoutError):
         sub.receive(timeout=0.2)
 
@@ -152,7 +146,7 @@ def test_iteration_ends_when_the_broker_closes(start_broker, connect):
     pub = connect(b.address)
     for i in range(3):
         pub.publish(f"it/{i}", b"")
-    sync(pub)
+    pub.whoami(timeout=TIMEOUT)
     seen = []
     for message in sub:
         seen.append(message.key_str)
@@ -423,7 +417,7 @@ def test_control_messages_are_not_forwarded(broker, connect):
     sub = subscriber(connect, broker.address, "")
     other = connect(broker.address)
     other.send_cmsg("some/key", b"payload")
-    sync(other)
+    other.whoami(timeout=TIMEOUT)
     with pytest.raises(TimeoutError):
         sub.receive(timeout=0.1)
 

@@ -27,64 +27,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import recv_or_none
+from support import recv_or_none, status_kib, stop_process, wait_until
 
 HERE = Path(__file__).resolve().parent
 SMALL = ("--max-message", "4096")
-SO_SNDBUFFORCE = 32
 MIB = 1 << 20
 
 
 # ---- helpers ----------------------------------------------------------------
-
-def sync(sock):
-    """Round-trip through the broker: everything sent before is processed."""
-    sock.send(b"CMSG !/cred/whoami")
-    packet = sock.recv(1 << 20)
-    assert packet.startswith(b"CMSG !/cred/whoami\0"), packet[:40]
-
-
-def stats(sock):
-    sock.send(b"CMSG stats")
-    packet = sock.recv(1 << 22)
-    assert packet.startswith(b"CMSG stats\0"), packet[:40]
-    return json.loads(packet[len(b"CMSG stats\0"):])
-
-
-def stats_after(sock):
-    """Stats once everything sock sent before has been delivered or dropped.
-    (A stats request read in the same batch as MSG packets is answered before
-    the batch's deliveries are made: see the test at the end.)"""
-    sync(sock)
-    return stats(sock)
-
-
-def snapshot(broker):
-    """Stats through a fresh connection (only while the bus is not blocked:
-    a new client is not read while it is)."""
-    s = broker.connect(timeout=30)
-    try:
-        return stats(s)
-    finally:
-        s.close()
-
 
 def per_client(snap, cid):
     for c in snap["clients"]:
         if c["client"] == cid:
             return c
     raise AssertionError(f"client {cid} not in {[c['client'] for c in snap['clients']]}")
-
-
-def wait_until(cond, timeout=60.0, what="condition", interval=0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def subscriber(broker, *patterns, cmsgs=()):
@@ -96,8 +52,8 @@ def subscriber(broker, *patterns, cmsgs=()):
         s.send(b"CMSG " + c)
     for p in patterns:
         s.send(b"SUB " + p)
-    sync(s)
-    cid = max(c["client"] for c in stats(s)["clients"])
+    s.sync()
+    cid = max(c["client"] for c in s.stats()["clients"])
     return s, cid
 
 
@@ -141,20 +97,6 @@ def drain_now(sock, limit=None):
     return out
 
 
-def read_to_eof(sock, timeout=60.0):
-    """Sequence numbers of every packet up to EOF (or a reset)."""
-    out = []
-    sock.settimeout(timeout)
-    while True:
-        try:
-            packet = sock.recv(1 << 16)
-        except ConnectionResetError:
-            return out
-        if not packet:
-            return out
-        out.append(seq(packet))
-
-
 def flood_records(broker, cid):
     return [r for r in broker.events("flood") if r["client"] == cid]
 
@@ -172,28 +114,9 @@ def last_stats_record(broker):
     return recs[-1] if recs else None
 
 
-def proc_status(pid, field):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"{field} not in /proc/{pid}/status")
-
-
-def stop_process(pid):
-    """SIGSTOP pid and wait until it really is stopped (kill returns before)."""
-    os.kill(pid, signal.SIGSTOP)
-
-    def stopped():
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    wait_until(stopped, what=f"process {pid} to stop", interval=0.005)
-
-
 def publisher_socket(broker):
     s = broker.connect(timeout=60)
-    s.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE if os.geteuid() == 0 else socket.SO_SNDBUF,
-                 4 * MIB)
+    s.set_sndbuf(4 * MIB)
     return s
 
 
@@ -204,7 +127,7 @@ def fill_until_queued(pub, key, cid, size=4000):
     packet += b"f" * (size - len(packet))
     for sent in range(1, 2000):
         pub.send(packet)
-        if per_client(stats_after(pub), cid)["queued_msgs"] > 0:
+        if per_client(pub.stats_after(), cid)["queued_msgs"] > 0:
             return sent
     raise AssertionError("the subscriber's kernel buffer never filled")
 
@@ -287,7 +210,7 @@ def sbusd(start_broker, tmp_path):
 def test_defaults_and_command_line_flood_settings(sbusd, backend):
     b = sbusd(backend=backend)
     s, cid = subscriber(b)
-    c = per_client(stats(s), cid)
+    c = per_client(s.stats(), cid)
     assert (c["soft"], c["hard"], c["order"]) == ("queue", "discard", "queue")
     config = b.wait_for_event("broker_start")["config"]
     assert config["queue_max_bytes"] == 8 * MIB
@@ -299,7 +222,7 @@ def test_defaults_and_command_line_flood_settings(sbusd, backend):
                "--queue-max-bytes", "1000", "--queue-max-msgs", "7",
                "--total-max-bytes", "5000", "--block-timeout", "2.5", backend=backend)
     s2, cid2 = subscriber(b2)
-    c2 = per_client(stats(s2), cid2)
+    c2 = per_client(s2.stats(), cid2)
     assert (c2["soft"], c2["hard"], c2["order"]) == ("block", "error", "random")
     config = b2.wait_for_event("broker_start")["config"]
     assert (config["queue_max_bytes"], config["queue_max_msgs"], config["total_max_bytes"],
@@ -308,10 +231,10 @@ def test_defaults_and_command_line_flood_settings(sbusd, backend):
     for cmsg in (b"blocking/soft/queue", b"blocking/hard/block", b"order/stack",
                  b"blocking/soft/discard", b"order/queue"):
         s2.send(b"CMSG " + cmsg)
-    c2 = per_client(stats(s2), cid2)
+    c2 = per_client(s2.stats(), cid2)
     assert (c2["soft"], c2["hard"], c2["order"]) == ("discard", "block", "queue")
     s2.send(b"CMSG blocking/hard/queue")      # queue is not a hard mode: ignored
-    assert per_client(stats(s2), cid2)["hard"] == "block"
+    assert per_client(s2.stats(), cid2)["hard"] == "block"
 
     bad = subprocess.run([b.proc.args[0], "-f", "-a", str(b.workdir / "x.socket"),
                           "--hard", "queue"], capture_output=True, timeout=60)
@@ -326,12 +249,12 @@ def test_queue_mode_fast_subscriber_keeps_receiving_while_slow_ones_are_stuck(
     slow1, id1 = subscriber(b, b"f/")
     slow2, id2 = subscriber(b, b"f/")
     fast, _ = subscriber(b, b"f/")
-    before = snapshot(b)
+    before = b.stats()
     n, size = 3000, 1000
     pub = publisher(b, n, sizes=[size])
     assert read_seqs(fast, n) == list(range(n))       # all of it, in order, while the others sleep
     assert pub.finish() == n
-    snap = snapshot(b)
+    snap = b.stats()
     assert snap["totals"]["msgs_in"] == n
     outs = {}
     for cid in (id1, id2):
@@ -348,7 +271,7 @@ def test_queue_mode_fast_subscriber_keeps_receiving_while_slow_ones_are_stuck(
     # The stuck ones wake up and get everything, in order.
     assert read_seqs(slow1, n) == list(range(n))
     assert read_seqs(slow2, n) == list(range(n))
-    snap = snapshot(b)
+    snap = b.stats()
     assert snap["totals"]["queued_bytes"] == 0 and snap["totals"]["queued_msgs"] == 0
     assert snap["totals"]["drops_soft"] == snap["totals"]["drops_hard"] == 0
 
@@ -358,12 +281,12 @@ def test_discard_mode_drops_only_for_the_slow_one_and_counts_every_drop(
     b = sbusd(*SMALL, backend=backend)
     slow, sid = subscriber(b, b"f/", cmsgs=[b"blocking/soft/discard"])
     fast, _ = subscriber(b, b"f/")
-    base = per_client(snapshot(b), sid)["msgs_out"]
+    base = per_client(b.stats(), sid)["msgs_out"]
     n = 3000
     pub = publisher(b, n)
     assert read_seqs(fast, n) == list(range(n))
     assert pub.finish() == n
-    snap = snapshot(b)
+    snap = b.stats()
     c = per_client(snap, sid)
     got = c["msgs_out"] - base
     assert c["queued_msgs"] == 0 and c["queued_bytes"] == 0
@@ -394,12 +317,12 @@ def test_control_replies_are_queued_whatever_the_soft_mode(sbusd, backend, soft)
     n = 5000
     for _ in range(n):
         asker.send(b"CMSG !/cred/whoami")
-    wait_until(lambda: per_client(snapshot(b), aid)["queued_msgs"] > 0,
+    wait_until(lambda: per_client(b.stats(), aid)["queued_msgs"] > 0,
                what="the replies to overflow the socket")
     asker.settimeout(10)
     replies = [asker.recv(200) for _ in range(n)]
     assert all(r.startswith(b"CMSG !/cred/whoami\0") for r in replies)
-    c = per_client(snapshot(b), aid)
+    c = per_client(b.stats(), aid)
     assert c["replies_out"] == n + 2        # and subscriber()'s whoami and stats
     assert c["drops_soft"] == c["drops_disconnect"] == 0
 
@@ -412,7 +335,7 @@ def test_error_mode_disconnects_the_slow_client_and_the_rest_carry_on(
     # The fast one must not lose anything either: at its own limit it blocks the bus.
     fast, _ = subscriber(b, b"f/", cmsgs=[b"blocking/hard/block"])
     other_pub, _ = subscriber(b)
-    base = per_client(snapshot(b), sid)["msgs_out"]
+    base = per_client(b.stats(), sid)["msgs_out"]
     n = 2000
     pub = publisher(b, n)
     assert read_seqs(fast, n) == list(range(n))
@@ -423,7 +346,7 @@ def test_error_mode_disconnects_the_slow_client_and_the_rest_carry_on(
     counters = rec["counters"]
     delivered = counters["msgs_out"] - base
     # It keeps what reached its socket, the oldest first, then EOF.
-    assert read_to_eof(slow) == list(range(delivered))
+    assert [seq(p) for p in slow.until_closed(60)] == list(range(delivered))
     lost = counters["drops_disconnect"]
     if which == "soft":
         assert lost >= 1                      # the first that would have blocked
@@ -433,7 +356,7 @@ def test_error_mode_disconnects_the_slow_client_and_the_rest_carry_on(
     # The bus carries on.
     other_pub.send(b"MSG f/after\0%010d" % 123456)
     assert read_seqs(fast, 1) == [123456]
-    assert snapshot(b)["totals"]["drops_disconnect"] == lost
+    assert b.stats()["totals"]["drops_disconnect"] == lost
 
 
 def pump(slow, fast, n, slow_batch=40, timeout=120.0):
@@ -444,7 +367,7 @@ def pump(slow, fast, n, slow_batch=40, timeout=120.0):
         assert time.monotonic() < deadline, (len(got_slow), len(got_fast))
         got_fast += drain_now(fast)
         got_slow += drain_now(slow, slow_batch)
-        time.sleep(0.003)
+        time.sleep(0.003)       # the pace of the slow reader: the load under test
     return got_slow, got_fast
 
 
@@ -460,7 +383,7 @@ def test_block_mode_loses_nothing_end_to_end(sbusd, backend, publisher, mode):
     assert got_slow == list(range(n))
     assert got_fast == list(range(n))
     assert pub.finish() == n
-    totals = snapshot(b)["totals"]
+    totals = b.stats()["totals"]
     assert totals["msgs_in"] == n
     assert totals["drops_soft"] == totals["drops_hard"] == totals["drops_disconnect"] == 0
     assert totals["queued_msgs"] == 0
@@ -498,15 +421,15 @@ def test_hard_block_holds_the_bus_until_the_slow_client_reads(sbusd, backend, pu
     assert len(got_fast) < n and not pub.done()
     # The slow client reads: everything flows, nothing is lost.
     got_slow = []
-    deadline = time.monotonic() + 120
-    while len(got_slow) < n or len(got_fast) < n:
-        assert time.monotonic() < deadline
-        got_slow += drain_now(slow)
-        got_fast += drain_now(fast)
-        time.sleep(0.002)
+
+    def all_read():
+        got_slow.extend(drain_now(slow))
+        got_fast.extend(drain_now(fast))
+        return len(got_slow) >= n and len(got_fast) >= n
+    wait_until(all_read, 120, "both subscribers to read everything", interval=0.002)
     assert got_slow == list(range(n)) and got_fast == list(range(n))
     assert pub.finish() == n
-    totals = snapshot(b)["totals"]
+    totals = b.stats()["totals"]
     assert totals["drops_soft"] == totals["drops_hard"] == totals["drops_disconnect"] == 0
     b.wait_for_event("flood", timeout=30, predicate=lambda r: r["client"] == sid and r["blocks"] > 0)
 
@@ -522,12 +445,12 @@ def test_hard_discard_caps_the_queue_and_counts_the_rest(
     b = sbusd(*SMALL, limit_flag, limit_value, backend=backend)
     slow, sid = subscriber(b, b"f/")
     fast, _ = subscriber(b, b"f/", cmsgs=[b"blocking/hard/block"])
-    base = per_client(snapshot(b), sid)["msgs_out"]
+    base = per_client(b.stats(), sid)["msgs_out"]
     n = 2000
     pub = publisher(b, n, sizes=[size])
     assert read_seqs(fast, n) == list(range(n))
     assert pub.finish() == n
-    snap = snapshot(b)
+    snap = b.stats()
     c = per_client(snap, sid)
     sent = c["msgs_out"] - base
     assert c["queued_msgs"] == expect_queued and c["queued_bytes"] == expect_queued * size
@@ -549,13 +472,13 @@ def test_total_max_bytes_caps_queued_bytes_broker_wide(sbusd, backend):
     pad = b"p" * (size - len(b"MSG a/x\0") - 10)
     for i in range(400):
         pub.send(b"MSG a/x\0%010d" % i + pad)
-    snap = stats_after(pub)
+    snap = pub.stats_after()
     c1 = per_client(snap, id1)
     assert c1["queued_bytes"] == cap // size * size and c1["drops_hard"] > 0
     # The broker-wide cap is reached: b's subscriber can queue nothing now.
     for i in range(400):
         pub.send(b"MSG b/x\0%010d" % i + pad)
-    snap = stats_after(pub)
+    snap = pub.stats_after()
     c2 = per_client(snap, id2)
     assert c2["queued_msgs"] == 0 and c2["drops_hard"] > 0
     assert snap["totals"]["queued_bytes"] <= cap
@@ -563,7 +486,7 @@ def test_total_max_bytes_caps_queued_bytes_broker_wide(sbusd, backend):
     # a's subscriber drains; the room is b's now.
     read_seqs(s1, 400 - c1["drops_hard"])
     pub.send(b"MSG b/x\0%010d" % 999 + pad)
-    snap = stats_after(pub)
+    snap = pub.stats_after()
     assert per_client(snap, id2)["queued_msgs"] == 1
 
 
@@ -573,13 +496,13 @@ def test_disconnect_with_a_queue_counts_the_queue_as_dropped(sbusd, backend):
     pub = publisher_socket(b)
     for i in range(300):
         pub.send(b"MSG f/x\0%010d" % i + b"q" * 990)
-    queued = per_client(stats_after(pub), sid)["queued_msgs"]
+    queued = per_client(pub.stats_after(), sid)["queued_msgs"]
     assert queued > 0
     slow.close()
     rec = b.wait_for_event("client_disconnect", timeout=60, predicate=lambda r: r["client"] == sid)
     assert rec["reason"] in ("eof", "error")
     assert rec["counters"]["drops_disconnect"] == queued
-    totals = stats_after(pub)["totals"]
+    totals = pub.stats_after()["totals"]
     assert totals["drops_disconnect"] == queued and totals["queued_bytes"] == 0
 
 
@@ -599,7 +522,7 @@ def test_block_timeout_disconnects_a_client_that_keeps_the_bus_blocked(
     rec = b.wait_for_event("client_disconnect", timeout=30, predicate=lambda r: r["client"] == sid)
     assert rec["reason"] == "flood_error" and "kept the bus blocked for 1s" in rec["detail"]
     assert rec["counters"]["drops_disconnect"] > 0
-    totals = snapshot(b)["totals"]
+    totals = b.stats()["totals"]
     assert totals["drops_soft"] == totals["drops_hard"] == 0
 
 
@@ -662,7 +585,7 @@ def test_client_that_publishes_and_reads_slowly_in_block_mode_gets_everything(
         if proc.poll() is None:
             proc.kill()
     assert out.strip() == b"ok", (out, err)
-    totals = snapshot(b)["totals"]
+    totals = b.stats()["totals"]
     assert totals["msgs_in"] == n
     assert totals["drops_soft"] == totals["drops_hard"] == totals["drops_disconnect"] == 0
 
@@ -698,11 +621,11 @@ def test_queue_order_decides_what_a_slow_client_gets_next(sbusd, backend, order,
     cmsgs = [b"order/random", b"order/" + order.encode()] if how == "cmsg" else []
     slow, sid = subscriber(b, b"f/", cmsgs=cmsgs)
     pub = publisher_socket(b)
-    base = per_client(stats(pub), sid)["msgs_out"]
+    base = per_client(pub.stats(), sid)["msgs_out"]
     n = 300
     for i in range(n):
         pub.send(b"MSG f/x\0%010d" % i + b"o" * 990)
-    c = per_client(stats_after(pub), sid)
+    c = per_client(pub.stats_after(), sid)
     assert c["order"] == order
     k = c["msgs_out"] - base                 # already in its socket, in arrival order
     assert c["queued_msgs"] == n - k >= 100
@@ -723,7 +646,7 @@ def test_random_order_sends_what_frees_memory_first(sbusd, backend):
     other, oid = subscriber(b, b"shared/", b"fill")
     pub = publisher_socket(b)
     fill_until_queued(pub, b"fill", oid)    # from now on `other` queues every shared message
-    base = per_client(stats(pub), aid)["msgs_out"]
+    base = per_client(pub.stats(), aid)["msgs_out"]
     sizes = (100, 3000, 1000, 2000, 500)
     batch = []
     for i in range(240):
@@ -732,7 +655,7 @@ def test_random_order_sends_what_frees_memory_first(sbusd, backend):
         packet += b"r" * (sizes[(i * 7) % 5] - len(packet))
         pub.send(packet)
         batch.append((shared, len(packet), i))
-    c = per_client(stats_after(pub), aid)
+    c = per_client(pub.stats_after(), aid)
     k = c["msgs_out"] - base
     assert c["queued_msgs"] == len(batch) - k >= 100
     got = read_seqs(a, len(batch))
@@ -761,7 +684,7 @@ def mixed_workload_peak(sbusd, backend, order, rounds=2500):
             k += 1
         reader.recv(1 << 16)
         reader.recv(1 << 16)
-    snap = stats_after(pub)
+    snap = pub.stats_after()
     assert snap["totals"]["msgs_in"] == 3 * rounds
     assert snap["totals"]["drops_hard"] == snap["totals"]["drops_soft"] == 0
     assert per_client(snap, rid)["order"] == order
@@ -783,23 +706,23 @@ def test_a_million_messages_to_a_never_reading_subscriber_keep_memory_bounded(
     b = sbusd(backend="epoll")             # defaults: 8 MiB / 65536 msgs per client
     stuck, sid = subscriber(b, b"m/")
     ctl = b.connect(timeout=60)
-    before = per_client(stats(ctl), sid)
-    pid = b.pid()
-    rss_start = proc_status(pid, "VmRSS")
+    before = per_client(ctl.stats(), sid)
+    pid = b.pid
+    rss_start = status_kib(pid, "VmRSS") * 1024
     pub = publisher(b, n, key="m/x", sizes=[size])
     rss_max = queued_max = 0
     t0 = time.monotonic()
     while not pub.done():
         assert time.monotonic() - t0 < 300, "publishing a million messages took over 300 s"
-        snap = stats(ctl)
+        snap = ctl.stats()
         c = per_client(snap, sid)
         assert c["queued_msgs"] <= 65536 and c["queued_bytes"] <= 8 * MIB
         queued_max = max(queued_max, snap["totals"]["queued_bytes"])
-        rss_max = max(rss_max, proc_status(pid, "VmRSS"))
-        time.sleep(0.1)
+        rss_max = max(rss_max, status_kib(pid, "VmRSS") * 1024)
+        time.sleep(0.1)         # the sampling period while the publisher runs
     elapsed = time.monotonic() - t0
     assert pub.finish() == n
-    snap = wait_until(lambda: [s for s in [stats(ctl)] if s["totals"]["msgs_in"] == n],
+    snap = wait_until(lambda: [s for s in [ctl.stats()] if s["totals"]["msgs_in"] == n],
                       what="the broker to read every message")[0]
     c = per_client(snap, sid)
     delivered = c["msgs_out"] - before["msgs_out"]
@@ -808,8 +731,8 @@ def test_a_million_messages_to_a_never_reading_subscriber_keep_memory_bounded(
     assert delivered + c["queued_msgs"] + dropped == n
     assert c["queued_msgs"] == 65536 and c["drops_hard"] > 900_000
     assert snap["totals"]["queued_bytes_peak"] <= 8 * MIB + 64 * 1024
-    rss_max = max(rss_max, proc_status(pid, "VmRSS"))
-    hwm = proc_status(pid, "VmHWM")
+    rss_max = max(rss_max, status_kib(pid, "VmRSS") * 1024)
+    hwm = status_kib(pid, "VmHWM") * 1024
     print(f"\n1M x {size} B in {elapsed:.1f}s: delivered={delivered} queued={c['queued_msgs']} "
           f"dropped={dropped} queued_bytes max seen={queued_max} "
           f"peak={snap['totals']['queued_bytes_peak']} "
@@ -836,7 +759,7 @@ def test_flood_summaries_are_one_per_client_per_second(sbusd, publisher, interva
     while time.monotonic() - t0 < 3.5:
         publisher(b, 100_000, sizes=[200], first=first).finish()
         first += 100_000
-    snap = snapshot(b)
+    snap = b.stats()
     for cid in ids:
         drops = per_client(snap, cid)["drops_soft"]
         assert drops > 0
@@ -861,9 +784,9 @@ def blocked_burst(b, burst, packet_size, hang_up):
     pub = publisher_socket(b)
     fill_until_queued(pub, b"k", sid)
     sub.send(b"CMSG blocking/soft/block")
-    wait_until(lambda: per_client(stats(pub), sid)["soft"] == "block", what="block mode")
-    in_before = stats(pub)["totals"]["msgs_in"]
-    stop_process(b.pid())
+    wait_until(lambda: per_client(pub.stats(), sid)["soft"] == "block", what="block mode")
+    in_before = pub.stats()["totals"]["msgs_in"]
+    stop_process(b.pid)
     try:
         for i in range(burst):
             packet = b"MSG k\0%010d" % (i + 1)
@@ -871,7 +794,7 @@ def blocked_burst(b, burst, packet_size, hang_up):
         if hang_up:
             pub.close()
     finally:
-        os.kill(b.pid(), signal.SIGCONT)
+        os.kill(b.pid, signal.SIGCONT)
 
     # The subscriber reads nothing until the broker has stopped reading: two
     # stats records in a row (written even while the bus is blocked) show the
@@ -923,14 +846,14 @@ def test_stats_read_with_messages_in_one_batch_counts_their_deliveries(sbusd, ba
     sub, sid = subscriber(b, b"a/")
     pub = publisher_socket(b)
     fill_until_queued(pub, b"a/", sid)
-    before = stats_after(pub)
-    stop_process(b.pid())        # so the broker reads all of it in one batch
+    before = pub.stats_after()
+    stop_process(b.pid)        # so the broker reads all of it in one batch
     try:
         for i in range(10):
             pub.send(b"MSG a/x\0%010d" % i + b"z" * 100)
         pub.send(b"CMSG stats")
     finally:
-        os.kill(b.pid(), signal.SIGCONT)
+        os.kill(b.pid, signal.SIGCONT)
     packet = pub.recv(1 << 22)
     snap = json.loads(packet[len(b"CMSG stats\0"):])
     assert snap["totals"]["msgs_in"] == before["totals"]["msgs_in"] + 10

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SBUSD
+from support import SBUSD
 
 C_DIR = Path(__file__).resolve().parent / "c"
 TIMEOUT = 30.0

@@ -5,14 +5,12 @@ import pathlib
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
-import time
 
 import pytest
 
-from conftest import SBUSD
+from support import SBUSD, Conn, wait_for_record
 from sbus import logschema as schema
 
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
@@ -63,30 +61,6 @@ def check_record(record):
         check_value(record["event"], name, tag, record[name])
 
 
-def connect(path, sndbuf=None):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    s.settimeout(5)
-    s.connect(path)
-    if sndbuf:
-        s.setsockopt(socket.SOL_SOCKET, 32, sndbuf)  # SO_SNDBUFFORCE
-    return s
-
-
-def sync(s):
-    s.send(b"CMSG !/cred/whoami")
-    assert s.recv(200).startswith(b"CMSG !/cred/whoami\0")
-
-
-def wait_closed(s):
-    """Read until the broker closes the connection."""
-    s.settimeout(5)
-    try:
-        while s.recv(1 << 16):
-            pass
-    except ConnectionResetError:
-        pass
-
-
 def as_other_user(path, action):
     """Connect from a child running as uid 65534; True if it was served."""
     r, w = os.pipe()
@@ -97,7 +71,7 @@ def as_other_user(path, action):
             os.setgroups([])
             os.setgid(65534)
             os.setuid(65534)
-            s = connect(path)
+            s = Conn.to(path)
             action(s)
             ok = b"1"
         except Exception:
@@ -129,7 +103,7 @@ def test_every_event_type_appears_with_its_documented_fields(tmp_path, open_dir)
         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.read()
     try:
-        pub, sub, slow = connect(sock), connect(sock), connect(sock)
+        pub, sub, slow = Conn.to(sock), Conn.to(sock), Conn.to(sock)
         sub.send(b"SUB news/")
         slow.send(b"CMSG blocking/soft/discard")
         slow.send(b"SUB news/")
@@ -137,11 +111,11 @@ def test_every_event_type_appears_with_its_documented_fields(tmp_path, open_dir)
         sub.send(b"UNSUB never")
         sub.send(b"SUB news/")
         for s in (sub, slow):
-            sync(s)
+            s.sync()
         for i in range(3000):                           # slow never reads: soft discards
             pub.send(b"MSG news/today\0" + b"x" * 1000)
             if i % 500 == 0:
-                sync(pub)
+                pub.sync()
         bad_cases = [
             (b"HELLO", "protocol_error"),
             (b"SUB !/cred/1/2/3/x", "cred_refused"),
@@ -149,26 +123,28 @@ def test_every_event_type_appears_with_its_documented_fields(tmp_path, open_dir)
             (b"MSG k\0" + b"y" * 5000, "oversize"),
         ]
         for packet, _ in bad_cases:
-            c = connect(sock, sndbuf=1 << 20)
+            c = Conn.to(sock, sndbuf=1 << 20)
             c.send(packet)
-            wait_closed(c)
-        limit = connect(sock)
+            c.until_closed()
+        limit = Conn.to(sock)
         for p in (b"SUB a", b"SUB b", b"SUB c", b"SUB d"):
             limit.send(p)
-        wait_closed(limit)
-        error = connect(sock)
+        limit.until_closed()
+        error = Conn.to(sock)
         error.send(b"CMSG blocking/soft/error")
         error.send(b"SUB flood")
-        sync(error)
+        error.sync()
         for _ in range(2000):
             pub.send(b"MSG flood\0" + b"z" * 1000)
-        sync(pub)
-        wait_closed(error)
-        assert not as_other_user(sock, sync)             # -u 0: uid 65534 is refused
-        eof = connect(sock)
-        sync(eof)
+        pub.sync()
+        error.until_closed()
+        assert not as_other_user(sock, Conn.sync)             # -u 0: uid 65534 is refused
+        eof = Conn.to(sock)
+        eof.sync()
         eof.close()
-        time.sleep(1.3)                                   # a stats record and a flood summary
+        wait_for_record(log, "client_disconnect", lambda r: r["reason"] == "eof")
+        wait_for_record(log, "flood", lambda r: r["drops_soft"] > 0)
+        wait_for_record(log, "stats")
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
@@ -211,7 +187,7 @@ def test_stats_records_carry_totals_deltas_and_clients(start_broker):
     b = start_broker("--stats-interval", "0.1")
     pub, sub = b.connect(), b.connect()
     sub.send(b"SUB k")
-    sync(sub)
+    sub.sync()
     for _ in range(10):
         pub.send(b"MSG k\0abc")
     for _ in range(10):
@@ -230,8 +206,8 @@ def test_stats_records_carry_totals_deltas_and_clients(start_broker):
 def test_stats_records_list_a_client_when_it_connects_or_changes(start_broker):
     b = start_broker("--stats-interval", "0.1")
     idle, busy = b.connect(), b.connect()
-    sync(idle)
-    sync(busy)
+    idle.sync()
+    busy.sync()
 
     def next_stats(after, predicate=lambda r: True):
         return b.wait_for_event("stats", predicate=lambda r: r["timestamp"] > after["timestamp"] and predicate(r))
@@ -255,13 +231,13 @@ def test_log_level_filters_and_off_writes_nothing(start_broker):
     b = start_broker(log_level="warning")
     c = b.connect()
     c.send(b"NOPE")
-    wait_closed(c)
+    c.until_closed()
     b.wait_for_event("client_disconnect")
     b.stop()
     assert {r["level"] for r in b.records()} <= {"warning", "error"}
     off = start_broker(log_level="off")
     c = off.connect()
-    sync(c)
+    c.sync()
     off.stop()
     assert off.records() == []
 
@@ -272,10 +248,9 @@ def test_console_format_is_for_people_and_json_is_the_default_off_a_terminal(tmp
         proc = subprocess.Popen([SBUSD, "-f", "-r", "-a", sock, *extra],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         proc.stdout.read()
-        c = connect(sock)
-        sync(c)
+        c = Conn.to(sock)
+        c.sync()
         c.close()
-        time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=10)
         lines = [l for l in err.decode().splitlines() if l.strip()]
@@ -293,13 +268,13 @@ def test_sampled_message_records_follow_the_rate(start_broker):
     b = start_broker("--log-messages", "0.1")
     pub, sub = b.connect(), b.connect()
     sub.send(b"SUB s/")
-    sync(sub)
+    sub.sync()
     n = 4000
     for i in range(n):
         pub.send(b"MSG s/%d\0p" % (i % 7))
         if i % 500 == 0:
-            sync(pub)
-    sync(pub)
+            pub.sync()
+    pub.sync()
     b.stop()
     sampled = b.events("message")
     assert 200 <= len(sampled) <= 600          # 10% of 4000, with wide margins

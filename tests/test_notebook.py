@@ -9,15 +9,12 @@ import json
 import os
 import socket
 import threading
-import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-from conftest import SBUSD
+from support import ROOT, SBUSD, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "tools" / "log_analytics.ipynb"
 PUBLISHED = 3000
 HOT_KEY = b"load/0/a"  # most published key: the notebook's top key
@@ -42,15 +39,6 @@ class Drain(threading.Thread):
                 return
 
 
-def wait_until(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def make_load(b) -> int:
     """Subscribers, a reader that never reads, two publishers, one misbehaving client."""
     readers = [b.connect(), b.connect()]
@@ -58,6 +46,8 @@ def make_load(b) -> int:
     readers[1].send(b"SUB load/*/a")
     readers[1].send(b"SUB other/")
     readers[1].send(b"UNSUB never/subscribed")  # refused
+    for s in readers:
+        s.sync()            # subscribed before the first message
     drains = [Drain(s) for s in readers]
     for d in drains:
         d.start()
@@ -65,8 +55,8 @@ def make_load(b) -> int:
     lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     lazy.send(b"CMSG blocking/soft/discard")
     lazy.send(b"SUB ")
+    lazy.sync()
     pubs = [b.connect(), b.connect()]
-    time.sleep(0.1)  # subscriptions are in place before the first message
     load_msgs = 0
     for i in range(PUBLISHED):
         if i % 4 == 3:
@@ -78,8 +68,11 @@ def make_load(b) -> int:
     bad = b.connect()
     bad.send(b"garbage")  # protocol_error
     # Everything published has been routed once the full subscriber saw it all.
-    assert wait_until(lambda: drains[0].count >= load_msgs), (drains[0].count, load_msgs)
-    time.sleep(0.7)  # at least two stats records after the last message
+    assert wait_until(lambda: drains[0].count >= load_msgs, 20, fail=False), \
+        (drains[0].count, load_msgs)
+    mark = len(b.records())
+    wait_until(lambda: len([r for r in b.records()[mark:] if r["event"] == "stats"]) >= 2, 20,
+               "two stats records after the last message")
     for d in drains:
         d.stopped.set()
         d.join(2)
@@ -100,7 +93,7 @@ def test_notebook_runs_on_a_real_broker_log(start_broker, tmp_path, monkeypatch)
 
     b = start_broker("--stats-interval", "0.2", "--log-messages", "1")
     sent = make_load(b)
-    assert wait_until(lambda: len(b.events("client_disconnect")) >= 6)
+    wait_until(lambda: len(b.events("client_disconnect")) >= 6, 20, "six disconnect records")
     b.stop()
 
     # The oracle: the log itself, read with json.

@@ -1,12 +1,9 @@
 """The sbus protocol against real sbusd processes, on both event-loop backends."""
-import json
 import os
-import socket
-import time
 
 import pytest
 
-from conftest import recv_or_none
+from support import recv_or_none
 
 BIG = 409600
 
@@ -14,37 +11,8 @@ BIG = 409600
 def client(broker, sndbuf=None):
     s = broker.connect()
     if sndbuf:
-        try:
-            s.setsockopt(socket.SOL_SOCKET, 32, sndbuf)   # SO_SNDBUFFORCE (root)
-        except OSError:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        s.set_sndbuf(sndbuf)
     return s
-
-
-def sync(sock):
-    """Round-trip through the broker: everything sent before is processed."""
-    sock.send(b"CMSG !/cred/whoami")
-    while True:
-        packet = sock.recv(1 << 20)
-        if packet.startswith(b"CMSG !/cred/whoami\0"):
-            return
-        raise AssertionError(f"unexpected packet while syncing: {packet!r}")
-
-
-def stats(sock):
-    sock.send(b"CMSG stats")
-    packet = sock.recv(1 << 22)
-    assert packet.startswith(b"CMSG stats\0"), packet[:40]
-    return json.loads(packet[len(b"CMSG stats\0"):])
-
-
-def assert_disconnected(sock, timeout=2.0):
-    sock.settimeout(timeout)
-    try:
-        data = sock.recv(100)
-    except ConnectionResetError:
-        return
-    assert data == b"", f"expected EOF, got {data!r}"
 
 
 def test_publish_reaches_every_matching_subscriber_byte_identical(broker):
@@ -53,7 +21,7 @@ def test_publish_reaches_every_matching_subscriber_byte_identical(broker):
     b.send(b"SUB news/")
     other.send(b"SUB weather")
     for s in (a, b, other):
-        sync(s)
+        s.sync()
     packet = b"MSG news/sport\0\x00\xffbinary payload\0with NULs"
     pub.send(packet)
     assert a.recv(1000) == packet
@@ -65,10 +33,10 @@ def test_publish_reaches_every_matching_subscriber_byte_identical(broker):
 def test_spec_examples_over_the_wire(broker):
     pub, sub = client(broker), client(broker)
     sub.send(b"SUB a/*/c/")
-    sync(sub)
+    sub.sync()
     for key in (b"a/b/c/", b"a/b/c/d/e", b"a/b/c", b"a/c/d"):
         pub.send(b"MSG " + key + b"\0x")
-    sync(pub)
+    pub.sync()
     got = [sub.recv(100), sub.recv(100)]
     assert got == [b"MSG a/b/c/\0x", b"MSG a/b/c/d/e\0x"]
     assert recv_or_none(sub) is None
@@ -77,7 +45,7 @@ def test_spec_examples_over_the_wire(broker):
 def test_empty_pattern_matches_everything(broker):
     pub, sub = client(broker), client(broker)
     sub.send(b"SUB ")
-    sync(sub)
+    sub.sync()
     for key in (b"", b"x", b"a/b/c", b"/"):
         pub.send(b"MSG " + key + b"\0p")
         assert sub.recv(100) == b"MSG " + key + b"\0p"
@@ -86,7 +54,7 @@ def test_empty_pattern_matches_everything(broker):
 def test_subscribe_tail_after_nul_is_ignored(broker):
     pub, sub = client(broker), client(broker)
     sub.send(b"SUB k\0this is ignored")
-    sync(sub)
+    sub.sync()
     pub.send(b"MSG k\0v")
     assert sub.recv(100) == b"MSG k\0v"
     pub.send(b"MSG k\0this is ignored\0v")
@@ -97,7 +65,7 @@ def test_each_client_gets_a_message_once_however_many_patterns_match(broker):
     pub, sub = client(broker), client(broker)
     for p in (b"a/b", b"a/*", b"", b"a/", b"a/b"):
         sub.send(b"SUB " + p)
-    sync(sub)
+    sub.sync()
     pub.send(b"MSG a/b\0once")
     assert sub.recv(100) == b"MSG a/b\0once"
     assert recv_or_none(sub) is None
@@ -108,22 +76,22 @@ def test_duplicate_subscription_is_stored_twice_and_unsub_removes_one(broker):
     sub.send(b"SUB k")
     sub.send(b"SUB k")
     sub.send(b"UNSUB k")
-    sync(sub)
+    sub.sync()
     pub.send(b"MSG k\0one")
     assert sub.recv(100) == b"MSG k\0one"
     sub.send(b"UNSUB k\0tail ignored")
-    sync(sub)
+    sub.sync()
     pub.send(b"MSG k\0two")
-    sync(pub)
+    pub.sync()
     assert recv_or_none(sub) is None
-    assert stats(sub)["totals"]["subscriptions"] == 0
+    assert sub.stats()["totals"]["subscriptions"] == 0
 
 
 def test_unsubscribe_of_unknown_pattern_is_ignored_and_logged(broker):
     pub, sub = client(broker), client(broker)
     sub.send(b"SUB k")
     sub.send(b"UNSUB never-subscribed")
-    sync(sub)                       # still connected
+    sub.sync()                       # still connected
     pub.send(b"MSG k\0still here")
     assert sub.recv(100) == b"MSG k\0still here"
     rec = broker.wait_for_event("unsubscribe", predicate=lambda r: r["pattern"] == "never-subscribed")
@@ -133,14 +101,14 @@ def test_unsubscribe_of_unknown_pattern_is_ignored_and_logged(broker):
 def test_sender_gets_its_own_message_only_when_subscribed_and_echo_on(broker):
     a = client(broker)
     a.send(b"MSG k\0not subscribed")
-    sync(a)
+    a.sync()
     assert recv_or_none(a) is None
     a.send(b"SUB k")
     a.send(b"MSG k\0echo")
     assert a.recv(100) == b"MSG k\0echo"
     a.send(b"CMSG echo/off")
     a.send(b"MSG k\0silent")
-    sync(a)
+    a.sync()
     assert recv_or_none(a) is None
     a.send(b"CMSG echo/on\0tail")
     a.send(b"MSG k\0back")
@@ -151,11 +119,11 @@ def test_echo_off_does_not_affect_other_subscribers(broker):
     a, b = client(broker), client(broker)
     for s in (a, b):
         s.send(b"SUB k")
-        sync(s)
+        s.sync()
     a.send(b"CMSG echo/off")
     a.send(b"MSG k\0x")
     assert b.recv(100) == b"MSG k\0x"
-    sync(a)
+    a.sync()
     assert recv_or_none(a) is None
 
 
@@ -171,13 +139,13 @@ def test_control_messages_are_never_forwarded(broker):
     a, spy = client(broker), client(broker)
     spy.send(b"SUB ")
     spy.send(b"SUB custom/")
-    sync(spy)
+    spy.sync()
     for cmsg in (b"CMSG custom/thing\0payload", b"CMSG !/cred/whoami", b"CMSG stats",
                  b"CMSG echo/off", b"CMSG unknown"):
         a.send(cmsg)
-    sync(a)
+    a.sync()
     a.recv(1 << 20)                  # the stats reply
-    sync(spy)
+    spy.sync()
     assert recv_or_none(spy) is None
 
 
@@ -185,7 +153,7 @@ def test_unknown_control_message_is_ignored_and_client_stays(broker):
     a = client(broker)
     a.send(b"CMSG no/such/control\0x")
     a.send(b"CMSG blocking/soft/nonsense")
-    sync(a)
+    a.sync()
     broker.wait_for_event("cmsg_ignored", predicate=lambda r: r["key"] == "no/such/control")
 
 
@@ -194,14 +162,14 @@ def test_flood_control_messages_are_remembered_per_client(broker):
     for cmsg in (b"CMSG blocking/soft/discard", b"CMSG blocking/hard/error",
                  b"CMSG order/stack\0ignored tail", b"CMSG echo/off"):
         a.send(cmsg)
-    snapshot = stats(a)
+    snapshot = a.stats()
     by_id = {c["client"]: c for c in snapshot["clients"]}
     modes = sorted((c["soft"], c["hard"], c["order"], c["echo"]) for c in by_id.values())
     assert modes == [("discard", "error", "stack", False), ("queue", "discard", "queue", True)]
     a.send(b"CMSG blocking/soft/block")
     a.send(b"CMSG order/random")
     a.send(b"CMSG order/queue")       # the most recent one wins
-    snapshot = stats(a)
+    snapshot = a.stats()
     mine = [c for c in snapshot["clients"] if c["soft"] == "block"]
     assert len(mine) == 1 and mine[0]["order"] == "queue"
 
@@ -216,9 +184,9 @@ def test_flood_control_messages_are_remembered_per_client(broker):
 def test_invalid_packets_disconnect_only_the_sender(broker, packet, detail):
     bad, pub, sub = client(broker), client(broker), client(broker)
     sub.send(b"SUB k")
-    sync(sub)
+    sub.sync()
     bad.send(packet)
-    assert_disconnected(bad)
+    bad.assert_closed()
     rec = broker.wait_for_event("client_disconnect", predicate=lambda r: r["reason"] == "protocol_error")
     assert detail in rec["detail"]
     pub.send(b"MSG k\0after")
@@ -228,7 +196,7 @@ def test_invalid_packets_disconnect_only_the_sender(broker, packet, detail):
 def test_largest_packet_is_delivered_whole(broker):
     pub, sub = client(broker, sndbuf=4 * BIG), client(broker)
     sub.send(b"SUB big")
-    sync(sub)
+    sub.sync()
     packet = b"MSG big\0" + os.urandom(BIG - 8)
     assert len(packet) == BIG
     pub.send(packet)
@@ -243,7 +211,7 @@ def test_mixed_sizes_in_one_batch_arrive_whole_and_in_order(broker):
     pub, live, late = client(broker, sndbuf=8 * BIG), client(broker), client(broker)
     for s in (live, late):
         s.send(b"SUB big/*")
-        sync(s)
+        s.sync()
     keys = [b"big/k", b"big/" + b"k" * 10_000]
     sizes = [64, 8191, 8192, 8193, 8194, 20_000, 100, BIG // 2, 64, BIG - 20_000]
     packets = []
@@ -261,9 +229,9 @@ def test_mixed_sizes_in_one_batch_arrive_whole_and_in_order(broker):
 def test_oversized_packet_is_never_forwarded_and_is_logged(broker):
     pub, sub = client(broker, sndbuf=4 * BIG), client(broker)
     sub.send(b"SUB big")
-    sync(sub)
+    sub.sync()
     pub.send(b"MSG big\0" + b"x" * (BIG - 7))       # one byte over
-    assert_disconnected(pub)
+    pub.assert_closed()
     rec = broker.wait_for_event("client_disconnect", predicate=lambda r: r["reason"] == "oversize")
     assert str(BIG) in rec["detail"]
     assert recv_or_none(sub) is None
@@ -273,18 +241,18 @@ def test_max_message_is_configurable(start_broker, backend):
     b = start_broker("--max-message", "1000", backend=backend)
     pub, sub = client(b), client(b)
     sub.send(b"SUB k")
-    sync(sub)
+    sub.sync()
     pub.send(b"MSG k\0" + b"x" * (1000 - 6))
     assert len(sub.recv(5000)) == 1000
     pub.send(b"MSG k\0" + b"x" * (1001 - 6))
-    assert_disconnected(pub)
+    pub.assert_closed()
     assert recv_or_none(sub) is None
 
 
 def test_messages_arrive_in_order_under_load(broker):
     pub, sub = client(broker), client(broker)
     sub.send(b"SUB seq/")
-    sync(sub)
+    sub.sync()
     n = 5000
     for i in range(n):
         pub.send(b"MSG seq/x\0%d" % i)
@@ -296,7 +264,7 @@ def test_messages_arrive_in_order_under_load(broker):
 def test_messages_sent_just_before_close_are_still_delivered(broker):
     pub, sub = client(broker), client(broker)
     sub.send(b"SUB last")
-    sync(sub)
+    sub.sync()
     for i in range(50):
         pub.send(b"MSG last\0%d" % i)
     pub.close()
@@ -309,8 +277,8 @@ def test_disconnected_subscriber_no_longer_matches(broker):
     pub, sub, keep = client(broker), client(broker), client(broker)
     sub.send(b"SUB k")
     keep.send(b"SUB k")
-    sync(sub)
-    sync(keep)
+    sub.sync()
+    keep.sync()
     sub.close()
     broker.wait_for_event("client_disconnect")
     pub.send(b"MSG k\0x")
@@ -321,12 +289,12 @@ def test_disconnected_subscriber_no_longer_matches(broker):
 def test_stats_snapshot_counts_traffic(broker):
     pub, sub = client(broker), client(broker)
     sub.send(b"SUB k")
-    sync(sub)
+    sub.sync()
     for _ in range(10):
         pub.send(b"MSG k\0abc")
     for _ in range(10):
         sub.recv(100)
-    snap = stats(pub)
+    snap = pub.stats()
     assert snap["totals"]["msgs_in"] == 10
     assert snap["totals"]["bytes_in"] == 10 * len(b"MSG k\0abc")
     assert snap["totals"]["subscriptions"] == 1
@@ -339,11 +307,11 @@ def test_stats_snapshot_counts_traffic(broker):
 def test_control_replies_are_counted_apart_from_deliveries(broker):
     asker = client(broker)
     for _ in range(3):
-        sync(asker)                             # whoami: one reply each
-    first = stats(asker)                        # this reply is written after the snapshot
+        asker.sync()                             # whoami: one reply each
+    first = asker.stats()                        # this reply is written after the snapshot
     mine = [c for c in first["clients"] if c["replies_out"] == 3]
     assert len(mine) == 1 and mine[0]["msgs_out"] == 0 and mine[0]["bytes_out"] == 0
-    again = stats(asker)
+    again = asker.stats()
     mine = [c for c in again["clients"] if c["client"] == mine[0]["client"]][0]
     assert (mine["replies_out"], mine["msgs_out"]) == (4, 0)
     assert again["totals"]["msgs_out"] == 0 and again["totals"]["replies_out"] >= 4
@@ -352,11 +320,11 @@ def test_control_replies_are_counted_apart_from_deliveries(broker):
 def test_closing_with_unread_deliveries_is_an_ordinary_eof(broker):
     pub, sub = client(broker), client(broker)
     sub.send(b"SUB k")
-    sync(sub)
+    sub.sync()
     for _ in range(5):
         pub.send(b"MSG k\0unread")
-    sync(pub)
-    sync(pub)       # the deliveries sit in sub's socket: it closes without reading them
+    pub.sync()
+    pub.sync()       # the deliveries sit in sub's socket: it closes without reading them
     sub.close()
     rec = broker.wait_for_event("client_disconnect")
     assert rec["reason"] == "eof" and rec["detail"] == "closed with unread deliveries", rec

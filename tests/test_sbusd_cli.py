@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import itertools
-import json
 import os
 import re
 import select
@@ -28,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from sbus import __version__
-from conftest import BACKENDS, SBUSD
+from support import (BACKENDS, SBUSD, Conn, Sbusd, alive, read_records, wait_for_record,
+                     wait_gone)
 
 TIMEOUT = 5.0
 NOBODY = 65534
@@ -38,87 +38,11 @@ _seq = itertools.count()
 
 # -- helpers --------------------------------------------------------------------
 
-def read_to_eof(pipe, timeout=TIMEOUT) -> bytes:
-    """Everything written to ``pipe`` until EOF; fail if EOF takes longer."""
-    fd = pipe.fileno()
-    data = b""
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise AssertionError(f"stdout not closed within {timeout}s (got {data!r})")
-        ready, _, _ = select.select([fd], [], [], remaining)
-        if ready:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return data
-            data += chunk
-
-
-def connect(address, timeout=TIMEOUT) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    s.settimeout(timeout)
-    try:
-        s.connect(address)
-    except BaseException:
-        s.close()
-        raise
-    return s
-
-
-def whoami(sock: socket.socket) -> bytes:
-    """A round trip through the broker; returns the credentials it replied."""
-    sock.send(b"CMSG !/cred/whoami")
-    reply = sock.recv(4096)
-    assert reply.startswith(b"CMSG !/cred/whoami\0!/cred/"), reply
-    return reply.split(b"\0", 1)[1]
-
-
-def serving(address) -> bytes:
-    """Connect, make a round trip, disconnect: proves the loop is running."""
-    with connect(address) as s:
-        return whoami(s)
-
-
-def records(log_path: Path) -> list:
-    """The complete JSON records in a log file (a torn last line is skipped)."""
-    try:
-        text = log_path.read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
-
-
-def wait_for_record(log_path: Path, event: str, predicate=lambda r: True,
-                    timeout=TIMEOUT) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        for r in records(log_path):
-            if r.get("event") == event and predicate(r):
-                return r
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {event!r} record in {log_path} within {timeout}s; saw "
-                                 f"{[r.get('event') for r in records(log_path)]}")
-        time.sleep(0.01)
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` (not necessarily our child) runs; a zombie has ended."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-def wait_gone(pid: int, timeout=TIMEOUT) -> bool:
-    deadline = time.monotonic() + timeout
-    while alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+def serving(address) -> str:
+    """Connect, make a round trip, disconnect: proves the loop is running;
+    returns the credentials the broker replied."""
+    with Conn.to(address, TIMEOUT) as s:
+        return s.sync()
 
 
 def stale_socket(path: Path) -> os.stat_result:
@@ -146,63 +70,14 @@ def run_sbusd(*args, timeout=TIMEOUT, **kwargs) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, **kwargs)
 
 
-class Sbusd:
-    """A foreground sbusd with exactly the given arguments (plus JSON logging
-    to ``log_path`` unless ``log=False``); stdout is a pipe."""
-
-    def __init__(self, tmp_path: Path, args, *, log=True, pass_fds=(), umask=-1, cwd=None):
-        n = next(_seq)
-        self.log_path = tmp_path / f"sbusd-{n}.log"
-        self.stderr_path = tmp_path / f"sbusd-{n}.stderr"
-        argv = [SBUSD, *args]
-        if log:
-            argv += ["--log-format", "json", "--log-file", str(self.log_path),
-                     "--log-level", "debug"]
-        self.started = time.monotonic()
-        with open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                         stderr=err, pass_fds=pass_fds, umask=umask, cwd=cwd)
-        self.stdout = b""
-        self.ready_s = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def ready(self, timeout=TIMEOUT) -> "Sbusd":
-        """Wait for stdout to close (readiness); the broker must still run."""
-        self.stdout = read_to_eof(self.proc.stdout, timeout)
-        self.ready_s = time.monotonic() - self.started
-        self.proc.stdout.close()
-        if self.proc.poll() is not None:
-            raise AssertionError(f"sbusd exited with {self.proc.returncode}: {self.stderr()}")
-        return self
-
-    def wait(self, timeout=TIMEOUT) -> int:
-        return self.proc.wait(timeout)
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
-
-    def records(self) -> list:
-        return records(self.log_path)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        if self.proc.stdout and not self.proc.stdout.closed:
-            self.proc.stdout.close()
-
-
 @pytest.fixture
 def sbusd(tmp_path):
     """Factory: ``sbusd(*args, ...)`` starts a foreground sbusd (not yet
     waited for); anything still running at teardown is killed."""
     started = []
 
-    def start(*args, **kwargs) -> Sbusd:
-        p = Sbusd(tmp_path, args, **kwargs)
+    def start(*args, log=True, **kwargs) -> Sbusd:
+        p = Sbusd(tmp_path, args, log_level="debug" if log else None, **kwargs)
         started.append(p)
         return p
 
@@ -314,7 +189,7 @@ def test_stdout_closes_once_listening_and_within_one_second(sbusd, tmp_path, bac
     assert b.ready_s < 1.0, f"start-up to listening took {b.ready_s:.3f}s"
     assert stat.S_ISSOCK(os.lstat(sock).st_mode)
     creds = serving(str(sock))          # no retry: it must listen already
-    assert creds == f"!/cred/{os.getgid()}/{os.getuid()}/{os.getpid()}".encode()
+    assert creds == f"!/cred/{os.getgid()}/{os.getuid()}/{os.getpid()}"
     start = [r for r in b.records() if r["event"] == "broker_start"]
     assert start and start[0]["config"]["backend"] == backend
 
@@ -331,9 +206,9 @@ def test_random_abstract_address_is_printed_then_stdout_closes(sbusd, backend):
     name = bytes.fromhex(m.group(1).decode())
     assert len(name) == 108 and name[0] == 0
     assert b.ready_s < 1.0, f"start-up to listening took {b.ready_s:.3f}s"
-    with connect(name) as c1, connect(name) as c2:
+    with Conn.to(name) as c1, Conn.to(name) as c2:
         c1.send(b"SUB x/")
-        whoami(c1)
+        c1.sync()
         c2.send(b"MSG x/y\0hello")
         assert c1.recv(4096) == b"MSG x/y\0hello"
     other = sbusd("-fa/dev/unix/abstract", log=False).ready()
@@ -371,9 +246,9 @@ def test_dev_fd_inherited_socket(sbusd, tmp_path, listening, backend):
     finally:
         s.close()                       # only the broker's copy remains
     assert b.stdout == b""
-    with connect(str(path)) as sub, connect(str(path)) as pub:
+    with Conn.to(str(path)) as sub, Conn.to(str(path)) as pub:
         sub.send(b"SUB k")
-        whoami(sub)
+        sub.sync()
         pub.send(b"MSG k\0v")
         assert sub.recv(4096) == b"MSG k\0v"
     assert b.wait() == 0
@@ -454,7 +329,7 @@ def test_r_replaces_a_stale_socket(sbusd, tmp_path, backend):
     sock = tmp_path / "bus.socket"
     stale_socket(sock)
     with pytest.raises(ConnectionRefusedError):
-        connect(str(sock))
+        Conn.to(str(sock))
     sbusd("-f", "-r", "-a", str(sock), "--backend", backend).ready()
     assert stat.S_ISSOCK(os.lstat(sock).st_mode)
     assert stat.S_IMODE(os.lstat(sock).st_mode) == 0o700
@@ -542,8 +417,8 @@ def test_long_options(sbusd, tmp_path, style):
 def test_foreground_signal_exits_0_and_removes_socket(sbusd, tmp_path, sig, backend):
     sock = tmp_path / "bus.socket"
     b = sbusd("-f", "-a", str(sock), "--backend", backend).ready()
-    client = connect(str(sock))
-    whoami(client)                      # the loop runs: the signal cannot race it
+    client = Conn.to(str(sock))
+    client.sync()                      # the loop runs: the signal cannot race it
     b.proc.send_signal(sig)
     assert b.wait() == 0
     assert client.recv(4096) == b""     # clients are disconnected, not left hanging
@@ -569,9 +444,9 @@ def test_a_signal_as_soon_as_the_socket_accepts_still_stops_cleanly(sbusd, tmp_p
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 assert time.monotonic() < deadline, "never listened"
-                time.sleep(0.0005)
+                time.sleep(0.0005)      # polling connect() is the supervisor under test
         b.proc.send_signal(sig)
-        assert b.wait() == 0, b.stderr()
+        assert b.wait() == 0, b.stderr_text()
         assert not os.path.lexists(sock)
         stop = [r for r in b.records() if r["event"] == "broker_stop"]
         assert stop and stop[0]["reason"] == sig.name
@@ -591,7 +466,7 @@ def test_a_closed_stdout_is_no_error(tmp_path):
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 assert time.monotonic() < deadline
-                time.sleep(0.01)
+                time.sleep(0.01)        # stdout is closed: no readiness signal to wait for
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(TIMEOUT) == 0
         assert b"Traceback" not in proc.stderr.read()
@@ -614,11 +489,11 @@ def test_auto_close_exits_0_once_the_last_client_has_left(sbusd, tmp_path, backe
     b = sbusd("-fc", "-a", str(sock), "--backend", backend).ready()
     with pytest.raises(subprocess.TimeoutExpired):
         b.wait(timeout=0.3)             # no client has come yet: keep running
-    first, second = connect(str(sock)), connect(str(sock))
-    whoami(first)
-    whoami(second)
+    first, second = Conn.to(str(sock)), Conn.to(str(sock))
+    first.sync()
+    second.sync()
     first.close()
-    assert whoami(second)               # one client left: still serving
+    assert second.sync()               # one client left: still serving
     assert b.proc.poll() is None
     second.close()
     assert b.wait() == 0
@@ -678,7 +553,7 @@ def test_daemon_sighup_reopens_its_log_file(daemon, tmp_path):
     serving(str(sock))                  # later records go to the new file
     wait_for_record(log, "client_connect")
     wait_for_record(log, "client_disconnect")
-    old = [r["event"] for r in records(rotated)]
+    old = [r["event"] for r in read_records(rotated)]
     assert "broker_start" in old and "log_reopened" not in old and "client_connect" not in old
     os.kill(pid, signal.SIGTERM)
     assert wait_gone(pid)
@@ -711,7 +586,7 @@ def test_a_daemon_without_log_file_lets_go_of_captured_output(daemon, tmp_path):
     daemon.track(pid)
     os.kill(pid, signal.SIGTERM)
     assert wait_gone(pid)
-    assert [r["event"] for r in records(err)][-1] == "broker_stop"
+    assert [r["event"] for r in read_records(err)][-1] == "broker_stop"
 
 
 def test_daemon_pidfile_dev_null_means_none(daemon, tmp_path):
@@ -754,7 +629,7 @@ def test_daemon_existing_pidfile_fails_the_launcher(daemon, tmp_path):
     assert str(pidfile) in launch.stderr
     assert same_file(before, pidfile) and pidfile.read_text() == "12345\n"
     assert not os.path.lexists(sock)    # the failed daemon cleaned up
-    for r in records(log):
+    for r in read_records(log):
         if r.get("event") == "broker_start":
             daemon.track(r["pid"])
             raise AssertionError("a daemon started despite the existing pidfile")
@@ -903,7 +778,7 @@ def public_dir():
 def _nobody_round_trip(address) -> str:
     """Runs in the forked child, as uid 65534."""
     try:
-        s = connect(address, timeout=3.0)
+        s = Conn.to(address, timeout=3.0)
     except OSError as e:
         return f"connect-failed {errno.errorcode.get(e.errno, e.errno)}"
     with s:

@@ -25,7 +25,6 @@ import socket
 import stat
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,7 @@ import pytest
 from sbus import address as addresses
 from sbus._core.protocol import matches
 
-from conftest import BACKENDS, SBUSD, BrokerProcess
+from support import BACKENDS, SBUSD, WHOAMI, Conn, Sbusd, wait_until
 
 
 def asroot(test):
@@ -45,100 +44,7 @@ def asroot(test):
 NOBODY = 65534          # uid and gid of the second user
 OTHER_GID = 65533       # a group the second user is not in (unless we say so)
 TIMEOUT = 5.0
-WHOAMI = b"CMSG !/cred/whoami"
 WHOAMI_REPLY = WHOAMI + b"\0"
-
-
-# -- raw client, used by the root side and inside children ------------------------
-
-class Conn:
-    """A raw SOCK_SEQPACKET client. ``got`` collects packets that arrived while
-    waiting for a whoami reply."""
-
-    def __init__(self, address):
-        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.s.settimeout(TIMEOUT)
-        self.s.connect(address)
-        self.got: list = []
-        self.closed = False
-
-    def send(self, packet: bytes) -> bool:
-        try:
-            self.s.send(packet)
-            return True
-        except (BrokenPipeError, ConnectionResetError):
-            self.closed = True
-            return False
-
-    def sub(self, pattern) -> bool:
-        return self.send(b"SUB " + _b(pattern))
-
-    def unsub(self, pattern) -> bool:
-        return self.send(b"UNSUB " + _b(pattern))
-
-    def pub(self, key, payload=b"") -> bool:
-        return self.send(b"MSG " + _b(key) + b"\0" + _b(payload))
-
-    def _recv(self, timeout):
-        self.s.settimeout(timeout)
-        try:
-            pkt = self.s.recv(1 << 20)
-        except socket.timeout:
-            return None
-        except (ConnectionResetError, BrokenPipeError):
-            pkt = b""
-        if pkt == b"":
-            self.closed = True
-        return pkt
-
-    def whoami(self):
-        """Our credentials as the broker reports them ('!/cred/G/U/P'), or None
-        if the broker closed the connection. Doubles as a barrier: the broker
-        has handled everything sent before."""
-        if not self.send(WHOAMI):
-            return None
-        while True:
-            pkt = self._recv(TIMEOUT)
-            if pkt is None:
-                raise TimeoutError("no whoami reply")
-            if pkt == b"":
-                return None
-            if pkt.startswith(WHOAMI_REPLY):
-                return pkt[len(WHOAMI_REPLY):].decode()
-            self.got.append(pkt)
-
-    def sub_ok(self, pattern) -> bool:
-        """Subscribe; True if the broker kept the connection."""
-        self.sub(pattern)
-        return self.whoami() is not None
-
-    def collect(self) -> list:
-        """Everything the broker delivered to us before now. A whoami round
-        trip is the barrier: the broker finishes each batch's deliveries
-        before it reads another socket, and our reply is queued behind any
-        delivery to us. Raises if the reply carries someone else's credentials."""
-        who = self.whoami()
-        if who is not None and who != self.me:
-            raise AssertionError(f"got a whoami reply for {who}")
-        out, self.got = self.got, []
-        return out
-
-    @property
-    def me(self) -> str:
-        return f"!/cred/{os.getegid()}/{os.geteuid()}/{os.getpid()}"
-
-    def drain(self, quiet=0.3) -> list:
-        """Everything received so far and until ``quiet`` seconds pass without a packet."""
-        out, self.got = self.got, []
-        while not self.closed:
-            pkt = self._recv(quiet)
-            if not pkt:
-                break
-            out.append(pkt)
-        return out
-
-    def close(self):
-        self.s.close()
 
 
 def _b(x) -> bytes:
@@ -287,7 +193,7 @@ def try_connect(address):
     """Inside a child: connect and ask whoami. {'errno': n} if connect fails;
     {'whoami': creds or None (closed by the broker)} otherwise."""
     try:
-        c = Conn(address)
+        c = Conn.to(address)
     except OSError as e:
         return {"errno": e.errno}
     return {"whoami": c.whoami()}
@@ -326,8 +232,8 @@ def bus(request, tmp_path_factory):
     """One world-connectable broker (-g -o) per backend, shared by the module:
     every test uses fresh connections, and a refused client only loses its own."""
     d = make_public_dir()
-    b = BrokerProcess(tmp_path_factory.mktemp(f"bus-{request.param}"), ("-g", "-o"),
-                      backend=request.param, address=str(d / "sbus.socket"))
+    b = Sbusd.foreground(tmp_path_factory.mktemp(f"bus-{request.param}"), "-g", "-o",
+                         backend=request.param, address=d / "sbus.socket")
     yield b
     b.stop()
     shutil.rmtree(d, ignore_errors=True)
@@ -339,7 +245,7 @@ def conns():
     made = []
 
     def make(address) -> Conn:
-        c = Conn(address)
+        c = Conn.to(address)
         made.append(c)
         return c
 
@@ -355,24 +261,15 @@ def log_mark(bus) -> int:
     return len(bus.records())
 
 
-def wait_new(bus, name, since, predicate=lambda r: True, timeout=TIMEOUT):
-    """The first ``name`` record after the mark ``since`` that matches."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for r in bus.records()[since:]:
-            if r.get("event") == name and predicate(r):
-                return r
-        time.sleep(0.02)
-    raise AssertionError(f"no new {name!r} record matching within {timeout}s")
-
-
 def refused(bus, since, pid, reason="cred_refused", refusal="cred_mismatch"):
     """Assert the broker logged, since the mark, for the client with this pid,
     a refused subscribe (its ``reason``: ``refusal``) and then a disconnect
     for ``reason``; returns the subscribe record."""
-    sub = wait_new(bus, "subscribe", since, lambda r: r.get("pid") == pid)
+    sub = bus.wait_for_event("subscribe", TIMEOUT, since=since,
+                             predicate=lambda r: r.get("pid") == pid)
     assert sub["accepted"] is False and sub["reason"] == refusal, sub
-    disc = wait_new(bus, "client_disconnect", since, lambda r: r.get("client") == sub["client"])
+    disc = bus.wait_for_event("client_disconnect", TIMEOUT, since=since,
+                              predicate=lambda r: r.get("client") == sub["client"])
     assert disc["reason"] == reason, disc
     return sub
 
@@ -384,7 +281,7 @@ def test_default_socket_mode_shuts_out_other_users(start_broker, pubdir, spawn):
     b = start_broker(address=str(pubdir / "s"))
     assert stat.S_IMODE(os.stat(b.address).st_mode) == 0o700
     assert run_as(spawn, lambda: try_connect(b.address)) == {"errno": errno.EACCES}
-    assert Conn(b.address).whoami() == f"!/cred/0/0/{os.getpid()}"
+    assert Conn.to(b.address).whoami() == f"!/cred/0/0/{os.getpid()}"
 
 
 @pytest.mark.parametrize("gid,groups,ok", [
@@ -429,7 +326,7 @@ def test_user_list_admits_only_listed_uids_and_our_own(start_broker, pubdir, spa
     r = b.wait_for_event("client_disconnect", predicate=lambda r: r.get("pid") == stranger.pid)
     assert r["reason"] == "user_refused" and r["uid"] == NOBODY - 1
     assert not [e for e in b.events("client_connect") if e.get("pid") == stranger.pid]
-    assert Conn(b.address).whoami() == f"!/cred/0/0/{os.getpid()}"   # our own uid always
+    assert Conn.to(b.address).whoami() == f"!/cred/0/0/{os.getpid()}"   # our own uid always
 
 
 @asroot
@@ -442,7 +339,7 @@ def test_abstract_address_without_g_or_o_shuts_out_other_users(start_broker, spa
         with open("/proc/net/unix", "rb") as f:
             listed = sun[1:].replace(b"\0", b"@") in f.read()
         try:
-            c = Conn(sun)
+            c = Conn.to(sun)
         except OSError as e:
             return {"listed": listed, "errno": e.errno}
         return {"listed": listed, "whoami": c.whoami()}
@@ -455,14 +352,14 @@ def test_abstract_address_without_g_or_o_shuts_out_other_users(start_broker, spa
 def test_abstract_address_with_o_admits_other_users_and_logs_refusals_without(start_broker, spawn):
     open_bus = start_broker("-o", address="/dev/unix/abstract")
     sun = addresses.parse(open_bus.stdout.decode().strip()).sun_path
-    child = spawn(lambda ctl: Conn(sun).whoami())
+    child = spawn(lambda ctl: Conn.to(sun).whoami())
     assert child.result() == f"!/cred/{NOBODY}/{NOBODY}/{child.pid}"
     closed = start_broker(address="/dev/unix/abstract")
     sun = addresses.parse(closed.stdout.decode().strip()).sun_path
 
     def try_whoami(ctl):
         try:
-            return Conn(sun).whoami()
+            return Conn.to(sun).whoami()
         except OSError as e:
             return e.errno
     spawn(try_whoami).result()
@@ -479,7 +376,7 @@ def test_log_file_is_created_private(start_broker):
 @asroot
 def test_whoami_reports_the_callers_peer_credentials(bus, spawn):
     for gid in (NOBODY, OTHER_GID):
-        child = spawn(lambda ctl: Conn(bus.address).whoami(), gid=gid)
+        child = spawn(lambda ctl: Conn.to(bus.address).whoami(), gid=gid)
         assert child.result() == f"!/cred/{gid}/{NOBODY}/{child.pid}"
 
 
@@ -559,7 +456,7 @@ def test_second_user_cannot_subscribe_to_foreign_cred_keys(bus, spawn, template,
     rp, since = os.getpid(), log_mark(bus)
 
     def child(ctl):
-        c = Conn(bus.address)
+        c = Conn.to(bus.address)
         kept = c.sub_ok(fill(template, rp))
         return {"kept": kept, "got": _s(c.drain(0.05)) if kept else []}
 
@@ -581,8 +478,8 @@ def test_group_is_part_of_the_credentials(bus, spawn):
     """A child whose gid is OTHER_GID: its uid's key with gid 65534 is foreign."""
     def child(ctl):
         me = os.getpid()
-        wrong = Conn(bus.address).sub_ok(f"!/cred/{NOBODY}/{NOBODY}/{me}/x")
-        supp_free = Conn(bus.address).sub_ok(f"!/cred/{OTHER_GID}/{NOBODY}/{me}/x")
+        wrong = Conn.to(bus.address).sub_ok(f"!/cred/{NOBODY}/{NOBODY}/{me}/x")
+        supp_free = Conn.to(bus.address).sub_ok(f"!/cred/{OTHER_GID}/{NOBODY}/{me}/x")
         return [wrong, supp_free]
 
     since = log_mark(bus)
@@ -594,7 +491,7 @@ def test_group_is_part_of_the_credentials(bus, spawn):
 @asroot
 def test_supplementary_group_does_not_count(bus, spawn):
     def child(ctl):
-        return Conn(bus.address).sub_ok(f"!/cred/{OTHER_GID}/{NOBODY}//x")
+        return Conn.to(bus.address).sub_ok(f"!/cred/{OTHER_GID}/{NOBODY}//x")
 
     since = log_mark(bus)
     ch = spawn(child, groups=(OTHER_GID,))
@@ -623,7 +520,7 @@ def test_second_user_subscribes_to_its_own_key(bus, spawn, conns, template):
     assert wild.sub_ok("")
 
     def child(ctl):
-        c = Conn(bus.address)
+        c = Conn.to(bus.address)
         ctl.send({"kept": c.sub_ok(fill(template, rp))})
         ctl.wait()
         return _s(c.collect())
@@ -632,7 +529,8 @@ def test_second_user_subscribes_to_its_own_key(bus, spawn, conns, template):
     ch = spawn(child)
     assert ch.recv() == {"kept": True}
     own = f"!/cred/{NOBODY}/{NOBODY}/{ch.pid}/own"
-    rec = wait_new(bus, "subscribe", since, lambda r: r.get("pid") == ch.pid)
+    rec = bus.wait_for_event("subscribe", TIMEOUT, since=since,
+                             predicate=lambda r: r.get("pid") == ch.pid)
     assert rec["accepted"] is True
     stored = f"!/cred/{NOBODY}/{NOBODY}/{ch.pid}/" + template.split("/", 5)[5]
     assert rec["pattern"] == stored, "empty fields filled in, numbers canonical"
@@ -666,7 +564,7 @@ def test_an_empty_field_in_a_key_restricts_nothing(bus, spawn, conns):
     assert root_all.sub_ok("")
 
     def child(ctl):
-        c = Conn(bus.address)
+        c = Conn.to(bus.address)
         ctl.send({"kept": c.sub_ok("")})
         ctl.wait()
         return _s(c.collect())
@@ -690,7 +588,7 @@ def test_anyone_may_publish_to_a_cred_key(bus, spawn, conns):
     assert owner.sub_ok("!/cred////from/*")
 
     def child(ctl):
-        c = Conn(bus.address)
+        c = Conn.to(bus.address)
         c.pub(f"!/cred/0/0/{rp}/from/nobody", "hi")
         return c.whoami()
 
@@ -711,7 +609,7 @@ def test_nested_cred_form_accepted_for_own_credentials(bus, spawn, conns, patter
     rp = os.getpid()
 
     def child(ctl):
-        c = Conn(bus.address)
+        c = Conn.to(bus.address)
         ctl.send({"kept": c.sub_ok(fill(pattern, rp)), "key": fill(key, rp).decode()})
         ctl.wait()
         return _s(c.collect())
@@ -761,7 +659,7 @@ def test_wildcards_never_deliver_another_users_cred_messages(bus, spawn, conns, 
     assert root_wild.sub_ok("")
 
     def child(ctl):
-        c = Conn(bus.address)
+        c = Conn.to(bus.address)
         kept = c.sub_ok(fill(template, rp))
         ctl.send({"kept": kept})
         ctl.wait()
@@ -799,7 +697,8 @@ def test_wildcards_never_deliver_another_users_cred_messages(bus, spawn, conns, 
         assert got == expect
     else:
         assert got == []
-        rec = wait_new(bus, "subscribe", since, lambda r: r.get("pid") == cp)
+        rec = bus.wait_for_event("subscribe", TIMEOUT, since=since,
+                                 predicate=lambda r: r.get("pid") == cp)
         assert rec["accepted"] is False
         assert rec["reason"] in ("cred_mismatch", "cred_malformed", "bang_misuse")
 
@@ -808,14 +707,14 @@ def test_wildcards_never_deliver_another_users_cred_messages(bus, spawn, conns, 
 def test_same_user_other_process_cannot_read(bus, spawn, conns):
     """Two processes of uid 65534: one's private key is not the other's."""
     def snoop(ctl):
-        c = Conn(bus.address)
+        c = Conn.to(bus.address)
         ok = all(c.sub_ok(p) for p in ("", "*/cred/*/*/*/", "!*/"))
         ctl.send({"kept": ok})
         ctl.wait()
         return _s(c.collect())
 
     def target(ctl):
-        c = Conn(bus.address)
+        c = Conn.to(bus.address)
         ctl.send({"kept": c.sub_ok("!/cred////mail")})
         ctl.wait()
         return _s(c.collect())
@@ -843,7 +742,7 @@ def test_control_messages_are_never_forwarded(bus, spawn, conns):
         assert listener.sub_ok(p)
 
     def child(ctl):
-        c = Conn(bus.address)
+        c = Conn.to(bus.address)
         assert c.sub_ok("") and c.sub_ok("*/cred/*")
         ctl.send({"ready": True})
         ctl.wait()                          # root has asked whoami by now
@@ -855,10 +754,10 @@ def test_control_messages_are_never_forwarded(bus, spawn, conns):
                     b"MSG x\0CMSG !/cred/whoami\0!/cred/0/0/1",
                     b"MSG CMSG !/cred/whoami\0!/cred/0/0/1",
                     WHOAMI):
-            c.send(pkt)
+            c.packet(pkt)
         replies = []
         while sum(p.startswith(WHOAMI_REPLY) for p in replies) < 2:    # ours: the last one
-            pkt = c._recv(TIMEOUT)
+            pkt = c.next_packet(TIMEOUT)
             if not pkt:
                 break
             replies.append(pkt)
@@ -899,9 +798,9 @@ def test_stats_reveal_no_keys_patterns_or_payloads(bus, spawn, conns):
     assert owner.collect() == [msg(f"!/cred/0/0/{rp}/marker-pattern", b"marker-payload")]
 
     def child(ctl):
-        c = Conn(bus.address)
-        c.send(b"CMSG stats")
-        return c._recv(TIMEOUT).decode("latin-1")
+        c = Conn.to(bus.address)
+        c.packet(b"CMSG stats")
+        return c.next_packet(TIMEOUT).decode("latin-1")
 
     body = spawn(child).result()
     assert body.startswith("CMSG stats\0")
@@ -912,14 +811,15 @@ def test_stats_reveal_no_keys_patterns_or_payloads(bus, spawn, conns):
 @asroot
 def test_publishing_to_the_whoami_key_is_refused(bus, spawn):
     def child(ctl):
-        c = Conn(bus.address)
+        c = Conn.to(bus.address)
         c.pub("!/cred/whoami", "!/cred/0/0/1")
         return c.whoami()
 
     since = log_mark(bus)
     ch = spawn(child)
     assert ch.result() is None
-    r = wait_new(bus, "client_disconnect", since, lambda r: r.get("pid") == ch.pid)
+    r = bus.wait_for_event("client_disconnect", TIMEOUT, since=since,
+                           predicate=lambda r: r.get("pid") == ch.pid)
     assert r["reason"] == "bang_misuse", r
 
 
@@ -934,15 +834,16 @@ FINE = ["a!b", "!x", "x!", "a/!x/b", "a/x!/b", "!!", "a/!!/b"]
 def test_bang_misuse_disconnects(bus, conns, verb, key):
     since = log_mark(bus)
     c = conns(bus.address)
-    c.send(verb.encode() + b" " + key.encode() + (b"\0payload" if verb == "MSG" else b""))
+    c.packet(verb.encode() + b" " + key.encode() + (b"\0payload" if verb == "MSG" else b""))
     assert c.whoami() is None
     pid = os.getpid()
     # (A connection an earlier test closed may still be logging its "eof".)
-    r = wait_new(bus, "client_disconnect", since,
-                 lambda r: r.get("pid") == pid and r.get("reason") != "eof")
+    r = bus.wait_for_event("client_disconnect", TIMEOUT, since=since,
+                 predicate=lambda r: r.get("pid") == pid and r.get("reason") != "eof")
     assert r["reason"] == "bang_misuse", r
     if verb == "SUB":
-        s = wait_new(bus, "subscribe", since, lambda s: s.get("client") == r["client"])
+        s = bus.wait_for_event("subscribe", TIMEOUT, since=since,
+                               predicate=lambda s: s.get("client") == r["client"])
         assert s["accepted"] is False and s["reason"] == "bang_misuse", s
 
 
@@ -1032,14 +933,12 @@ def test_reuse_replaces_a_stale_socket(start_broker, tmp_path):
     r = _run_sbusd("-f", "-a", str(path), "--log-level", "off")
     assert r.returncode != 0 and stat.S_ISSOCK(os.lstat(path).st_mode)   # not without -r
     b = start_broker("-r", address=str(path))
-    assert Conn(b.address).whoami() == f"!/cred/0/0/{os.getpid()}"
+    assert Conn.to(b.address).whoami() == f"!/cred/0/0/{os.getpid()}"
 
 
 def _wait_gone(*paths, timeout=10.0):
     """Wait until a stopping daemon has removed its files."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(os.path.lexists(p) for p in paths):
-        time.sleep(0.02)
+    wait_until(lambda: not any(os.path.lexists(p) for p in paths), timeout, fail=False)
 
 
 @pytest.mark.parametrize("target_exists", [False, True], ids=["dangling", "existing"])
@@ -1079,7 +978,7 @@ def test_pidfile_written_by_the_daemon(tmp_path):
     pid = int(pidfile.read_text())
     try:
         assert stat.S_IMODE(os.lstat(pidfile).st_mode) == 0o644
-        assert Conn(str(sock)).whoami() == f"!/cred/0/0/{os.getpid()}"
+        assert Conn.to(str(sock)).whoami() == f"!/cred/0/0/{os.getpid()}"
     finally:
         os.kill(pid, signal.SIGTERM)
         _wait_gone(sock, pidfile)

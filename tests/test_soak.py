@@ -10,250 +10,25 @@ every one of its messages arrives, once, in order. Afterwards the broker's
 open descriptors are back at their starting count, its subscriptions and
 queues are empty, and its VmRSS is within RSS_SLACK of where it started.
 
-The module doubles as the churn worker script: ``python test_soak.py churn ...``.
+The churn worker is tests/workers/churn.py.
 """
 from __future__ import annotations
 
 import json
 import os
-import random
+import resource
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections import Counter
 
-SOAK_SECONDS = float(os.environ.get("SBUS_SOAK_SECONDS", "50"))
-SO_SNDBUFFORCE = 32
-WHOAMI = b"CMSG !/cred/whoami"
+import pytest
 
-
-# =============================================================================
-# The churn worker (its own process; forks children it SIGKILLs)
-# =============================================================================
-
-def _connect(address, timeout=10.0):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    s.settimeout(timeout)
-    s.connect(address)
-    return s
-
-
-PATTERNS = [b"churn/%d", b"churn/", b"", b"steady/", b"churn/*/x", b"!/cred////churn/",
-            b"*", b"churn/%d/x"]
-SIZES = [16, 200, 2000, 20000]
-
-
-def _subscribe(rng, s):
-    for _ in range(rng.randrange(5)):
-        p = rng.choice(PATTERNS)
-        s.send(b"SUB " + (p % rng.randrange(20) if b"%d" in p else p))
-    if rng.random() < 0.2:
-        s.send(rng.choice([b"CMSG blocking/soft/discard", b"CMSG order/stack",
-                           b"CMSG order/random", b"CMSG echo/off", b"CMSG blocking/hard/error"]))
-
-
-def _burst(rng, s, n):
-    """Up to n messages without blocking; returns how many went out."""
-    s.setblocking(False)
-    sent = 0
-    for _ in range(n):
-        size = rng.choice(SIZES) if rng.random() > 0.002 else 200000
-        try:
-            s.send(b"MSG churn/%d/x\0" % rng.randrange(20) + b"c" * size)
-        except BlockingIOError:
-            break
-        sent += 1
-    return sent
-
-
-def _in_process_wave(rng, address, stats):
-    socks = []
-    for _ in range(rng.randrange(50, 150)):
-        try:
-            s = _connect(address)
-            _subscribe(rng, s)
-        except OSError:
-            stats["connect_errors"] += 1
-            continue
-        socks.append(s)
-        stats["clients"] += 1
-    keep = []
-    for s in socks:
-        try:
-            stats["messages"] += _burst(rng, s, rng.randrange(40))
-            fate = rng.random()
-            if fate < 0.25:
-                stats["closed_mid_burst"] += 1
-                s.close()
-                continue
-            if fate < 0.35:
-                s.shutdown(socket.SHUT_WR)
-                stats["half_closed"] += 1
-            elif fate < 0.45:
-                s.shutdown(socket.SHUT_RDWR)
-                stats["shut_rdwr"] += 1
-            elif fate < 0.6:
-                try:
-                    s.recv(1 << 20)
-                except (BlockingIOError, OSError):
-                    pass
-                stats["read_then_closed"] += 1
-                s.close()
-                continue
-        except OSError:
-            stats["send_errors"] += 1
-        keep.append(s)
-    keep += _hoard(rng, address, stats)
-    time.sleep(rng.uniform(0, 0.2))
-    for s in keep:          # the rest leave all at once, most with data queued
-        s.close()
-
-
-HOARD_BYTES = 8 << 20       # the default per-client queue limit
-
-
-def _hoard(rng, address, stats):
-    """Two subscribers that never read get a full queue each (distinct keys,
-    so nothing is shared): memory abuse the broker must give back."""
-    hoarders, pub = [], _connect(address)
-    pub.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 4 << 20)
-    for i in range(2):
-        key = b"hoard/%d/%d" % (os.getpid(), rng.randrange(1 << 30))
-        h = _connect(address)
-        h.send(b"SUB " + key)
-        h.settimeout(30)
-        h.send(WHOAMI)
-        h.recv(200)         # subscribed before the flood starts
-        hoarders.append(h)
-        size = rng.choice([4000, 20000, 60000])
-        for _ in range(HOARD_BYTES // size):
-            pub.send(b"MSG " + key + b"\0" + b"h" * size)
-        stats["hoarded_bytes"] += HOARD_BYTES
-    pub.close()
-    stats["clients"] += 3
-    return hoarders
-
-
-def _child(address, seed):
-    rng = random.Random(seed)
-    socks = []
-    for _ in range(rng.randrange(3, 8)):
-        s = _connect(address)
-        _subscribe(rng, s)
-        socks.append(s)
-    until = time.monotonic() + rng.uniform(0.1, 1.0)
-    while time.monotonic() < until:     # send until killed, or leave without closing
-        s = rng.choice(socks)
-        s.settimeout(1)
-        for _ in range(rng.randrange(1, 20)):
-            try:
-                s.send(b"MSG churn/%d/x\0" % rng.randrange(20) + b"k" * rng.choice(SIZES))
-            except OSError:
-                break
-        time.sleep(0.005)
-
-
-def _forked_wave(rng, address, stats):
-    pids = []
-    for _ in range(rng.randrange(4, 12)):
-        seed = rng.randrange(1 << 30)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                _child(address, seed)
-            finally:
-                os._exit(0)
-        pids.append(pid)
-    stats["children"] += len(pids)
-    time.sleep(rng.uniform(0.05, 0.3))
-    for pid in pids:
-        if rng.random() < 0.7:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                stats["children_killed"] += 1
-            except ProcessLookupError:
-                pass
-    for pid in pids:
-        os.waitpid(pid, 0)
-
-
-def churn_main(argv):
-    address, seconds, seed = argv[0], float(argv[1]), int(argv[2])
-    rng = random.Random(seed)
-    stats = Counter()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        _in_process_wave(rng, address, stats)
-        _forked_wave(rng, address, stats)
-        stats["waves"] += 1
-        time.sleep(0.05)
-    sys.stdout.write(json.dumps(stats) + "\n")
-    return 0
-
-
-if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "churn":
-    sys.exit(churn_main(sys.argv[2:]))
-
-
-# =============================================================================
-# The tests
-# =============================================================================
-
-import resource  # noqa: E402
-
-import pytest  # noqa: E402
-
-from steady import SteadyPair
-from conftest import BACKENDS, fd_count, report_line  # noqa: E402
+from support import (BACKENDS, Conn, SteadyPair, cpu_seconds, fd_count, report_line,
+                     start_worker, status_field, status_kib, wait_until, worker_report)
+from support.budget import SOAK_SECONDS
 
 RSS_SLACK_KIB = 20 * 1024
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_status(pid, field):
-    """A kB figure (VmRSS, VmHWM) or a raw value (SigIgn) from /proc/PID/status."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                value = line.split(":", 1)[1].split()[0]
-                return value if field.startswith("Sig") else int(value)
-    raise KeyError(field)
-
-
-def cpu_seconds(pid):
-    """utime + stime of a process, in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK     # fields 14 and 15
-
-
-def sync(sock):
-    sock.send(WHOAMI)
-    while True:
-        packet = sock.recv(1 << 20)
-        if packet.startswith(WHOAMI + b"\0"):
-            return packet[len(WHOAMI) + 1:]
-        if packet == b"":
-            raise ConnectionResetError("eof while syncing")
-
-
-def stats(b):
-    with b.connect(timeout=30) as s:
-        s.send(b"CMSG stats")
-        packet = s.recv(1 << 22)
-        assert packet.startswith(b"CMSG stats\0"), packet[:40]
-        return json.loads(packet[len(b"CMSG stats\0"):])
-
-
-def wait_until(predicate, timeout, interval=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def _known_reasons():
@@ -284,54 +59,45 @@ SOAK_FIGURES = {}   # backend -> VmRSS figures of the soak, for the RSS test bel
 def test_churn_soak_returns_descriptors_and_frees_everything(start_broker, backend, request):
     seconds = SOAK_SECONDS / len(BACKENDS)
     b = start_broker(backend=backend, log_level="info")
-    pid = b.pid()
+    pid = b.pid
     pair = SteadyPair(b)
     # Warm the broker up (first replies, first queue) before taking the baseline.
     pair.publish(100)
-    assert wait_until(lambda: pair.received == pair.sent, 30)
-    fds_start, rss_start = fd_count(pid), proc_status(pid, "VmRSS")
+    wait_until(lambda: pair.received == pair.sent, 30, "the warm-up messages")
+    fds_start, rss_start = fd_count(pid), status_kib(pid, "VmRSS")
     fds_peak, rss_peak = fds_start, rss_start
 
-    workers = [subprocess.Popen(
-        [sys.executable, __file__, "churn", b.address, str(seconds), str(i * 7919 + os.getpid())],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
-    reports = []
+    workers = [start_worker("churn", b.address, seconds, i * 7919 + os.getpid())
+               for i in range(2)]
     try:
         started = last_sample = time.monotonic()
         while any(w.poll() is None for w in workers):
             due = int((time.monotonic() - started) * RATE) + 100 - pair.sent
             if due <= 0 or pair.publish(min(due, 100)) == 0:
-                time.sleep(0.005)
+                time.sleep(0.005)       # the steady rate is part of the load under test
             assert not pair.errors, pair.errors
             assert b.proc.poll() is None, f"broker died: {b.stderr_text()[-3000:]}"
             if time.monotonic() - last_sample > 0.5:
                 last_sample = time.monotonic()
                 fds_peak = max(fds_peak, fd_count(pid))
-                rss_peak = max(rss_peak, proc_status(pid, "VmRSS"))
+                rss_peak = max(rss_peak, status_kib(pid, "VmRSS"))
     finally:
-        for w in workers:
-            try:
-                out, err = w.communicate(timeout=120)
-            except subprocess.TimeoutExpired:
-                w.kill()
-                out, err = w.communicate()
-            assert w.returncode == 0, err.decode(errors="replace")[-3000:]
-            reports.append(json.loads(out))
+        reports = [worker_report(w, 120) for w in workers]
     churn = Counter()
     for r in reports:
         churn.update(r)
 
     # Everyone but the pair has gone: descriptors are back, nothing is held.
-    fds_settled = wait_until(lambda: fd_count(pid) == fds_start, 60)
+    fds_settled = wait_until(lambda: fd_count(pid) == fds_start, 60, fail=False)
     fds_end = fd_count(pid)
-    snapshot = stats(b)
+    snapshot = b.stats()
     totals = snapshot["totals"]
     assert pair.finish(), f"steady pair: sent {pair.sent}, received {pair.received}, {pair.errors}"
     assert b.proc.poll() is None, f"broker died: {b.stderr_text()[-3000:]}"
     # The broker hands memory back at its next tick (at most a second away).
-    wait_until(lambda: proc_status(pid, "VmRSS") - rss_start <= RSS_SLACK_KIB, 5)
-    rss_end = proc_status(pid, "VmRSS")
-    hwm = proc_status(pid, "VmHWM")
+    wait_until(lambda: status_kib(pid, "VmRSS") - rss_start <= RSS_SLACK_KIB, 5, fail=False)
+    rss_end = status_kib(pid, "VmRSS")
+    hwm = status_kib(pid, "VmHWM")
     connects, reasons = _disconnect_reasons(b)
     report_line(request, (
         f"\n[soak {backend}] {seconds:g}s: {totals['connects'] - 3} clients churned "
@@ -352,11 +118,12 @@ def test_churn_soak_returns_descriptors_and_frees_everything(start_broker, backe
     assert not set(reasons) - _known_reasons(), reasons
     # Every connection is logged as closed (the pair is still connected; the
     # stats client's disconnect may still be on its way).
-    assert wait_until(lambda: _disconnect_reasons(b)[1].total() >= connects - 2, 30)
+    wait_until(lambda: _disconnect_reasons(b)[1].total() >= connects - 2, 30,
+               "every churned connection's disconnect record")
     assert "Traceback" not in b.stderr_text(), b.stderr_text()[-3000:]
 
     pair.close()
-    assert wait_until(lambda: fd_count(pid) == fds_start - 2, 30)
+    wait_until(lambda: fd_count(pid) == fds_start - 2, 30, "the pair's descriptors to close")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -377,14 +144,10 @@ STORM = 300
 def _open_storm(address, n):
     socks = []
     for _ in range(n):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        s.settimeout(10)
         try:
-            s.connect(address)
+            socks.append(Conn.to(address, 10))
         except OSError:
-            s.close()
             continue
-        socks.append(s)
     return socks
 
 
@@ -392,16 +155,15 @@ def _served(s, timeout=5.0):
     """True if the broker answers a whoami on s, False if it dropped s."""
     s.settimeout(timeout)
     try:
-        s.send(WHOAMI)
-        return s.recv(200).startswith(WHOAMI + b"\0")
-    except (BrokenPipeError, ConnectionResetError, socket.timeout):
+        return s.whoami() is not None
+    except socket.timeout:
         return False
 
 
 @pytest.mark.timeout(300)
 def test_fd_exhaustion_neither_crashes_nor_spins_and_recovers(start_broker, backend, request):
     b = start_broker(backend=backend, log_level="info")
-    pid = b.pid()
+    pid = b.pid
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
     assert resource.prlimit(pid, resource.RLIMIT_NOFILE) == (NOFILE, NOFILE)
     fds_start = fd_count(pid)
@@ -419,7 +181,7 @@ def test_fd_exhaustion_neither_crashes_nor_spins_and_recovers(start_broker, back
     knocked = []
     while time.monotonic() - t0 < 4.0:
         knocked += _open_storm(b.address, 5)
-        time.sleep(0.1)
+        time.sleep(0.1)         # the pace of the knocking: the idle load under test
     cpu_share = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
     assert all(not _served(s, timeout=2) for s in knocked[-5:])   # still full: dropped
     assert b.proc.poll() is None, b.stderr_text()[-3000:]
@@ -430,10 +192,11 @@ def test_fd_exhaustion_neither_crashes_nor_spins_and_recovers(start_broker, back
     # Clients leave: the broker takes new ones at once.
     for s in socks + knocked:
         s.close()
-    assert wait_until(lambda: fd_count(pid) == fds_start, 30), (fd_count(pid), fds_start)
+    assert wait_until(lambda: fd_count(pid) == fds_start, 30, fail=False), \
+        (fd_count(pid), fds_start)
     fresh = b.connect()
     fresh.send(b"SUB after/storm")
-    assert sync(fresh).startswith(b"!/cred/")
+    assert fresh.sync().startswith("!/cred/")
     with b.connect() as pub:
         pub.send(b"MSG after/storm\0ok")
         assert fresh.recv(100) == b"MSG after/storm\0ok"
@@ -458,16 +221,16 @@ SIGPIPE_BIT = 1 << (signal.SIGPIPE - 1)
 
 def test_subscriber_closing_mid_send_and_kill_pipe_do_not_kill_the_broker(start_broker, backend):
     b = start_broker(backend=backend, log_level="info")
-    pid = b.pid()
+    pid = b.pid
     pub, sub = b.connect(timeout=30), b.connect(timeout=30)
-    pub.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 8 << 20)
+    pub.set_sndbuf(8 << 20)
     sub.send(b"SUB big")
-    sync(sub)
+    sub.sync()
     # Far more than the subscriber's socket buffer: the broker queues the rest.
     for i in range(60):
         pub.send(b"MSG big\0" + bytes([i]) * 100000)
-    sync(pub)
-    assert wait_until(lambda: stats(b)["totals"]["queued_msgs"] > 0, 10)
+    pub.sync()
+    wait_until(lambda: b.stats()["totals"]["queued_msgs"] > 0, 10, "a queue")
     sub.recv(1 << 20)           # take one, so the broker is writing when we go
     sub.close()                 # with data unread and more queued
     rec = b.wait_for_event("client_disconnect", timeout=10,
@@ -478,22 +241,24 @@ def test_subscriber_closing_mid_send_and_kill_pipe_do_not_kill_the_broker(start_
     # Also a subscriber that shuts down reading and keeps the socket open.
     sub2 = b.connect()
     sub2.send(b"SUB big")
-    sync(sub2)
+    sub2.sync()
     sub2.shutdown(socket.SHUT_RD)
     for i in range(30):
         pub.send(b"MSG big\0" + b"y" * 100000)
-    sync(pub)
+    pub.sync()
     assert b.proc.poll() is None, b.stderr_text()[-3000:]
     sub2.close()
 
     for _ in range(3):
         os.kill(pid, signal.SIGPIPE)
-    time.sleep(0.5)
-    assert b.proc.poll() is None, f"SIGPIPE killed the broker: rc={b.proc.returncode}"
-    assert int(proc_status(pid, "SigIgn"), 16) & SIGPIPE_BIT, "SIGPIPE is not ignored"
+    # A round trip is the barrier: a pending signal takes effect before the
+    # broker next runs, so a reply means the signals did not kill it.
+    assert pub.whoami() is not None and b.proc.poll() is None, \
+        f"SIGPIPE killed the broker: rc={b.proc.poll()}"
+    assert int(status_field(pid, "SigIgn"), 16) & SIGPIPE_BIT, "SIGPIPE is not ignored"
     fresh = b.connect()
     fresh.send(b"SUB big")
-    sync(fresh)
+    fresh.sync()
     pub.send(b"MSG big\0after")
     assert fresh.recv(100) == b"MSG big\0after"
     assert b.stop() == 0

@@ -32,9 +32,8 @@ from pathlib import Path
 import pytest
 
 from sbus import Client
-from sbus.client import WHOAMI, pack_control, parse_packet
 
-from conftest import ROOT, SBUSD
+from support import ROOT, SBUSD, Conn, wait_until
 
 TIMEOUT = 10.0
 UNITS = ROOT / "tools" / "systemd"
@@ -103,22 +102,10 @@ def seqpacket_listener(path: Path, kind=socket.SOCK_SEQPACKET) -> socket.socket:
     return s
 
 
-def queued_client(path: Path) -> socket.socket:
+def queued_client(path: Path) -> Conn:
     """A client that connects while nothing serves the socket yet: the kernel
     queues it on the listening socket, as with a socket unit."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    s.settimeout(TIMEOUT)
-    s.connect(str(path))
-    return s
-
-
-def whoami(s: socket.socket, timeout=TIMEOUT) -> bytes:
-    """Ask the broker over a raw socket who we are; the reply's payload."""
-    s.settimeout(timeout)
-    s.send(pack_control(WHOAMI))
-    reply = parse_packet(s.recv(65536))
-    assert reply.key == WHOAMI, reply
-    return reply.payload
+    return Conn.to(path, TIMEOUT)
 
 
 @pytest.fixture
@@ -195,8 +182,8 @@ def test_socket_activation_ready_before_first_client(tmp_path, spawn, notify_for
     early = queued_client(bus)            # waiting before sbusd even exists
 
     p = spawn(listener, "-a", str(unused), env={"NOTIFY_SOCKET": notify.env})
-    reply = whoami(early)
-    assert reply.startswith(b"!/cred/"), reply
+    reply = early.sync()
+    assert reply.startswith("!/cred/"), reply
     # By the time the first client has its answer, READY=1 must be queued,
     # sent by the main pid (systemd drops it otherwise with NotifyAccess=main).
     assert notify.pending() == ("READY=1", p.pid), (
@@ -215,7 +202,7 @@ def test_socket_activation_ready_before_first_client(tmp_path, spawn, notify_for
     assert bus.exists(), "sbusd removed the socket file systemd owns"
     late = queued_client(bus)
     p2 = spawn(listener, "-a", str(unused), env={"NOTIFY_SOCKET": notify.env})
-    assert whoami(late).startswith(b"!/cred/")
+    assert late.sync().startswith("!/cred/")
     expect_notify(notify, "READY=1", p2.pid, p2)
     late.close()
     assert stop(p2) == 0
@@ -236,11 +223,10 @@ def test_listen_pid_of_another_process_is_ignored(tmp_path, spawn):
               env={"NOTIFY_SOCKET": notify.env})
     expect_notify(notify, "READY=1", p.pid, p)
     assert own.exists(), f"sbusd did not bind its -a address; stderr: {stderr_of(p)}"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-        s.connect(str(own))
-        assert whoami(s).startswith(b"!/cred/")
+    with Conn.to(own, TIMEOUT) as s:
+        assert s.sync().startswith("!/cred/")
     with pytest.raises(socket.timeout):
-        whoami(stray, timeout=0.3)        # nobody serves the passed socket
+        stray.sync(timeout=0.3)           # nobody serves the passed socket
     assert stop(p) == 0
     expect_notify(notify, "STOPPING=1", p.pid, p)
     assert not own.exists(), "sbusd left its own socket file behind"
@@ -282,13 +268,11 @@ def test_systemd_socket_activate(tmp_path, procs):
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
     procs.append(p)
     p.stderr_path = str(stderr_path)
-    deadline = time.monotonic() + TIMEOUT
-    while not bus.exists():
-        assert p.poll() is None and time.monotonic() < deadline, stderr_of(p)
-        time.sleep(0.01)
+    wait_until(lambda: bus.exists() or p.poll() is not None, TIMEOUT, interval=0.01, fail=False)
+    assert bus.exists() and p.poll() is None, stderr_of(p)
     # systemd-socket-activate starts sbusd (exec: same pid) on the first connection.
     first = queued_client(bus)
-    assert whoami(first).startswith(b"!/cred/"), stderr_of(p)
+    assert first.sync().startswith("!/cred/"), stderr_of(p)
     expect_notify(notify, "READY=1", p.pid, p)
     pubsub_round_trip(bus)
     assert not unused.exists()
@@ -503,7 +487,7 @@ def test_sbusd_in_the_units_sandbox(tmp_path, spawn, sandbox):
     early = queued_client(bus)
     p = spawn(listener, "-a", str(tmp_path / "unused.socket"),
               env={"NOTIFY_SOCKET": notify.env}, wrap=sandbox)
-    assert whoami(early).startswith(b"!/cred/"), stderr_of(p)
+    assert early.sync().startswith("!/cred/"), stderr_of(p)
     expect_notify(notify, "READY=1", p.pid, p)
     pubsub_round_trip(bus)
     with Client(str(bus)) as c:

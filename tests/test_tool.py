@@ -11,7 +11,7 @@ import pytest
 from sbus import Client
 from sbus.client import Message
 
-from conftest import SBUS
+from support import SBUS
 
 TIMEOUT = 10.0
 

@@ -36,7 +36,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT
+from support import ROOT
 
 try:
     import tomllib

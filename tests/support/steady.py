@@ -2,9 +2,8 @@
 put the broker under hostile load or churn."""
 import socket
 import threading
-import time
 
-WHOAMI = b"CMSG !/cred/whoami"
+from .waiting import wait_until
 
 
 class SteadyPair:
@@ -17,10 +16,7 @@ class SteadyPair:
         self.sub = broker.connect(timeout=30)
         self.sub.send(b"SUB steady/seq")
         self.sub.send(b"SUB !/cred////steady/")
-        self.sub.send(WHOAMI)
-        reply = self.sub.recv(200)
-        assert reply.startswith(WHOAMI + b"\0"), reply
-        self.cred_prefix = reply[len(WHOAMI) + 1:] + b"/"     # b"!/cred/G/U/P/"
+        self.cred_prefix = self.sub.sync().encode() + b"/"     # b"!/cred/G/U/P/"
         self.keys = (b"steady/seq", self.cred_prefix + b"steady/seq")
         self.sub.settimeout(0.5)
         self.window = window
@@ -63,9 +59,7 @@ class SteadyPair:
 
     def finish(self, timeout=60.0):
         """Wait for everything sent to arrive, stop the reader; True if all did."""
-        deadline = time.monotonic() + timeout
-        while self.received < self.sent and not self.errors and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: self.received >= self.sent or self.errors, timeout, fail=False)
         self.stop_flag = True
         self.reader.join(5)
         return self.received == self.sent and not self.errors
