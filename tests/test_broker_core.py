@@ -9,13 +9,13 @@ import re
 import socket
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from sbus import logschema as ls
 from sbus._core import report
 from sbus._core.broker import Broker
+from sbus.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "sbus" / "_core"
@@ -23,12 +23,11 @@ SAFETY_S = 10.0     # run() is stopped by the tick after this long: a failing te
 
 
 def config(**overrides):
-    values = dict(backend="epoll", max_message=4096, auto_close=False, soft="queue",
-                  hard="discard", order="queue", queue_max_bytes=1 << 20, queue_max_msgs=1024,
-                  total_max_bytes=16 << 20, block_timeout=10.0, max_subscriptions=64,
-                  max_pattern=256, log_messages=0.0)
+    """sbusd's own Config, with small limits so a test reaches them quickly."""
+    values = dict(max_message=4096, queue_max_bytes=1 << 20, queue_max_msgs=1024,
+                  total_max_bytes=16 << 20, max_subscriptions=64, max_pattern=256)
     values.update(overrides)
-    return SimpleNamespace(**values)
+    return Config(**values)
 
 
 class InProcess:
