@@ -217,10 +217,13 @@ def detach_stdio() -> None:
             sys.stdout.flush()
     except (OSError, ValueError):
         pass
+    # stdout goes last, from fd 0: the parent sees EOF only once no spare
+    # descriptor of ours is left open, so what it counts then is final.
     devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)
-    os.close(devnull)
+    if devnull != 0:
+        os.dup2(devnull, 0)
+        os.close(devnull)
+    os.dup2(0, 1)
 
 
 def release_stderr() -> None:
