@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 
 WHOAMI = b"CMSG !/cred/whoami"
 STATS = b"CMSG stats"
+CREDENTIALS = re.compile(r"!/cred/[0-9]+/[0-9]+/[0-9]+")     # a whoami reply's payload
 SO_SNDBUFFORCE = 32     # Linux; root may raise a socket's send buffer past wmem_max
 
 
@@ -79,7 +81,7 @@ class Conn(socket.socket):
         if timeout is not None:
             self.settimeout(timeout)
         try:
-            packet = self.recv(1 << 22)
+            packet = self.recv(1 << 20)
         except socket.timeout:
             return None
         except (ConnectionResetError, BrokenPipeError):
@@ -105,7 +107,9 @@ class Conn(socket.socket):
             if packet == b"":
                 return None
             if packet.startswith(WHOAMI + b"\0"):
-                return packet[len(WHOAMI) + 1:].decode()
+                who = packet[len(WHOAMI) + 1:].decode()
+                assert CREDENTIALS.fullmatch(who), packet
+                return who
             self.got.append(packet)
 
     def sub_ok(self, pattern) -> bool:
