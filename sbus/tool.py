@@ -8,7 +8,12 @@
                                     print messages as they arrive; with -W, exit 3
                                     if N messages did not come within S seconds
     sbus whoami                     print this client's credentials
-    sbus stats                      print the broker's counters as JSON
+    sbus top                        a live view of the broker's counters
+    sbus bench pair|fanout N|latency
+                                    measure this broker's throughput or latency
+    sbus stats [--format prometheus] [--no-clients]
+                                    print the broker's counters as JSON, or in the
+                                    Prometheus text format
 
 Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
 ``/run/sbus.socket``.
@@ -109,7 +114,13 @@ def cmd_whoami(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: B
 
 def cmd_stats(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
     stats = bus.stats(timeout=REPLY_TIMEOUT)
-    stdout.write(json.dumps(stats, indent=2).encode() + b"\n")
+    if args.no_clients:
+        stats.pop("clients", None)
+    if args.format == "prometheus":
+        from .metrics import to_prometheus
+        stdout.write(to_prometheus(stats, clients=not args.no_clients).encode())
+    else:
+        stdout.write(json.dumps(stats, indent=2).encode() + b"\n")
     return 0
 
 
@@ -201,7 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     whoami.set_defaults(run=cmd_whoami)
 
     stats = commands.add_parser("stats", parents=[common],
-                                help="print the broker's counters as JSON")
+                                help="print the broker's counters as JSON or for Prometheus")
+    stats.add_argument("--format", choices=("json", "prometheus"), default="json",
+                       help="json (default), or the Prometheus text exposition format "
+                            "(for node_exporter's textfile collector)")
+    stats.add_argument("--no-clients", action="store_true",
+                       help="leave out the per-client counters (series)")
     stats.set_defaults(run=cmd_stats)
     return parser
 
