@@ -124,6 +124,14 @@ def cmd_stats(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bi
     return 0
 
 
+def cmd_top(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return _fail("top: needs a terminal (try: sbus stats)")
+    from .top import run
+    return run(lambda: bus.stats(timeout=REPLY_TIMEOUT), str(from_environment(args.address)),
+               args.interval)
+
+
 def _count(text: str) -> int:
     try:
         n = int(text)
@@ -219,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--no-clients", action="store_true",
                        help="leave out the per-client counters (series)")
     stats.set_defaults(run=cmd_stats)
+    top = commands.add_parser("top", parents=[common],
+                              help="a live view of the broker: totals, rates, busiest clients")
+    top.add_argument("-i", "--interval", type=_seconds, default=1.0, metavar="SECONDS",
+                     help="seconds between refreshes (default 1)")
+    top.set_defaults(run=cmd_top)
     return parser
 
 
