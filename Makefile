@@ -11,11 +11,15 @@ RUN_FLAGS  := -f -r -a $(DEV_SOCKET) --log-format console
 
 .PHONY: run test build bench fuzz soak wheel clean distclean check-java
 
+INSTALL_LOG := build/install.log
 $(STAMP): pyproject.toml setup.py
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e '.[dev,analytics]'
-	touch $@
+	@echo "make: setting up $(VENV) (the first time takes a few minutes)"
+	@mkdir -p build
+	@{ $(PYTHON) -m venv $(VENV) && \
+	   $(PY) -m pip install -q --upgrade pip setuptools wheel && \
+	   $(PY) -m pip install -q -e '.[dev,analytics]'; } >$(INSTALL_LOG) 2>&1 || \
+	  { cat $(INSTALL_LOG); echo "make: setting up $(VENV) failed; the output above is in $(INSTALL_LOG)" >&2; exit 1; }
+	@touch $@
 
 # Cython only recompiles what changed, so this is cheap when nothing did.
 # Quiet: the compiler's output is shown only when the build fails (it is kept

@@ -132,6 +132,16 @@ def cmd_top(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bina
                args.interval)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import benchmark
+    if args.workload == "fanout" and not args.subscribers:
+        return _fail("bench fanout: how many subscribers? (sbus bench fanout N)")
+    if args.size < benchmark.SEQ_BYTES:
+        return _fail(f"bench: --size must be {benchmark.SEQ_BYTES} or more: each payload "
+                     "carries its sequence number")
+    return benchmark.main(args, from_environment(args.address), sys.stdout)
+
+
 def _count(text: str) -> int:
     try:
         n = int(text)
@@ -232,6 +242,31 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("-i", "--interval", type=_seconds, default=1.0, metavar="SECONDS",
                      help="seconds between refreshes (default 1)")
     top.set_defaults(run=cmd_top)
+
+    bench = commands.add_parser(
+        "bench", parents=[common],
+        help="measure the broker: pair, fanout N (subscribers), latency",
+        description="Publishers and subscribers are separate processes of the compiled load "
+                    "generator; loss and order are checked (exit 2 if anything was lost or "
+                    "reordered). Runs for 2 s unless given --count or --seconds.")
+    bench.add_argument("workload", choices=("pair", "fanout", "latency"))
+    bench.add_argument("subscribers", nargs="?", type=_count, metavar="N",
+                       help="fanout: the number of subscribers")
+    bench.add_argument("-s", "--size", type=_count, default=64, metavar="BYTES",
+                       help="payload size (default 64; 8 or more carries the sequence number)")
+    bench.add_argument("-n", "--count", type=_count, metavar="N",
+                       help="messages to publish (latency: round trips to time)")
+    bench.add_argument("-d", "--seconds", type=_seconds, metavar="SECONDS",
+                       help="how long to publish (default 2 unless --count)")
+    bench.add_argument("-w", "--window", type=_count, default=256, metavar="N",
+                       help="messages in flight toward the slowest subscriber (default 256)")
+    bench.add_argument("--runs", type=_count, default=1, metavar="N",
+                       help="repeat the run N times, one line each (default 1)")
+    bench.add_argument("--json", action="store_true",
+                       help="the load generator's JSON result, one object per run")
+    bench.add_argument("--timeout", type=_seconds, default=300.0, metavar="SECONDS",
+                       help="give up on a run after this long (default 300)")
+    bench.set_defaults(run=None)
     return parser
 
 
@@ -240,6 +275,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "pub" and (args.lines or args.file is not None) and args.message:
         parser.error("pub: give MESSAGE, --file or --lines, not two of them")
+    if args.command == "bench":     # its processes make their own connections
+        return cmd_bench(args)
     where = from_environment(args.address)
     stdout = sys.stdout.buffer
     try:
