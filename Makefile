@@ -35,7 +35,7 @@ run: build
 	@echo "sbusd: listening on $(CURDIR)/$(DEV_SOCKET)"
 	@echo "  connect with:  SBUS_ADDRESS=$(CURDIR)/$(DEV_SOCKET) $(VENV)/bin/sbus sub ''"
 	@echo "  publish with:  SBUS_ADDRESS=$(CURDIR)/$(DEV_SOCKET) $(VENV)/bin/sbus pub hello/world 'hi'"
-	@echo "  live counters: SBUS_ADDRESS=$(CURDIR)/$(DEV_SOCKET) $(VENV)/bin/sbus stats"
+	@echo "  live view:     SBUS_ADDRESS=$(CURDIR)/$(DEV_SOCKET) $(VENV)/bin/sbus top"
 	@exec $(VENV)/bin/sbusd $(RUN_FLAGS)
 
 check-java:
