@@ -85,7 +85,8 @@ class CompactRenderer:
         event = ev.get("event", "")
         body = self.body(event, ev)     # raises DropEvent for an idle stats record
         level = ev.get("level", method_name)
-        stamp = time.strftime("%H:%M:%S", time.localtime()) + f".{int(time.time() * 1000) % 1000:03d}"
+        now = time.time()
+        stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
         lvl = _LEVELS.get(level, level.upper()[:5].ljust(5))
         line = f"{stamp} {lvl} {event:<{_EVENT_WIDTH}} {body}".rstrip()
         if len(line) > LINE_MAX:

@@ -77,4 +77,6 @@ def test_failures_are_reported(start_broker, tmp_path):
     assert p.returncode == 1 and "how many subscribers" in p.stderr
     b = start_broker("--max-message", "1000")
     p = bench(b.address, "pair", "-n", "10", "-s", "2000")      # refused by the broker
-    assert p.returncode == 1 and "failed" in p.stdout
+    # The publisher either sees the hang-up (a failed run, 1) or has sent all
+    # ten before it, which the subscriber then misses (a lossy run, 2).
+    assert (p.returncode, "failed" in p.stdout or "lost 10" in p.stdout) in ((1, True), (2, True)), p
