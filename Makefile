@@ -6,26 +6,37 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEV_SOCKET := .run/sbus.socket
+# tests/test_console_log.py runs sbusd with these flags too.
+RUN_FLAGS  := -f -r -a $(DEV_SOCKET) --log-format console
 
 .PHONY: run test build bench fuzz soak wheel clean distclean check-java
 
+INSTALL_LOG := build/install.log
 $(STAMP): pyproject.toml setup.py
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e '.[dev,analytics]'
-	touch $@
+	@echo "make: setting up $(VENV) (the first time takes a few minutes)"
+	@mkdir -p build
+	@{ $(PYTHON) -m venv $(VENV) && \
+	   $(PY) -m pip install -q --upgrade pip setuptools wheel && \
+	   $(PY) -m pip install -q -e '.[dev,analytics]'; } >$(INSTALL_LOG) 2>&1 || \
+	  { cat $(INSTALL_LOG); echo "make: setting up $(VENV) failed; the output above is in $(INSTALL_LOG)" >&2; exit 1; }
+	@touch $@
 
 # Cython only recompiles what changed, so this is cheap when nothing did.
+# Quiet: the compiler's output is shown only when the build fails (it is kept
+# in $(BUILD_LOG) either way).
+BUILD_LOG := build/build_ext.log
 build: $(STAMP)
-	$(PY) setup.py -q build_ext --inplace -j 2
+	@mkdir -p build
+	@$(PY) setup.py -q build_ext --inplace -j 2 >$(BUILD_LOG) 2>&1 || \
+	  { cat $(BUILD_LOG); echo "make build: failed; the output above is in $(BUILD_LOG)" >&2; exit 1; }
 
 run: build
 	@mkdir -p .run
 	@echo "sbusd: listening on $(CURDIR)/$(DEV_SOCKET)"
 	@echo "  connect with:  SBUS_ADDRESS=$(CURDIR)/$(DEV_SOCKET) $(VENV)/bin/sbus sub ''"
 	@echo "  publish with:  SBUS_ADDRESS=$(CURDIR)/$(DEV_SOCKET) $(VENV)/bin/sbus pub hello/world 'hi'"
-	@echo "  live counters: SBUS_ADDRESS=$(CURDIR)/$(DEV_SOCKET) $(VENV)/bin/sbus stats"
-	exec $(VENV)/bin/sbusd -f -r -a $(DEV_SOCKET) --log-format console
+	@echo "  live view:     SBUS_ADDRESS=$(CURDIR)/$(DEV_SOCKET) $(VENV)/bin/sbus top"
+	@exec $(VENV)/bin/sbusd $(RUN_FLAGS)
 
 check-java:
 	@command -v java >/dev/null 2>&1 || { \

@@ -26,7 +26,10 @@ BIN = BENCH / "bin"
 VENV_BIN = ROOT / ".venv" / "bin"
 SBUSD = VENV_BIN / "sbusd"
 PYTHON = VENV_BIN / "python" if (VENV_BIN / "python").exists() else Path(sys.executable)
-C_PROGRAMS = ("loadgen", "relay")
+C_PROGRAMS = ("relay",)
+# The load generator is the package's (sbus/_core/csrc/loadgen.c, compiled in
+# by `make build`), the same one `sbus bench` runs.
+LOADGEN = (str(PYTHON), "-m", "sbus.loadgen")
 
 # Server on one core, load generator on the other, as in the issue's figures.
 TWO_CORES = (os.cpu_count() or 1) >= 2
@@ -276,7 +279,7 @@ class Harness:
         """One loadgen run; its JSON plus `foreign_cores`: the CPU other processes took meanwhile.
 
         A failed run is returned with an "error" key, so that a series keeps its place."""
-        argv = [str(BIN / "loadgen"), mode, "-a", server.address, "-P", str(server.pid), *args]
+        argv = [*LOADGEN, mode, "-a", server.address, "-P", str(server.pid), *args]
         t0, busy0, srv0 = time.monotonic(), busy_seconds(), task_seconds(server.pid)
         try:
             p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
@@ -299,7 +302,7 @@ class Harness:
 
     def wake(self, size, duration, cpu, timeout=120):
         """One `loadgen wake` run (no server): two processes ping-pong, the second on `cpu`."""
-        argv = [str(BIN / "loadgen"), "wake", "-s", str(size), "-d", str(duration), "-C", str(cpu)]
+        argv = [*LOADGEN, "wake", "-s", str(size), "-d", str(duration), "-C", str(cpu)]
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                            preexec_fn=self.pinned(LOADGEN_CPUS))
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -335,7 +338,7 @@ class Harness:
 
     def hold(self, server, clients, patterns, timeout=300):
         """Runs `loadgen hold`; returns (RSS connected, RSS subscribed or None, loadgen output)."""
-        argv = [str(BIN / "loadgen"), "hold", "-a", server.address, "-c", str(clients), "-p", str(patterns)]
+        argv = [*LOADGEN, "hold", "-a", server.address, "-c", str(clients), "-p", str(patterns)]
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, preexec_fn=self.pinned(LOADGEN_CPUS))
         out = {}

@@ -1,7 +1,8 @@
 """Structured logging for sbusd: structlog configured once at start-up.
 
 Records follow the versioned schema in ``sbus.logschema`` (docs/logging.md).
-``json`` writes one object per line; ``console`` is for people. The output
+``json`` writes one object per line; ``console`` (``sbus.console``) one short
+line per event, for people. The output
 file can be reopened (SIGHUP in a daemon, for logrotate).
 """
 from __future__ import annotations
@@ -107,7 +108,8 @@ def configure(fmt: str, level: str, stream: ReopenableStream):
         processors += [_order_keys, structlog.processors.JSONRenderer(
             serializer=lambda obj, **kw: encode(obj))]
     else:
-        processors.append(structlog.dev.ConsoleRenderer(colors=stream.isatty()))
+        from .console import CompactRenderer
+        processors.append(CompactRenderer(colours=stream.isatty()))
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),

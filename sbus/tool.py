@@ -1,11 +1,19 @@
 """``sbus``: publish, subscribe and ask the broker from the shell.
 
-    sbus pub KEY [MESSAGE | -]      publish MESSAGE (default empty; '-' reads stdin);
-                                    exits 1 if the broker refuses it
-    sbus sub [--json] [--count N] PATTERN...
-                                    print messages as they arrive
+    sbus pub KEY [MESSAGE | - | --file PATH | --lines] [--repeat N] [--interval S]
+                                    publish MESSAGE (default empty; '-' reads stdin;
+                                    --lines: one message per line); exits 1 if the
+                                    broker refuses one
+    sbus sub [--json | -F TEMPLATE | -v | --raw] [-n N] [-W S] PATTERN...
+                                    print messages as they arrive; with -W, exit 3
+                                    if N messages did not come within S seconds
     sbus whoami                     print this client's credentials
-    sbus stats                      print the broker's counters as JSON
+    sbus top                        a live view of the broker's counters
+    sbus bench pair|fanout N|latency
+                                    measure this broker's throughput or latency
+    sbus stats [--format prometheus] [--no-clients]
+                                    print the broker's counters as JSON, or in the
+                                    Prometheus text format
 
 Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
 ``/run/sbus.socket``.
@@ -13,56 +21,67 @@ Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import sys
-from typing import BinaryIO, Dict, List, Optional, Union
+import time
+from typing import BinaryIO, Iterator, List, Optional
 
-from . import __version__
+from . import __version__, render
 from .address import from_environment
-from .client import MAX_MESSAGE, Client, ControlMessage, Message
+from .client import MAX_MESSAGE, Client, Message
 from .errors import BusClosedError, SbusError
+from .render import Renderer, format_json, format_plain  # noqa: F401 (were defined here)
 
 # How long whoami and stats wait for the broker's reply.
 REPLY_TIMEOUT = 10.0
+# `sbus sub -W` ran out of time before --count messages came.
+TIMEOUT_EXIT = 3
 
 
-def _json_field(out: Dict[str, str], name: str, raw: bytes) -> None:
-    """``name`` as text if ``raw`` is UTF-8, else ``name_base64``: JSON cannot carry bytes."""
-    try:
-        out[name] = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        out[name + "_base64"] = base64.b64encode(raw).decode("ascii")
-
-
-def format_json(message: Union[Message, ControlMessage]) -> bytes:
-    """One JSON line: ``{"type": "msg"|"cmsg", "key": ..., "payload": ...}``."""
-    out = {"type": "msg" if type(message) is Message else "cmsg"}
-    _json_field(out, "key", message.key)
-    _json_field(out, "payload", message.payload)
-    return json.dumps(out, ensure_ascii=False).encode("utf-8") + b"\n"
-
-
-def format_plain(message: Union[Message, ControlMessage]) -> bytes:
-    """``KEY<TAB>PAYLOAD`` as raw bytes; a control message is prefixed with ``CMSG ``."""
-    prefix = b"" if type(message) is Message else b"CMSG "
-    return b"%s%s\t%s\n" % (prefix, message.key, message.payload)
+def payloads(args: argparse.Namespace, stdin: BinaryIO) -> Iterator[bytes]:
+    """The payloads ``sbus pub`` sends, in order: the argument, stdin, the
+    file, or each line of stdin as it comes (--lines); --repeat times."""
+    if args.lines:
+        for line in stdin:
+            yield line[:-1] if line.endswith(b"\n") else line
+        return
+    if args.file is not None:
+        with open(args.file, "rb") as f:
+            payload = f.read()
+    elif args.message == "-":
+        payload = stdin.read()
+    else:
+        payload = args.message.encode("utf-8", "surrogateescape")
+    for _ in range(args.repeat):
+        yield payload
 
 
 def cmd_pub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
-    if args.message == "-":
-        payload: Union[str, bytes] = stdin.read()
-    else:
-        payload = args.message
-    bus.publish(args.key, payload)
-    # The broker answers in order: a reply means it took the message, and a
-    # hang-up means it refused it (oversized, or a misused '!').
+    for n, payload in enumerate(payloads(args, stdin)):
+        if n and args.interval:
+            time.sleep(args.interval)
+        bus.publish(args.key, payload)
+    # The broker answers in order: a reply means it took the messages, and a
+    # hang-up means it refused one (oversized, or a misused '!').
     bus.whoami(timeout=REPLY_TIMEOUT)
     return 0
 
 
+def sub_renderer(args: argparse.Namespace) -> Renderer:
+    if args.raw:
+        return render.format_raw
+    if args.json:
+        return render.format_json
+    if args.format is not None:
+        return render.format_template(args.format)
+    if args.verbose:
+        return render.format_template(render.VERBOSE)
+    return render.format_plain
+
+
 def cmd_sub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
     for pattern in args.patterns:
         bus.subscribe(pattern)
     if args.ready:
@@ -71,11 +90,18 @@ def cmd_sub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bina
         bus.whoami(timeout=REPLY_TIMEOUT)
         sys.stderr.write("ready\n")
         sys.stderr.flush()
-    render = format_json if args.json else format_plain
+    render_one = sub_renderer(args)
     seen = 0
     while args.count is None or seen < args.count:
-        message = bus.receive()
-        stdout.write(render(message))
+        if deadline is None:
+            message = bus.receive()
+        else:
+            try:
+                message = bus.receive(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                # -W ended it: a success only if no --count was left unmet.
+                return 0 if args.count is None else TIMEOUT_EXIT
+        stdout.write(render_one(message))
         stdout.flush()
         seen += type(message) is Message
     return 0
@@ -88,8 +114,32 @@ def cmd_whoami(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: B
 
 def cmd_stats(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
     stats = bus.stats(timeout=REPLY_TIMEOUT)
-    stdout.write(json.dumps(stats, indent=2).encode() + b"\n")
+    if args.no_clients:
+        stats.pop("clients", None)
+    if args.format == "prometheus":
+        from .metrics import to_prometheus
+        stdout.write(to_prometheus(stats, clients=not args.no_clients).encode())
+    else:
+        stdout.write(json.dumps(stats, indent=2).encode() + b"\n")
     return 0
+
+
+def cmd_top(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return _fail("top: needs a terminal (try: sbus stats)")
+    from .top import run
+    return run(lambda: bus.stats(timeout=REPLY_TIMEOUT), str(from_environment(args.address)),
+               args.interval)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import benchmark
+    if args.workload == "fanout" and not args.subscribers:
+        return _fail("bench fanout: how many subscribers? (sbus bench fanout N)")
+    if args.size < benchmark.SEQ_BYTES:
+        return _fail(f"bench: --size must be {benchmark.SEQ_BYTES} or more: each payload "
+                     "carries its sequence number")
+    return benchmark.main(args, from_environment(args.address), sys.stdout)
 
 
 def _count(text: str) -> int:
@@ -100,6 +150,23 @@ def _count(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError("must be 0 or more")
     return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}")
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return x
+
+
+def _template(text: str) -> str:
+    try:
+        return render.check_template(text)
+    except (ValueError, IndexError) as exc:
+        raise argparse.ArgumentTypeError(str(exc))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,17 +189,38 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("key", metavar="KEY", help="the routing key")
     pub.add_argument("message", metavar="MESSAGE", nargs="?", default="",
                      help="the payload (default empty); '-' reads it from stdin")
+    source = pub.add_mutually_exclusive_group()
+    source.add_argument("-f", "--file", metavar="PATH", help="the payload is this file's content")
+    source.add_argument("-l", "--lines", action="store_true",
+                        help="one message per line of stdin, sent as the lines come "
+                             "(the newline is not sent)")
+    pub.add_argument("--repeat", type=_count, default=1, metavar="N",
+                     help="send the message N times (default 1)")
+    pub.add_argument("--interval", type=_seconds, default=0.0, metavar="SECONDS",
+                     help="wait this long between messages")
     pub.set_defaults(run=cmd_pub)
 
     sub = commands.add_parser("sub", parents=[common],
                               help="print messages matching the patterns as they arrive")
     sub.add_argument("patterns", metavar="PATTERN", nargs="+",
                      help="a routing key pattern; '' matches everything")
-    sub.add_argument("--json", action="store_true",
-                     help='one JSON object per line: {"type", "key", "payload"}; a field that '
-                          'is not UTF-8 is given as "key_base64"/"payload_base64" instead')
+    shape = sub.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true",
+                       help='one JSON object per line: {"type", "key", "payload"}; a field that '
+                            'is not UTF-8 is given as "key_base64"/"payload_base64" instead')
+    shape.add_argument("-F", "--format", type=_template, metavar="TEMPLATE",
+                       help="one line per message from TEMPLATE, with fields "
+                            + ", ".join(f"{{{f}}}" for f in render.FIELDS)
+                            + r"; \n and \t are newline and tab")
+    shape.add_argument("-v", "--verbose", action="store_true",
+                       help=f"key and payload: -F '{render.VERBOSE}' (as mosquitto_sub -v)")
+    shape.add_argument("--raw", action="store_true",
+                       help="the payload bytes only, nothing between messages (for binary data)")
     sub.add_argument("-n", "--count", type=_count, metavar="N",
                      help="exit after N messages (control messages are shown, not counted)")
+    sub.add_argument("-W", "--timeout", type=_seconds, metavar="SECONDS",
+                     help=f"exit after SECONDS; the exit status is {TIMEOUT_EXIT} if --count "
+                          "messages had not come by then")
     sub.add_argument("--ready", action="store_true",
                      help="print 'ready' on stderr once the broker has registered the patterns")
     sub.set_defaults(run=cmd_sub)
@@ -142,13 +230,53 @@ def build_parser() -> argparse.ArgumentParser:
     whoami.set_defaults(run=cmd_whoami)
 
     stats = commands.add_parser("stats", parents=[common],
-                                help="print the broker's counters as JSON")
+                                help="print the broker's counters as JSON or for Prometheus")
+    stats.add_argument("--format", choices=("json", "prometheus"), default="json",
+                       help="json (default), or the Prometheus text exposition format "
+                            "(for node_exporter's textfile collector)")
+    stats.add_argument("--no-clients", action="store_true",
+                       help="leave out the per-client counters (series)")
     stats.set_defaults(run=cmd_stats)
+    top = commands.add_parser("top", parents=[common],
+                              help="a live view of the broker: totals, rates, busiest clients")
+    top.add_argument("-i", "--interval", type=_seconds, default=1.0, metavar="SECONDS",
+                     help="seconds between refreshes (default 1)")
+    top.set_defaults(run=cmd_top)
+
+    bench = commands.add_parser(
+        "bench", parents=[common],
+        help="measure the broker: pair, fanout N (subscribers), latency",
+        description="Publishers and subscribers are separate processes of the compiled load "
+                    "generator; loss and order are checked (exit 2 if anything was lost or "
+                    "reordered). Runs for 2 s unless given --count or --seconds.")
+    bench.add_argument("workload", choices=("pair", "fanout", "latency"))
+    bench.add_argument("subscribers", nargs="?", type=_count, metavar="N",
+                       help="fanout: the number of subscribers")
+    bench.add_argument("-s", "--size", type=_count, default=64, metavar="BYTES",
+                       help="payload size (default 64; 8 or more carries the sequence number)")
+    bench.add_argument("-n", "--count", type=_count, metavar="N",
+                       help="messages to publish (latency: round trips to time)")
+    bench.add_argument("-d", "--seconds", type=_seconds, metavar="SECONDS",
+                       help="how long to publish (default 2 unless --count)")
+    bench.add_argument("-w", "--window", type=_count, default=256, metavar="N",
+                       help="messages in flight toward the slowest subscriber (default 256)")
+    bench.add_argument("--runs", type=_count, default=1, metavar="N",
+                       help="repeat the run N times, one line each (default 1)")
+    bench.add_argument("--json", action="store_true",
+                       help="the load generator's JSON result, one object per run")
+    bench.add_argument("--timeout", type=_seconds, default=300.0, metavar="SECONDS",
+                       help="give up on a run after this long (default 300)")
+    bench.set_defaults(run=None)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "pub" and (args.lines or args.file is not None) and args.message:
+        parser.error("pub: give MESSAGE, --file or --lines, not two of them")
+    if args.command == "bench":     # its processes make their own connections
+        return cmd_bench(args)
     where = from_environment(args.address)
     stdout = sys.stdout.buffer
     try:

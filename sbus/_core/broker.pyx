@@ -286,6 +286,7 @@ cdef class Broker(Server):
         """Send every delivery collected in this batch, one sendmmsg per
         recipient, then let go of the batch's packets."""
         cdef uint32_t i
+        cdef int j
         cdef Conn *c
         for i in range(self.ntouched):
             c = self.touched[i]
@@ -294,10 +295,10 @@ cdef class Broker(Server):
             c.pend_tail = -1
         self.ntouched = 0
         self.npend = 0
-        for i in range(RECV_BATCH):
-            if self.batch_pkts[i] != NULL:
-                packet_release(self.batch_pkts[i])
-                self.batch_pkts[i] = NULL
+        for j in range(RECV_BATCH):
+            if self.batch_pkts[j] != NULL:
+                packet_release(self.batch_pkts[j])
+                self.batch_pkts[j] = NULL
         return 0
 
     cdef int flush_conn(self, Conn *c) except -1:

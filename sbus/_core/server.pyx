@@ -548,7 +548,7 @@ cdef class Server:
             self.flush_pending()    # count this batch's deliveries first
             snapshot = self.stats()
             body = json.dumps(snapshot, separators=(",", ":")).encode()
-            if len(body) + 11 > self.max_message:
+            if <size_t>len(body) + 11 > self.max_message:
                 snapshot["clients_omitted"] = len(snapshot.pop("clients"))
                 body = json.dumps(snapshot, separators=(",", ":")).encode()
             return self.reply(c, b"CMSG stats\0" + body)

@@ -1,10 +1,13 @@
 /*
  * loadgen: drives a broker that speaks the sbus protocol (sbusd, or
- * bench/relay) and prints one line of JSON on stdout.
+ * bench/relay) and prints one line of JSON on stdout.  The one load generator
+ * of `sbus bench` and `make bench`: compiled into the package as
+ * sbus._core.loadgen (run with `python -m sbus.loadgen`), or on its own with
+ * -DLOADGEN_STANDALONE.
  *
- *   loadgen flood   -a PATH [-s SIZE] [-n SUBS] [-i IDLE] [-p PATS] [-W] [-S SLOW]
- *                   [-d SECONDS] [-w WINDOW] [-P SERVER_PID]
- *   loadgen latency -a PATH [-s SIZE] [-d SECONDS] [-P SERVER_PID]
+ *   loadgen flood   -a ADDRESS [-s SIZE] [-n SUBS] [-i IDLE] [-p PATS] [-W] [-S SLOW]
+ *                   [-d SECONDS] [-m COUNT] [-w WINDOW] [-P SERVER_PID]
+ *   loadgen latency -a ADDRESS [-s SIZE] [-d SECONDS] [-m COUNT] [-P SERVER_PID]
  *   loadgen hold    -a PATH [-c CLIENTS] [-p PATS]
  *   loadgen wake    [-s SIZE] [-d SECONDS] [-C CPU]
  *
@@ -17,6 +20,11 @@
  * -W every one of them has '*' as its first segment (manywild).  SLOW
  * subscribers ask for `blocking/soft/discard` and then never read; they are
  * left out of the flow control and of the figures.
+ *
+ * -m COUNT ends a flood after COUNT messages and a latency run after COUNT
+ * round trips (after the warm-up), whichever of it and -d comes first; with
+ * -m and no -d only the count ends it.  ADDRESS is a socket path or
+ * /dev/unix/abstract/HEX (an abstract name, HEX beginning with 00).
  *
  * latency: a pinger (this process) and an echo process; one message in flight;
  * the pinger times each round trip (ping -> broker -> echo -> broker -> pong)
@@ -36,7 +44,9 @@
  * Keys and patterns differ in their first segment wherever a delivery must
  * not happen, so the first-segment-only relay routes them correctly too.
  */
+#ifndef _GNU_SOURCE	/* Python.h defines it when this is built into the package */
 #define _GNU_SOURCE
+#endif
 #include <dirent.h>
 #include <sched.h>
 #include <errno.h>
@@ -93,6 +103,7 @@ static const char *address = NULL;
 static size_t payload_size = 64;
 static int n_subs = 1, n_idle = 0, n_pats = 10, n_slow = 0, n_clients = 1, wild_idle = 0;
 static double duration = 2.0;
+static uint64_t max_count = 0;	/* -m: 0 means no limit */
 static uint64_t window = 256;
 static long server_pid = 0;
 static int echo_cpu = -1;
@@ -181,13 +192,33 @@ set_timeout(int fd, double seconds)
 		die("setsockopt SO_RCVTIMEO:");
 }
 
+static const char ABSTRACT_PREFIX[] = "/dev/unix/abstract/";
+
+/* An abstract name as sbus spells it: the whole sun_path in hex, from its NUL. */
+static void
+abstract_name(struct sockaddr_un *sa, const char *hex)
+{
+	size_t n = strlen(hex);
+	if (n % 2 || n / 2 > sizeof(sa->sun_path) || strncmp(hex, "00", 2))
+		die("bad abstract address: %s", address);
+	for (size_t i = 0; i < n / 2; i++) {
+		unsigned byte;
+		if (sscanf(hex + 2 * i, "%2x", &byte) != 1)
+			die("bad abstract address: %s", address);
+		sa->sun_path[i] = (char)byte;
+	}
+}
+
 static int
 connect_bus(void)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	if (strlen(address) >= sizeof(sa.sun_path))
+	if (!strncmp(address, ABSTRACT_PREFIX, sizeof(ABSTRACT_PREFIX) - 1))
+		abstract_name(&sa, address + sizeof(ABSTRACT_PREFIX) - 1);
+	else if (strlen(address) >= sizeof(sa.sun_path))
 		die("address too long: %s", address);
-	strcpy(sa.sun_path, address);
+	else
+		strcpy(sa.sun_path, address);
 	int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		die("socket:");
@@ -475,7 +506,7 @@ flood(void)
 	uint64_t sent = 0, last_lo = 0, waits = 0;
 	int stalled = 0;
 	for (;;) {
-		if (now() >= deadline)
+		if (now() >= deadline || (max_count && sent >= max_count))
 			break;
 		uint64_t lo = min_progress();
 		if (lo != last_lo) {
@@ -501,6 +532,8 @@ flood(void)
 			continue;
 		}
 		uint64_t room = window - inflight;
+		if (max_count && room > max_count - sent)
+			room = max_count - sent;
 		int n = room < BATCH ? (int)room : BATCH;
 		for (int i = 0; i < n; i++) {
 			uint64_t seq = sent + i;
@@ -646,7 +679,8 @@ latency(void)
 	size_t cap = 2000000, n = 0;
 	double *rtt = malloc(cap * sizeof(double));
 	uint64_t lost = 0, bad = 0;
-	int warmup = 2000;
+	/* A short counted run warms up for a tenth of its count, at most 2000. */
+	int warmup = max_count && max_count < 20000 ? (int)(max_count / 10) : 2000;
 	double cpu0 = 0, t0 = 0, deadline = 0;
 	for (uint64_t seq = 0;; seq++) {
 		if (seq == (uint64_t)warmup) {
@@ -654,7 +688,8 @@ latency(void)
 			t0 = now();
 			deadline = t0 + duration;
 		}
-		if (seq > (uint64_t)warmup && (n >= cap || now() >= deadline))
+		if (seq > (uint64_t)warmup && (n >= cap || now() >= deadline ||
+					       (max_count && n >= max_count)))
 			break;
 		if (payload_size >= SEQ_BYTES)
 			memcpy(ping + hdr, &seq, sizeof(seq));
@@ -800,20 +835,22 @@ hold(void)
 static void
 usage(void)
 {
-	fprintf(stderr, "usage: loadgen flood|latency|hold|wake -a PATH [-s SIZE] [-n SUBS] [-i IDLE] "
-			"[-p PATS] [-W] [-S SLOW] [-c CLIENTS] [-d SECONDS] [-w WINDOW] [-P PID] [-C CPU]\n");
+	fprintf(stderr, "usage: loadgen flood|latency|hold|wake -a ADDRESS [-s SIZE] [-n SUBS] "
+			"[-i IDLE] [-p PATS] [-W] [-S SLOW] [-c CLIENTS] [-d SECONDS] [-m COUNT] "
+			"[-w WINDOW] [-P PID] [-C CPU]\n");
 	exit(2);
 }
 
-int
-main(int argc, char **argv)
+/* Runs once per process: its state is in static variables. */
+static int
+loadgen_main(int argc, char **argv)
 {
 	if (argc < 2)
 		usage();
 	const char *mode = argv[1];
-	int opt;
+	int opt, duration_set = 0;
 	optind = 2;
-	while ((opt = getopt(argc, argv, "a:s:n:i:p:S:c:d:w:P:WC:")) != -1) {
+	while ((opt = getopt(argc, argv, "a:s:n:i:p:S:c:d:m:w:P:WC:")) != -1) {
 		switch (opt) {
 		case 'a': address = optarg; break;
 		case 's': payload_size = strtoul(optarg, NULL, 0); break;
@@ -822,7 +859,8 @@ main(int argc, char **argv)
 		case 'p': n_pats = atoi(optarg); break;
 		case 'S': n_slow = atoi(optarg); break;
 		case 'c': n_clients = atoi(optarg); break;
-		case 'd': duration = atof(optarg); break;
+		case 'd': duration = atof(optarg); duration_set = 1; break;
+		case 'm': max_count = strtoull(optarg, NULL, 0); break;
 		case 'w': window = strtoull(optarg, NULL, 0); break;
 		case 'P': server_pid = atol(optarg); break;
 		case 'W': wild_idle = 1; break;
@@ -832,6 +870,8 @@ main(int argc, char **argv)
 	}
 	if ((!address && strcmp(mode, "wake")) || window < 4)
 		usage();
+	if (max_count && !duration_set)
+		duration = 1e12;
 	signal(SIGPIPE, SIG_IGN);
 	sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 	if (sh == MAP_FAILED)
@@ -848,3 +888,11 @@ main(int argc, char **argv)
 	usage();
 	return 2;
 }
+
+#ifdef LOADGEN_STANDALONE
+int
+main(int argc, char **argv)
+{
+	return loadgen_main(argc, argv);
+}
+#endif

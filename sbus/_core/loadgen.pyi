@@ -1,0 +1,3 @@
+from typing import Sequence, Union
+
+def run(argv: Sequence[Union[str, bytes]]) -> int: ...
