@@ -20,9 +20,10 @@ files they are built from (the package and the build's files) and of the
 interpreters' versions, and are copied from there while neither changes:
 ``make test`` and ``make wheel`` share them. The sdist is always built.
 
-Per-version wheels rather than one abi3 wheel: the buffer protocol joined the
-limited API only in 3.11, and Cython's limited-API mode makes every Python
-object access an API call (see README.md, "Installing on a host").
+Per-version wheels rather than abi3: 3.9 and 3.10 would need their own anyway
+(the buffer protocol joined the limited API in 3.11), and in Cython's
+limited-API mode every Python object access is a function call; README.md,
+"Installing on a host", has the measurement.
 """
 from __future__ import annotations
 
