@@ -44,7 +44,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT
+ROOT = Path(__file__).resolve().parent.parent
 
 try:
     import tomllib
