@@ -550,7 +550,8 @@ class Client:
         A pair the broker would refuse raises KeyRefusedError or
         MessageTooLargeError with ``index`` (its position) and ``sent`` (how
         many before it went out); nothing after it is sent. A connection
-        failing mid-batch raises BatchInterruptedError with ``sent``.
+        failing mid-batch raises BatchInterruptedError with ``sent``; so does
+        BlockingIOError (a full socket and MSG_DONTWAIT), and the rest is dropped.
         Buffered packets go out first; all of the batch is sent on return.
         """
         if len(self._out):
@@ -558,16 +559,20 @@ class Client:
         items = iter(messages)
         out = self._out
         packed = 0
-        while True:
-            try:
-                packed += out.pack_many(items, packed)
-            except MessageRefusedError as exc:
-                self._send_batch(flags, exc.index - len(out))
-                exc.sent = exc.index
-                raise
-            self._send_batch(flags, packed - len(out))
-            if out.exhausted:
-                return packed
+        try:
+            while True:
+                try:
+                    packed += out.pack_many(items, packed)
+                except MessageRefusedError as exc:
+                    self._send_batch(flags, exc.index - len(out))
+                    exc.sent = exc.index
+                    raise
+                self._send_batch(flags, packed - len(out))
+                if out.exhausted:
+                    return packed
+        except BlockingIOError:
+            out.clear()     # a full socket under MSG_DONTWAIT: ``sent`` says how far it got
+            raise
 
     def _send_batch(self, flags: int, done: int) -> None:
         """Send the outbox; ``done`` messages of this batch went out before it."""
@@ -581,7 +586,8 @@ class Client:
                 out.clear()
                 raise BusClosedError("the client is closed") from None
             if exc.errno not in _GONE:
-                raise   # BlockingIOError: the rest stays packed for flush()
+                exc.sent = sent     # BlockingIOError: the rest stays packed
+                raise
             if self._policy is None:
                 total = done + len(out) + out.head - before
                 out.clear()
