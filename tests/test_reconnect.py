@@ -9,6 +9,7 @@ import time
 import pytest
 
 from sbus import BusClosedError, Client, aio
+from sbus.client import Message
 from sbus.errors import BacklogFullError
 from sbus.reconnect import Reconnect, Session
 
@@ -68,7 +69,7 @@ def test_sync_clients_ride_out_a_restart(start_broker, backend):
         pub.flush()
         assert pub_events.seen == ["down", "up"] and pub.backlog == 0
         got = take(sub, 100)
-        assert got == [(b"r/backlog/%d" % i, b"%d" % i) for i in range(100)]
+        assert got == [Message(b"r/backlog/%d" % i, b"%d" % i) for i in range(100)]
         pub.publish("r/after", b"x")
         assert take(sub, 1)[0].key == b"r/after"
         # one subscription, not two, and echo still off
@@ -203,7 +204,7 @@ def test_asyncio_clients_ride_out_a_restart(start_broker, backend):
 
     got = arun(main())
     assert [m.key for m in got[:20]] == [b"a/before/%d" % i for i in range(20)]
-    assert got[20:120] == [(b"a/backlog/%d" % i, b"%d" % i) for i in range(100)]
+    assert got[20:120] == [Message(b"a/backlog/%d" % i, b"%d" % i) for i in range(100)]
     assert got[120].key == b"a/after"
 
 
