@@ -1,7 +1,11 @@
-"""A blocking sbus client: one connected ``SOCK_SEQPACKET`` socket, one packet per call.
+"""A blocking sbus client: one connected ``SOCK_SEQPACKET`` socket, one packet per message.
 
-The client keeps no state beyond the socket and a queue of messages that
-arrived while it waited for a control reply (see :meth:`Client.query`).
+The client keeps the socket, a queue of messages that arrived while it
+waited for a control reply (see :meth:`Client.query`) or that a batch read
+took ahead, the packets its buffered mode packed, and, with a reconnect
+policy, its subscriptions and a backlog (see :mod:`sbus.reconnect`).
+Batches go through :mod:`sbus._core.batch` (sendmmsg/recvmmsg); the plain
+Python :func:`pack_publish` and :func:`parse_packet` are their reference.
 Every call takes the send(2)/recv(2) flags and passes them to the kernel, so
 ``MSG_DONTWAIT``, ``MSG_PEEK`` and friends behave as they do on a bare
 socket; :meth:`Client.fileno` makes the client usable with select, poll,
@@ -683,10 +687,11 @@ class Client:
         """Receive messages until the broker closes the connection, reading
         them in batches (a message read and not yet yielded stays queued)."""
         inbox = self._inbox
+        popleft = inbox.popleft
         while True:
             while inbox:
-                item = inbox.popleft()
-                if isinstance(item, BaseException):
+                item = popleft()
+                if type(item) is not Message and isinstance(item, BaseException):
                     if isinstance(item, BusClosedError):
                         return
                     raise item
