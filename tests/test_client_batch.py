@@ -426,3 +426,35 @@ def test_asyncio_refused_message_mid_batch(broker):
             return (await c.whoami()).pid
 
     assert arun(main()) > 0
+
+
+def test_buffered_packets_keep_their_order_with_subscriptions(broker):
+    # The client hears its own messages only once its SUB is registered: a
+    # SUB that overtook the first publish would bring "o/1" back too.
+    with Client(broker.address, buffered=True) as c:
+        c.publish("o/1", b"")
+        c.subscribe("o/")
+        c.publish("o/2", b"")
+        c.unsubscribe("o/")
+        c.publish("o/3", b"")
+        c.subscribe("o/")
+        c.publish_many([("o/4", b""), ("o/5", b"")])
+        got = [c.receive(timeout=TIMEOUT).key for _ in range(3)]
+        with pytest.raises(TimeoutError):
+            c.receive(timeout=0.1)
+    assert got == [b"o/2", b"o/4", b"o/5"]
+
+    async def main():
+        async with aio.Client(broker.address, buffered=True) as a:
+            await a.publish("q/1", b"")
+            await a.subscribe("q/")
+            await a.publish("q/2", b"")
+            await a.unsubscribe("q/")
+            await a.publish("q/3", b"")
+            await a.whoami()
+            first = await a.receive()
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(a.receive(), 0.1)
+            return first.key
+
+    assert arun(main()) == b"q/2"
