@@ -24,6 +24,7 @@ import asyncio
 import datetime as dt
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -60,6 +61,26 @@ ROWS = {
     "redis-receive": ("redis", "receive", "redis-py PubSub.get_message()", 0.5),
 }
 TARGETS = {"publish": 650_000, "receive": 400_000}
+
+
+# CPU time this process spent in the timed part of a run (user + system):
+# what the client costs per message, whatever else the machine is doing.
+_CPU = {"start": 0.0, "end": 0.0}
+
+
+def _cpu():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def start_clock():
+    _CPU["start"] = _cpu()
+    return time.perf_counter()
+
+
+def stop_clock():
+    _CPU["end"] = _cpu()
+    return time.perf_counter()
 
 
 def say(*args):
@@ -144,7 +165,7 @@ def _wait_tcp(port):
 def publish_sbus_sync(address, n, payload, how):
     from sbus import Client
     with Client(address, buffered=how == "buffered") as c:
-        start = time.perf_counter()
+        start = start_clock()
         if how == "many":
             c.publish_many([(KEY, payload)] * n)
         else:
@@ -152,13 +173,13 @@ def publish_sbus_sync(address, n, payload, how):
             for _ in range(n):
                 publish(KEY, payload)
         c.whoami()          # the broker has read every message
-        return time.perf_counter() - start
+        return stop_clock() - start
 
 
 async def publish_sbus_aio(address, n, payload, how):
     from sbus import aio
     async with aio.Client(address, buffered=how == "buffered") as c:
-        start = time.perf_counter()
+        start = start_clock()
         if how == "many":
             await c.publish_many([(KEY, payload)] * n)
         else:
@@ -166,18 +187,18 @@ async def publish_sbus_aio(address, n, payload, how):
             for _ in range(n):
                 await publish(KEY, payload)
         await c.whoami()
-        return time.perf_counter() - start
+        return stop_clock() - start
 
 
 async def publish_nats(address, n, payload):
     import nats
     nc = await nats.connect(address, pending_size=64 << 20)
-    start = time.perf_counter()
+    start = start_clock()
     publish = nc.publish
     for _ in range(n):
         await publish(KEY.replace("/", "."), payload)
     await nc.flush(timeout=60)
-    elapsed = time.perf_counter() - start
+    elapsed = stop_clock() - start
     await nc.close()
     return elapsed
 
@@ -185,7 +206,7 @@ async def publish_nats(address, n, payload):
 def publish_redis(address, n, payload, pipelined):
     import redis
     r = redis.Redis(unix_socket_path=address)
-    start = time.perf_counter()
+    start = start_clock()
     if pipelined:
         for i in range(0, n, REDIS_BATCH):
             pipe = r.pipeline(transaction=False)
@@ -195,7 +216,7 @@ def publish_redis(address, n, payload, pipelined):
     else:
         for _ in range(n):
             r.publish(KEY, payload)
-    elapsed = time.perf_counter() - start
+    elapsed = stop_clock() - start
     r.close()
     return elapsed
 
@@ -228,26 +249,26 @@ def receive_sbus_sync(address, n, payload_size, how):
         try:
             if how == "iter":
                 c.receive(timeout=IDLE)
-                first, got = time.perf_counter(), 1
+                first, got = start_clock(), 1
                 for _ in c:
                     got += 1
                     if got == n:
                         break
             elif how == "many":
                 got = len(c.receive_many(1, timeout=IDLE))
-                first = time.perf_counter()     # timing starts at the first message
+                first = start_clock()     # timing starts at the first message
                 while got < n:
                     got += len(c.receive_many(64, timeout=IDLE))
             else:
                 receive = c.receive
                 receive(timeout=IDLE)
-                first, got = time.perf_counter(), 1
+                first, got = start_clock(), 1
                 while got < n:
                     receive()
                     got += 1
         except TimeoutError:
             pass
-        elapsed = time.perf_counter() - first
+        elapsed = stop_clock() - first
         pub.wait()
         return elapsed, got
 
@@ -260,7 +281,7 @@ async def receive_sbus_aio(address, n, payload_size, how):
         await c.whoami()
         pub = start_publisher("sbus", address, n, payload_size)
         await asyncio.wait_for(c.receive(), IDLE)
-        first, got = time.perf_counter(), 1
+        first, got = start_clock(), 1
         if how == "iter":
             async for _ in c:
                 got += 1
@@ -271,7 +292,7 @@ async def receive_sbus_aio(address, n, payload_size, how):
             while got < n:
                 await receive()
                 got += 1
-        elapsed = time.perf_counter() - first
+        elapsed = stop_clock() - first
         pub.wait()
         return elapsed, got
 
@@ -285,9 +306,9 @@ async def receive_nats(address, n, payload_size):
     async def on_message(msg):
         state["got"] += 1
         if state["first"] is None:
-            state["first"] = time.perf_counter()
+            state["first"] = start_clock()
         if state["got"] == n and not done.done():
-            state["last"] = time.perf_counter()
+            state["last"] = stop_clock()
             done.set_result(None)
 
     await nc.subscribe(KEY.replace("/", "."), cb=on_message, pending_msgs_limit=n + 10,
@@ -300,7 +321,7 @@ async def receive_nats(address, n, payload_size):
         if state["got"] == last_seen:
             break
         last_seen = state["got"]
-    end = state["last"] or time.perf_counter()
+    end = state["last"] or stop_clock()
     await asyncio.get_running_loop().run_in_executor(None, pub.wait)
     await nc.close()
     return end - (state["first"] or end), state["got"]
@@ -321,9 +342,9 @@ def receive_redis(address, n, payload_size):
         if m is None:
             break
         if first is None:
-            first = time.perf_counter()
+            first = start_clock()
         got += 1
-    elapsed = time.perf_counter() - (first or time.perf_counter())
+    elapsed = stop_clock() - (first or time.perf_counter())
     pub.wait()
     ps.close()
     r.close()
@@ -367,7 +388,9 @@ def measure(row, address, n, payload_size):
         raise SystemExit(f"unknown row {row!r}")
     # a receive row's clock starts at its first message
     timed = got - 1 if ROWS[row][1] == "receive" else got
-    return {"rate": timed / t if t > 0 else 0.0, "count": got, "expected": n, "seconds": t}
+    cpu = _CPU["end"] - _CPU["start"]
+    return {"rate": timed / t if t > 0 else 0.0, "count": got, "expected": n, "seconds": t,
+            "cpu_seconds": cpu, "cpu_us_per_msg": cpu / max(1, timed) * 1e6}
 
 
 def run_worker(row, address, n, payload_size):
@@ -385,8 +408,10 @@ def table(summary, payload_size, load):
     sync = {k: v for k, v in summary.items()}
     lines = [f"Python clients, {payload_size}-byte payloads, median of the runs "
              f"(load average {load[0]:.1f} before, {load[1]:.1f} after)",
-             "", f"{'row':<30} {'calls':<45} {'msgs/s':>10} {'runs':>5}  note",
-             "-" * 110]
+             "client CPU: user+system time of the client's process per message in the timed "
+             "part (1/it: what one core would do alone)",
+             "", f"{'row':<30} {'calls':<45} {'msgs/s':>10} {'CPU us/msg':>10} {'runs':>5}  note",
+             "-" * 121]
     for row, (system, kind, calls, _) in ROWS.items():
         if row not in summary:
             continue
@@ -400,7 +425,7 @@ def table(summary, payload_size, load):
             twin = row.replace("sbus-aio", "sbus-sync")
             if twin in sync and sync[twin]["rate"]:
                 note.append(f"{s['rate'] / sync[twin]['rate']:.2f}x sync")
-        lines.append(f"{row:<30} {calls:<45} {s['rate']:>10,.0f} {s['runs']:>5}  "
+        lines.append(f"{row:<30} {calls:<45} {s['rate']:>10,.0f} {s['cpu_us']:>10.2f} {s['runs']:>5}  "
                      f"{'; '.join(note)}")
     return "\n".join(lines)
 
@@ -439,12 +464,14 @@ def main(argv=None):
                 result["load"] = os.getloadavg()[0]
                 runs[row].append(result)
                 say(f"[{i + 1}/{args.repeat}] {row:<30} {result['rate']:>12,.0f} msgs/s"
+                    f" {result['cpu_us_per_msg']:6.2f} us CPU/msg"
                     f"  ({result['count']}/{n}, load {result['load']:.1f})")
     finally:
         servers.stop()
     load = (load_before, os.getloadavg()[0])
     summary = {r: {"rate": statistics.median(x["rate"] for x in rs),
                    "runs": len(rs),
+                   "cpu_us": statistics.median(x["cpu_us_per_msg"] for x in rs),
                    "lost": max(x["expected"] - x["count"] for x in rs)}
                for r, rs in runs.items() if rs}
     print(table(summary, args.payload, load))
