@@ -32,7 +32,7 @@ import time
 from typing import Any, Deque, Iterable, List, Optional, Tuple, Union
 
 from . import reconnect as _reconnect
-from ._core.batch import Inbox, Outbox
+from ._core.batch import Inbox, Outbox, check_pattern
 from ._core.batch import pack_publish as _pack_publish
 from ._core.batch import send_publish as _send_publish
 from .client import (
@@ -146,7 +146,8 @@ class Client:
     def close(self) -> None:
         """Close the connection; waiting senders, receivers and queries get BusClosedError.
 
-        Buffered packets are sent if the socket takes them at once.
+        Buffered packets are sent if the socket takes them at once; ``await
+        flush()`` first (or leave an ``async with`` block) to wait for the rest.
         """
         if self._closed:
             return
@@ -218,8 +219,11 @@ class Client:
                 f"packet of {len(packet)} bytes exceeds the bus limit of {self.max_message}")
         if self._closed:
             raise self._gone()
-        if self._session is not None and self._session.note(packet) and self._bus is None:
-            return      # replayed once the broker is back
+        if self._session is not None:
+            if packet.startswith(b"SUB "):
+                check_pattern(packet[4:])   # replayed on every reconnect: never a refused one
+            if self._session.note(packet) and self._bus is None:
+                return      # replayed once the broker is back
         if self.buffered:
             await self._pack(packet, flags)
             return

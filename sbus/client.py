@@ -267,7 +267,7 @@ class Client:
                  buffered: bool = False, reconnect: Union[None, bool, Reconnect] = None) -> None:
         self.address = _address.from_environment(address)
         self.max_message = max_message
-        self.buffered = buffered
+        self._buffered = buffered
         self._policy = _reconnect.policy(reconnect)
         self._sock: Optional[socket.socket] = None
         self._fd = -1           # -1 while closed or disconnected: a syscall on it fails EBADF
@@ -316,6 +316,17 @@ class Client:
     def connected(self) -> bool:
         """False while a reconnecting client waits for the broker."""
         return self._sock is not None
+
+    @property
+    def buffered(self) -> bool:
+        """Whether publish() packs instead of sending; turning it off sends what is packed."""
+        return self._buffered
+
+    @buffered.setter
+    def buffered(self, on: bool) -> None:
+        if not on and len(self._out):
+            self.flush()
+        self._buffered = on
 
     @property
     def pending(self) -> int:
@@ -504,8 +515,10 @@ class Client:
             raise MessageTooLargeError(
                 f"packet of {len(packet)} bytes exceeds the bus limit of {self.max_message}")
         if self._session is not None:
+            if packet.startswith(b"SUB "):
+                check_pattern(packet[4:])   # replayed on every reconnect: never a refused one
             self._session.note(packet)
-        if self.buffered:
+        if self._buffered:
             self._buffer(packet, flags)
             return
         try:
@@ -534,7 +547,7 @@ class Client:
     def publish(self, key: Text, payload: Text = b"", flags: int = 0) -> None:
         """Publish one message. KeyRefusedError or MessageTooLargeError, before
         anything is sent, for a message the broker would refuse."""
-        if self.buffered:
+        if self._buffered:
             if flags != self._out_flags and len(self._out):
                 self.flush()
             self._out_flags = flags
