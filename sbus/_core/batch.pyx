@@ -11,13 +11,13 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
-from libc.errno cimport EINTR, errno
+from libc.errno cimport EAGAIN, EINTR, errno
 from libc.stdlib cimport free, malloc
 from libc.string cimport memchr, memcmp, memcpy, memset
 
 from .includes.sys cimport (
     MADV_DONTNEED, MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, MSG_NOSIGNAL, MSG_TRUNC,
-    PROT_READ, PROT_WRITE, iovec, madvise, mmap, mmsghdr, msghdr, munmap, recvmmsg,
+    MSG_DONTWAIT, PROT_READ, PROT_WRITE, iovec, madvise, mmap, mmsghdr, msghdr, munmap, recvmmsg,
     sendmmsg,
 )
 from .protocol cimport KEY_OK, CredForm, check_rest, is_cred_key, parse_cred_form
@@ -145,14 +145,19 @@ def send_publish(int fd, object key, object payload, int flags, size_t max_messa
     memset(&msg, 0, sizeof(msg))
     msg.msg_iov = parts
     msg.msg_iovlen = 4
-    while True:
-        with nogil:
-            n = sendmsg(fd, &msg, flags | MSG_NOSIGNAL)
-        if n >= 0:
-            return
-        if errno != EINTR:
-            raise_errno("sendmsg")
-        PyErr_CheckSignals()
+    # First without blocking and with the GIL held (the usual case: the
+    # socket has room); only a send that would block lets other threads run.
+    # A non-blocking socket fails EAGAIN again in the second call.
+    n = sendmsg(fd, &msg, flags | MSG_NOSIGNAL | MSG_DONTWAIT)
+    if n < 0 and errno == EAGAIN and not flags & MSG_DONTWAIT:
+        while True:
+            with nogil:
+                n = sendmsg(fd, &msg, flags | MSG_NOSIGNAL)
+            if n >= 0 or errno != EINTR:
+                break
+            PyErr_CheckSignals()
+    if n < 0:
+        raise_errno("sendmsg")
 
 
 cdef class Outbox:
@@ -292,15 +297,24 @@ cdef class Outbox:
         non-blocking socket) leaves the rest owed: ``head`` counts what went out."""
         cdef int start = self.head
         cdef int n
+        cdef bint wait = False      # as send_publish: block (without the GIL) only when full
         while self.head < self.count:
-            with nogil:
+            if wait:
+                with nogil:
+                    n = sendmmsg(fd, self.hdrs + self.head, self.count - self.head,
+                                 flags | MSG_NOSIGNAL)
+            else:
                 n = sendmmsg(fd, self.hdrs + self.head, self.count - self.head,
-                             flags | MSG_NOSIGNAL)
+                             flags | MSG_NOSIGNAL | MSG_DONTWAIT)
             if n < 0:
-                if errno != EINTR:
+                if errno == EINTR:
+                    PyErr_CheckSignals()
+                elif errno == EAGAIN and not flags & MSG_DONTWAIT and not wait:
+                    wait = True     # a non-blocking socket fails EAGAIN again then
+                else:
                     raise_errno("sendmmsg")
-                PyErr_CheckSignals()
                 continue
+            wait = False
             self.head += n
         sent = self.head - start
         self.count = self.head = 0
@@ -367,14 +381,18 @@ cdef class Inbox:
             limit = self.slots
         if limit < 1:
             limit = 1
-        while True:
-            with nogil:
-                n = recvmmsg(fd, self.hdrs, limit, flags | MSG_WAITFORONE, NULL)
-            if n >= 0:
-                break
-            if errno != EINTR:
-                raise_errno("recvmmsg")
-            PyErr_CheckSignals()
+        # What is there already is taken with the GIL held; only a wait releases it.
+        # A non-blocking socket fails EAGAIN again in the second call.
+        n = recvmmsg(fd, self.hdrs, limit, flags | MSG_DONTWAIT, NULL)
+        if n < 0 and errno == EAGAIN and not flags & MSG_DONTWAIT:
+            while True:
+                with nogil:
+                    n = recvmmsg(fd, self.hdrs, limit, flags | MSG_WAITFORONE, NULL)
+                if n >= 0 or errno != EINTR:
+                    break
+                PyErr_CheckSignals()
+        if n < 0:
+            raise_errno("recvmmsg")
         out = []
         message_type = self.message_type
         for i in range(n):
