@@ -506,8 +506,21 @@ class Client:
         if self._sock is not None:
             self._lost(exc)
         if packet is not None and not self._session.covers(packet):
-            self._backlog.add(packet)
+            try:
+                self._backlog.add(packet)
+            except BacklogFullError:
+                # A full backlog is no reason to stop trying: the broker may be back.
+                if not self._reconnect(wait=False):
+                    raise
+                self._send_now(packet)
+                return
         self._reconnect(wait=False)
+
+    def _send_now(self, packet: bytes) -> None:
+        try:
+            self._socket().send(packet, socket.MSG_NOSIGNAL)
+        except OSError as exc:
+            self._send_failed(exc, packet)
 
     def send_packet(self, packet: bytes, flags: int = 0) -> None:
         """Send one raw protocol packet with send(2) ``flags`` (MSG_NOSIGNAL is always added)."""

@@ -112,6 +112,34 @@ def test_a_full_backlog_raises_and_keeps_what_it_holds(start_broker):
     assert [m.key for m in got] == [b"f/%d" % i for i in range(kept)]
 
 
+def test_a_full_backlog_does_not_stop_the_client_reconnecting(start_broker):
+    address, crash, start = restartable(start_broker)
+    policy = Reconnect(initial_delay=0.01, max_delay=0.05, max_backlog=1000)
+    with Client(address, reconnect=policy) as pub, Client(address, reconnect=policy) as sub:
+        sub.subscribe("g/")
+        sub.whoami(timeout=TIMEOUT)
+        crash()
+        kept = 0
+        with pytest.raises(BacklogFullError):
+            while True:
+                pub.publish(f"g/{kept}", b"x" * 100)
+                kept += 1
+        start()
+        with pytest.raises(TimeoutError):
+            sub.receive(timeout=0.3)     # restores the subscription
+        deadline = time.monotonic() + TIMEOUT
+        while True:                      # no flush(): publishing finds the broker again
+            try:
+                pub.publish("g/last", b"")
+                break
+            except BacklogFullError:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        assert pub.connected and pub.backlog == 0
+        got = take(sub, kept + 1)
+    assert [m.key for m in got] == [b"g/%d" % i for i in range(kept)] + [b"g/last"]
+
+
 def test_without_reconnect_a_restart_raises_bus_closed_error_at_once(start_broker):
     address, crash, start = restartable(start_broker)
     with Client(address) as pub, Client(address) as sub:
