@@ -406,9 +406,10 @@ class Client:
         else:
             self._backlog.add_all(packets)
 
-    def _reconnect(self, wait: bool) -> bool:
+    def _reconnect(self, wait: bool, deadline: Optional[float] = None) -> bool:
         """Attempt to connect (when one is due, or waiting for it); True once
-        connected and restored. BusClosedError once the policy gives up."""
+        connected and restored. BusClosedError once the policy gives up;
+        TimeoutError once ``deadline`` (a monotonic time) passes first."""
         policy = self._policy
         if policy is None:
             raise BusClosedError("the broker closed the connection")
@@ -424,7 +425,13 @@ class Client:
                                          f"to reconnect")
                 if not wait:
                     return False
-                time.sleep(max(0.0, self._next_attempt - time.monotonic()))
+                pause = max(0.0, self._next_attempt - time.monotonic())
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"{self.address}: no broker within the timeout")
+                    pause = min(pause, left)
+                time.sleep(pause)
             self._deliver_backlog()
             if self._sock is not None:
                 return True
@@ -748,16 +755,18 @@ class Client:
 
     def _read(self, limit: int, flags: int, timeout: Optional[float]) -> List[Any]:
         """What one recvmmsg returns (never empty). A lost connection raises
-        BusClosedError, or with a reconnect policy is restored first."""
+        BusClosedError, or with a reconnect policy is restored first; the
+        timeout covers the reconnecting too."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._sock is None:
                 if self._closed:
                     raise BusClosedError("the client is closed")
-                self._reconnect(wait=True)
+                self._reconnect(wait=True, deadline=deadline)
                 if self._inbox:     # queued while the replay was confirmed
                     return [self._inbox.popleft()]
-            if timeout is not None:
-                self._wait_readable(timeout)
+            if deadline is not None:
+                self._wait_readable(max(0.0, deadline - time.monotonic()))
             try:
                 batch = self._in.receive(self._fd, limit, flags)
             except OSError as exc:

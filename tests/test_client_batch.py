@@ -16,7 +16,7 @@ from sbus import BusClosedError, Client, MessageTooLargeError, ProtocolError, ai
 from sbus.client import ControlMessage, Message, pack_publish
 from sbus.errors import BatchInterruptedError, KeyRefusedError, MessageRefusedError
 
-from conftest import recv_or_none
+from support import Sbusd, recv_or_none
 
 TIMEOUT = 5.0
 LIMIT = 20_000      # a small --max-message keeps the largest payloads cheap to draw
@@ -79,8 +79,7 @@ def run_batched(c: Client, ops):
 
 @pytest.fixture(scope="module")
 def module_broker(tmp_path_factory):
-    from conftest import BrokerProcess
-    b = BrokerProcess(tmp_path_factory.mktemp("batch"), ("--max-message", str(LIMIT)))
+    b = Sbusd.foreground(tmp_path_factory.mktemp("batch"), "--max-message", str(LIMIT))
     yield b
     b.stop()
 

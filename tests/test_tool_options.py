@@ -184,3 +184,23 @@ def test_pub_lines_stops_with_an_error_when_a_line_is_refused(start_broker):
         assert listener.receive(timeout=TIMEOUT).payload == b"small"
         with pytest.raises(TimeoutError):
             listener.receive(timeout=0.2)
+
+
+def test_sub_timeout_counts_reconnect_attempts(broker):
+    """-W bounds the whole command: a broker that goes away while sbus sub
+    waits makes it retry (it reconnects by default), and the retries are
+    inside the timeout, not on top of it."""
+    sub = start_sub(broker.address, "-n", "2", "-W", "3", "k")
+    publish(broker.address, ("k", b"one"))
+    assert sub.stdout.readline() == b"k\tone\n"
+    started = time.monotonic()
+    broker.stop()                               # the bus is gone; nothing else will come
+    try:
+        rc = sub.wait(TIMEOUT)
+    finally:
+        sub.kill()
+    elapsed = time.monotonic() - started
+    stderr = sub.stderr.read().decode()
+    assert rc == 3, stderr                      # --count not reached within -W
+    assert "went away" in stderr and "reconnecting" in stderr, stderr
+    assert elapsed < 3.0 + 2.0, elapsed         # the deadline held while it retried
