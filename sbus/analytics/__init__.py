@@ -8,7 +8,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("sbus.analytics needs PySpark: pip install 'sbus[analytics]'") from exc
 
 from .job import (TABLES, events_of, line_summary, parse, read_events, read_lines,
-                  read_malformed, read_table, render, run, spark_session)
+                  read_files, read_malformed, read_table, render, run, spark_session)
 from .schema import CORRUPT_COLUMN, record_schema
 from .transforms import (
     client_traffic,
@@ -38,6 +38,7 @@ __all__ = [
     "parse",
     "pattern_churn",
     "read_events",
+    "read_files",
     "read_lines",
     "read_malformed",
     "read_table",

@@ -367,6 +367,14 @@ def read_table(spark: SparkSession, out: str, name: str, days: Sequence | None =
     return df.orderBy(DAY, *tf.order_columns(table.order))
 
 
+def read_files(spark: SparkSession, out: str, replaced: bool = False) -> list[dict]:
+    """The manifest's entries: the files the dataset holds (with ``replaced``,
+    also those replaced by a longer version) and their line counts and days.
+    """
+    manifest = Manifest.load(Store(spark, out))
+    return list(manifest.entries if replaced else manifest.active())
+
+
 def read_malformed(spark: SparkSession, out: str) -> DataFrame:
     """The malformed lines of every file read: file_id, source, line."""
     store = Store(spark, out)
