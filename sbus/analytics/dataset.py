@@ -5,7 +5,7 @@
     OUT/<table>/date=YYYY-MM-DD/*.parquet          the reported tables, one partition a day
     OUT/malformed/file_id=ID/*.parquet             malformed lines, per input file
     OUT/csv/<table>/date=YYYY-MM-DD/part-*.csv     only with --csv
-    OUT/_partials/<partial>/date=D/file_id=ID/     per input file and day: mergeable state
+    OUT/_partials/partial=P/date=D/file_id=ID/     per input file and day: mergeable state
     OUT/_manifest.json                             the input files read, and their days
 
 A day's table is always rebuilt from the partials of every known file that
@@ -43,6 +43,7 @@ MALFORMED = "malformed"
 CSV = "csv"
 DAY = "date"
 FILE = "file_id"
+KIND = "partial"
 FORMAT = 1
 
 _CHUNK = 1 << 20

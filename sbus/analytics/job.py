@@ -21,14 +21,16 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import reduce
 from typing import Callable, Sequence
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 from sbus import logschema
 from sbus.analytics import transforms as tf
-from sbus.analytics.dataset import (CSV, DAY, FILE, MALFORMED, PARTIALS, Manifest, Store,
+from sbus.analytics.dataset import (CSV, DAY, FILE, KIND, MALFORMED, PARTIALS, Manifest, Store,
                                     list_inputs, same_file)
 from sbus.analytics.schema import CORRUPT_COLUMN, record_schema
 
@@ -257,15 +259,15 @@ def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tupl
         summary = _line_counts(counts)
         events = frame.where(F.col(STATUS) == OK)
 
-        def write_partial(p: Partial) -> None:
-            # Partials are small: one task and one file per partition.
-            (p.build(events, [DAY, SOURCE]).withColumn(FILE, file_id).drop(SOURCE)
-             .coalesce(1).write.mode("overwrite")
-             .option("partitionOverwriteMode", "dynamic")
-             .partitionBy(DAY, FILE).parquet(store.path(PARTIALS, p.name)))
-
         if ids:
-            _concurrently(write_partial, PARTIAL_SET)
+            # Every partial in one job and one write (they are small): a
+            # write per partial costs more in scheduling than in work.
+            every = [p.build(events, [DAY, SOURCE]).withColumn(KIND, F.lit(p.name))
+                     for p in PARTIAL_SET]
+            (reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), every)
+             .withColumn(FILE, file_id).drop(SOURCE)
+             .coalesce(1).write.mode("overwrite").option("partitionOverwriteMode", "dynamic")
+             .partitionBy(KIND, DAY, FILE).parquet(store.path(PARTIALS)))
         summary["malformed_examples"] = []
         if summary["malformed"]:
             bad = frame.where(F.col(STATUS) == BAD).select(
@@ -296,19 +298,36 @@ def _drop_file(store: Store, entry: dict) -> None:
     """Remove what a replaced file contributed: its partials and malformed lines."""
     for p in PARTIAL_SET:
         for day in entry["days"]:
-            store.delete(PARTIALS, p.name, f"{DAY}={day}", f"{FILE}={entry['id']}")
+            store.delete(PARTIALS, f"{KIND}={p.name}", f"{DAY}={day}", f"{FILE}={entry['id']}")
     store.delete(MALFORMED, f"{FILE}={entry['id']}")
 
 
-def partial_schema(spark: SparkSession, partial: Partial):
-    """The stored schema of a partial (derived, not inferred from files)."""
-    empty = spark.createDataFrame([], record_schema(corrupt_column=False)).select(
-        F.to_date("timestamp").alias(DAY), F.lit("").alias(FILE), *tf.COLUMNS)
-    return partial.build(empty, [DAY, FILE]).schema
+def partial_schema(spark: SparkSession, partial: Partial) -> T.StructType:
+    """The stored columns of a partial (derived from the code, not inferred from files)."""
+    if partial.name not in _SCHEMAS:  # analysing a plan costs a good part of a second
+        empty = spark.createDataFrame([], record_schema(corrupt_column=False)).select(
+            F.to_date("timestamp").alias(DAY), F.lit("").alias(FILE), *tf.COLUMNS)
+        _SCHEMAS[partial.name] = partial.build(empty, [DAY, FILE]).schema
+    return _SCHEMAS[partial.name]
+
+
+_SCHEMAS: dict = {}
+
+
+def _stored_schema(spark: SparkSession) -> T.StructType:
+    """All partials share one directory; its schema is the union of theirs."""
+    fields = {KIND: T.StructField(KIND, T.StringType())}
+    for p in PARTIAL_SET:
+        for f in partial_schema(spark, p).fields:
+            fields.setdefault(f.name, f)
+    return T.StructType(list(fields.values()))
 
 
 def read_partial(spark: SparkSession, store: Store, partial: Partial) -> DataFrame:
-    return store.read_parquet(partial_schema(spark, partial), PARTIALS, partial.name)
+    """A partial's rows for every file and day: its columns, ``date`` and ``file_id``."""
+    columns = partial_schema(spark, partial).fieldNames()
+    stored = store.read_parquet(_stored_schema(spark), PARTIALS)
+    return stored.where(F.col(KIND) == partial.name).select(*columns)
 
 
 def rebuild_days(spark: SparkSession, store: Store, days: set) -> None:
