@@ -30,8 +30,8 @@ from pyspark.sql import types as T
 
 from sbus import logschema
 from sbus.analytics import transforms as tf
-from sbus.analytics.dataset import (CSV, DAY, FILE, KIND, MALFORMED, PARTIALS, Manifest, Store,
-                                    list_inputs, same_file)
+from sbus.analytics.dataset import (CSV, DAY, FILE, KIND, MALFORMED, PARTIALS, Identity,
+                                    Manifest, Store, list_inputs, path_spellings)
 from sbus.analytics.schema import CORRUPT_COLUMN, record_schema
 
 OK, BAD, BLANK = "ok", "malformed", "blank"
@@ -198,14 +198,22 @@ def _examples(parsed: DataFrame, n: int) -> list:
     return [{"source": r[SOURCE], "line": r["value"][:200]} for r in bad.collect()]
 
 
-def _parsed_frame(spark: SparkSession, uris: Sequence[str]) -> DataFrame:
+def _parsed_frame(spark: SparkSession, idents: Sequence[Identity]) -> DataFrame:
     """The new files parsed, cut down to what the partials read, and cached: the
-    one pass over the input.  The raw line is kept only where it is malformed.
+    one pass over the input.  Each line carries its file's short id, not its
+    path; the raw line and path are kept only where the line is malformed.
     """
-    parsed = parse(read_lines(spark, uris))
+    parsed = parse(read_lines(spark, [i.uri for i in idents]))
+    ids = {}
+    for ident in idents:  # Spark may spell a path differently from how it listed it
+        for spelling in path_spellings(spark, ident.uri):
+            ids[spelling] = ident.id
+    file_id = F.element_at(F.create_map(*[F.lit(x) for kv in ids.items() for x in kv]),
+                           F.col(SOURCE))
+    bad = F.col(STATUS) == BAD
     return parsed.select(
-        SOURCE, STATUS, "schema", F.to_date("timestamp").alias(DAY),
-        F.when(F.col(STATUS) == BAD, F.col("value")).alias("value"),
+        file_id.alias(FILE), STATUS, "schema", F.to_date("timestamp").alias(DAY),
+        F.when(bad, F.col("value")).alias("value"), F.when(bad, F.col(SOURCE)).alias(SOURCE),
         *tf.COLUMNS,
     ).persist()
 
@@ -246,32 +254,27 @@ def run(spark: SparkSession, paths: Sequence[str], out: str, *, show: int = 20,
 
 def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tuple[dict, set]:
     """Read the plan's new files once, write their partials, rebuild the days they touch."""
-    frame = _parsed_frame(spark, [i.uri for i in plan.new])
+    frame = _parsed_frame(spark, plan.new)
     try:
-        counts = frame.groupBy(SOURCE, DAY, STATUS, "schema").agg(
+        counts = frame.groupBy(FILE, DAY, STATUS, "schema").agg(
             F.count(F.lit(1)).alias("n")).collect()  # also fills the cache
-        ids = {}
-        for r in counts:
-            ident = next(i for i in plan.new if same_file(i.uri, r[SOURCE]))
-            ids[r[SOURCE]] = ident.id
-        file_id = F.element_at(F.create_map(*[F.lit(x) for kv in ids.items() for x in kv]),
-                               F.col(SOURCE))
+        if any(r[FILE] is None for r in counts):
+            raise RuntimeError("lines from a file the job did not list; "
+                               f"read: {[i.uri for i in plan.new]}")
         summary = _line_counts(counts)
         events = frame.where(F.col(STATUS) == OK)
-
-        if ids:
+        if counts:
             # Every partial in one job and one write (they are small): a
             # write per partial costs more in scheduling than in work.
-            every = [p.build(events, [DAY, SOURCE]).withColumn(KIND, F.lit(p.name))
+            every = [p.build(events, [DAY, FILE]).withColumn(KIND, F.lit(p.name))
                      for p in PARTIAL_SET]
             (reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), every)
-             .withColumn(FILE, file_id).drop(SOURCE)
              .coalesce(1).write.mode("overwrite").option("partitionOverwriteMode", "dynamic")
              .partitionBy(KIND, DAY, FILE).parquet(store.path(PARTIALS)))
         summary["malformed_examples"] = []
         if summary["malformed"]:
             bad = frame.where(F.col(STATUS) == BAD).select(
-                file_id.alias(FILE), F.col(SOURCE).alias("source"), F.col("value").alias("line"))
+                FILE, F.col(SOURCE).alias("source"), F.col("value").alias("line"))
             (bad.coalesce(1).write.mode("overwrite")
              .option("partitionOverwriteMode", "dynamic").partitionBy(FILE)
              .parquet(store.path(MALFORMED)))
@@ -281,7 +284,7 @@ def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tupl
 
     days = set()
     for ident in plan.new:
-        mine = [r for r in counts if ids[r[SOURCE]] == ident.id]
+        mine = [r for r in counts if r[FILE] == ident.id]
         file_days = sorted({r[DAY] for r in mine if r[STATUS] == OK and r[DAY] is not None})
         days.update(file_days)
         replaces = plan.superseded.get(ident.id, [])
