@@ -209,7 +209,8 @@ class Manifest:
             return cls()
         data = json.loads(text)
         if data.get("format") != FORMAT:
-            raise ValueError(f"{store.path(MANIFEST)}: unknown manifest format {data.get('format')}")
+            raise ValueError(f"{store.path(MANIFEST)}: manifest format {data.get('format')}, "
+                             f"this job knows {FORMAT}")
         return cls(data["files"])
 
     def save(self, store: Store) -> None:
