@@ -296,8 +296,15 @@ def expected_client_counters():
 
 @pytest.fixture(scope="session")
 def spark():
+    """One local session for every analytics test file (they import this fixture)."""
     pytest.importorskip("pyspark", reason="needs the extra: pip install 'sbus[analytics]'")
+    from pyspark.sql import SparkSession
+
     from sbus.analytics import spark_session
+
+    # Only the first file to ask owns the session; the others must not stop
+    # it under fixtures (cached DataFrames) that still hold on to it.
+    owned = SparkSession.getActiveSession() is None
 
     session = spark_session("local[2]", app_name="sbus-tests", conf={
         "spark.sql.shuffle.partitions": "2",
@@ -313,7 +320,8 @@ def spark():
     })
     session.sparkContext.setLogLevel("ERROR")
     yield session
-    session.stop()
+    if owned:
+        session.stop()
 
 
 @pytest.fixture(scope="session")
