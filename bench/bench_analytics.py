@@ -1,19 +1,30 @@
 #!/usr/bin/env python3
-"""How long the analytics job takes on a large synthetic log.
+"""How long the analytics job takes on a large synthetic log, against a baseline.
 
     bench/bench_analytics.py [--lines 1000000] [--master local[2]] [--quick]
 
 Generates a synthetic log with tools/gen_synthetic_log.py (cached under
 $SBUS_BENCH_CACHE, default /tmp/sbus-bench, keyed by size, seed and the
-generator's source), runs every table of ``sbus.analytics`` on it, checks
-the per-event counts the job wrote against the generator's own, prints one
-JSON line and writes it to bench/results/analytics-<UTC time>.json.
+generator's source), runs the job on it into a fresh dataset, checks the
+per-event counts it wrote against the generator's own, then measures the
+baseline in the same session: read the file, parse every line with the
+declared schema, count the rows -- the least any job over this input does.
+Prints one JSON line, a human summary on stderr, and writes the JSON to
+bench/results/analytics-<UTC time>.json.
 
-``seconds`` is the job's wall time (read, parse, aggregate, write Parquet
-and CSV), ``jvm_cpu_s`` the CPU it used; the Spark session's start-up is
-reported apart as ``session_start_s``.
-The input is left uncompressed: a .gz file cannot be split, so it would be
-parsed by one core whatever the master.
+``seconds`` is the job's wall time (list and checksum the input, read and
+parse it once, write the partials and the day tables, update the manifest),
+``baseline_s`` the baseline's, ``ratio`` their quotient (the target is at
+most 2); ``rerun_s`` is a second run over the same file, which must find
+nothing new.  ``jvm_cpu_s`` is the CPU the JVM used for the job and
+``load_avg`` the machine's 1-minute load before and after: on a shared
+machine the wall times stretch, the CPU time less so.  The baseline runs
+once before the job, to warm the JVM's compiler for both (``baseline_cold_s``),
+and once after it: ``baseline_s`` and ``baseline_jvm_cpu_s`` are that second
+run, ``cpu_ratio`` compares CPU seconds, which a busy machine distorts less.
+The session's start-up is reported apart as ``session_start_s``.  The input
+is left uncompressed: a .gz file cannot be split, so it would be parsed by
+one core whatever the master.
 """
 from __future__ import annotations
 
@@ -61,13 +72,15 @@ def cached_log(lines: int, seed: int = SEED) -> tuple[Path, dict]:
 
 
 def run(lines: int = 1_000_000, master: str = "local[2]", seed: int = SEED) -> dict:
-    """Run the job once on a ``lines``-line log; return (and save) the figures."""
+    """Run the job and the baseline once on a ``lines``-line log; return (and save) the figures."""
     from pyspark.sql import functions as F
 
     from sbus.analytics import job
+    from sbus.analytics.schema import CORRUPT_COLUMN, record_schema
 
     log, info = cached_log(lines, seed)
     out = tempfile.mkdtemp(prefix="sbus-analytics-bench-")
+    load_before = os.getloadavg()[0]
     try:
         t0 = time.perf_counter()
         spark = job.spark_session(master, app_name="sbus-bench", conf={
@@ -77,14 +90,30 @@ def run(lines: int = 1_000_000, master: str = "local[2]", seed: int = SEED) -> d
         })
         spark.sparkContext.setLogLevel("ERROR")
         jvm_pid = spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
+        options = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT_COLUMN}
+
+        def baseline() -> tuple[float, float, int]:
+            started, cpu_started = time.perf_counter(), _cpu_seconds(jvm_pid)
+            rows = (
+                spark.read.text(str(log))
+                .select(F.from_json("value", record_schema(corrupt_column=True), options)
+                        .alias("r"))
+                .where(F.col("r").isNotNull())  # the whole record: no field can be pruned
+                .count())
+            return time.perf_counter() - started, _cpu_seconds(jvm_pid) - cpu_started, rows
+
+        cold_s, _, _ = baseline()  # also warms the JVM's compiler for what follows
         cpu0 = _cpu_seconds(jvm_pid)
         t1 = time.perf_counter()
         summary = job.run(spark, [str(log)], out, show=0, echo=lambda _: None)
         t2 = time.perf_counter()
         cpu = _cpu_seconds(jvm_pid) - cpu0
-        counted = {r["event"]: r["records"] for r in
-                   spark.read.parquet(f"{out}/parquet/events").select("event", F.col("records"))
-                   .collect()}
+        rerun = job.run(spark, [str(log)], out, show=0, echo=lambda _: None)
+        t3 = time.perf_counter()
+        counted = {}
+        for r in job.read_table(spark, out, "events").collect():
+            counted[r["event"]] = counted.get(r["event"], 0) + r["records"]
+        baseline_s, baseline_cpu, baseline_rows = baseline()
         spark.stop()
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -93,13 +122,21 @@ def run(lines: int = 1_000_000, master: str = "local[2]", seed: int = SEED) -> d
         "lines": summary["lines"],
         "seconds": round(seconds, 2),
         "lines_per_s": round(summary["lines"] / seconds),
+        "baseline_s": round(baseline_s, 2),
+        "ratio": round(seconds / baseline_s, 2),
+        "cpu_ratio": round(cpu / baseline_cpu, 2),
+        "baseline_cold_s": round(cold_s, 2),
+        "baseline_jvm_cpu_s": round(baseline_cpu, 2),
+        "rerun_s": round(t3 - t2, 2),
         "session_start_s": round(t1 - t0, 2),
         # CPU the JVM used for the job: unlike `seconds`, not inflated when
         # other processes compete for the cores.
         "jvm_cpu_s": round(cpu, 2),
+        "load_avg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "malformed": summary["malformed"],
         "log_mb": round(log.stat().st_size / 1e6, 1),
-        "checked": counted == info["events"] and summary["malformed"] == info["malformed"],
+        "checked": (counted == info["events"] and summary["malformed"] == info["malformed"]
+                    and baseline_rows > 0 and rerun["files_read"] == []),
         "master": master,
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
@@ -136,8 +173,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     result = run(100_000 if a.quick else a.lines, a.master)
     print(f"analytics job: {result['lines']} lines in {result['seconds']} s on {a.master} "
-          f"({result['lines_per_s']} lines/s, {result['jvm_cpu_s']} s of JVM CPU; "
-          f"session start {result['session_start_s']} s)",
+          f"({result['lines_per_s']} lines/s, {result['jvm_cpu_s']} s of JVM CPU); "
+          f"baseline (read + parse + count) {result['baseline_s']} s: ratio {result['ratio']} "
+          f"(target <= 2); re-run {result['rerun_s']} s; session start "
+          f"{result['session_start_s']} s; load {result['load_avg'][0]} -> "
+          f"{result['load_avg'][1]} on {result['cpus']} CPUs",
           file=sys.stderr)
     print(json.dumps(result))
     return 0 if result["checked"] else 1

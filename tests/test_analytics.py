@@ -229,6 +229,17 @@ def build_log():
 LINES = build_log()
 
 
+def sim_log(seed: int, broker_pid: int, start: float, seconds: float) -> list:
+    """Another broker's log from ``start`` seconds after T0 (86400: the next day):
+    a rotated log, so no broker_start, and half the messages sampled.
+    """
+    sim = BrokerSim(random.Random(seed), broker_pid=broker_pid, sample_rate=0.5, start=start,
+                    with_start=False)
+    sim.run(seconds, ["eof", "error", "flood_error", "protocol_error"])
+    sim.stats()
+    return sim.lines
+
+
 # --- the independent oracle ----------------------------------------------------------
 
 def good_records():
@@ -286,8 +297,15 @@ def expected_client_counters():
 
 @pytest.fixture(scope="session")
 def spark():
+    """One local session for every analytics test file (they import this fixture)."""
     pytest.importorskip("pyspark", reason="needs the extra: pip install 'sbus[analytics]'")
+    from pyspark.sql import SparkSession
+
     from sbus.analytics import spark_session
+
+    # Only the first file to ask owns the session; the others must not stop
+    # it under fixtures (cached DataFrames) that still hold on to it.
+    owned = SparkSession.getActiveSession() is None
 
     session = spark_session("local[2]", app_name="sbus-tests", conf={
         "spark.sql.shuffle.partitions": "2",
@@ -303,7 +321,8 @@ def spark():
     })
     session.sparkContext.setLogLevel("ERROR")
     yield session
-    session.stop()
+    if owned:
+        session.stop()
 
 
 @pytest.fixture(scope="session")
@@ -320,6 +339,29 @@ def events(spark, log_file):
     df = read_events(spark, [str(log_file)]).cache()
     yield df
     df.unpersist()
+
+
+def snapshot(spark, out: Path) -> dict:
+    """Every table of a dataset as rows (columns by name, floats to 6 places),
+    with its malformed lines and per-file counts: what two runs must agree on.
+    """
+    from sbus.analytics import TABLES, read_malformed, read_table
+
+    def canon(v):
+        return round(v, 6) if isinstance(v, float) else v
+
+    got = {}
+    for t in TABLES:
+        df = read_table(spark, str(out), t.name)
+        got[t.name] = sorted((tuple(canon(v) for v in r) for r in df.select(
+            *sorted(df.columns)).collect()), key=repr)
+    got["malformed"] = sorted((r["source"].rsplit("/", 1)[-1], r["line"])
+                              for r in read_malformed(spark, str(out)).collect())
+    manifest = json.loads((out / "_manifest.json").read_text())
+    got["files"] = sorted((Path(e["path"]).name, e["checksum"], tuple(e["days"]), e["lines"],
+                           e["records"], e["malformed"], e["blank"], e["superseded_by"])
+                          for e in manifest["files"])
+    return got
 
 
 def rows(df, key):
@@ -576,26 +618,29 @@ def read_csv_dir(path: Path) -> list:
 
 
 @pytest.mark.spark
-def test_cli_writes_parquet_and_csv_for_every_table(spark, log_file, tmp_path, capsys):
-    from sbus.analytics import TABLES
-    from sbus.analytics.__main__ import main
+def test_cli_writes_a_dataset_and_csv_when_asked(spark, log_file, tmp_path, capsys):
+    from sbus.analytics import TABLES, read_malformed
+    from sbus.analytics.cli import main
 
     out = tmp_path / "out"
-    assert main([str(log_file), "--out", str(out), "--show", "5"]) == 0
+    assert main([str(log_file), "--out", str(out), "--show", "5", "--csv"]) == 0
     printed = capsys.readouterr().out
     assert f"{len(MALFORMED)} malformed" in printed and "== disconnect_reasons" in printed
     assert not spark.sparkContext._jsc.sc().isStopped(), "main() stopped a session it did not start"
-    for name in [t.name for t in TABLES] + ["malformed", "summary"]:
-        assert (out / "parquet" / name / "_SUCCESS").exists(), name
-        read_csv_dir(out / "csv" / name)
-    events = {r["event"]: int(r["records"]) for r in read_csv_dir(out / "csv" / "events")}
+    day = "date=" + T0.date().isoformat()
+    for name in [t.name for t in TABLES]:
+        assert list((out / name / day).glob("*.parquet")), name
+        read_csv_dir(out / "csv" / name / day)
+    events = {r["event"]: int(r["records"]) for r in read_csv_dir(out / "csv" / "events" / day)}
     assert events == dict(Counter(r["event"] for r in RECORDS))
-    summary = {r["metric"]: r["value"] for r in
-               spark.read.parquet(str(out / "parquet" / "summary")).collect()}
-    assert summary["malformed"] == len(MALFORMED) and summary["lines"] == len(LINES)
+    manifest = json.loads((out / "_manifest.json").read_text())
+    (entry,) = manifest["files"]
+    assert entry["malformed"] == len(MALFORMED) and entry["lines"] == len(LINES)
+    assert entry["blank"] == len(BLANK) and entry["days"] == [T0.date().isoformat()]
     assert sorted(r["line"] for r in read_csv_dir(out / "csv" / "malformed")) == sorted(MALFORMED)
+    assert sorted(r["line"] for r in read_malformed(spark, str(out)).collect()) == sorted(MALFORMED)
     reasons = {r["reason"]: r["disconnects"] for r in
-               spark.read.parquet(str(out / "parquet" / "disconnect_reasons")).collect()}
+               spark.read.parquet(str(out / "disconnect_reasons")).collect()}
     assert reasons == dict(Counter(r["reason"] for r in of("client_disconnect")))
 
 
@@ -618,26 +663,3 @@ def test_gz_directory_and_glob_inputs(spark, tmp_path):
     assert (summary["lines"], summary["malformed"]) == (len(LINES), len(MALFORMED))
     got = {r["event"]: r["records"] for r in event_counts(read_events(spark, paths)).collect()}
     assert got == dict(Counter(r["event"] for r in RECORDS))
-
-
-@pytest.mark.spark
-@pytest.mark.slow
-def test_spark_submit_runs_the_job_file(log_file, tmp_path):
-    submit = Path(sys.executable).parent / "spark-submit"
-    if not submit.exists():
-        pytest.skip("spark-submit is not installed next to this Python")
-    out = tmp_path / "out"
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
-    env.pop("PYTHONPATH", None)  # job.py must find its package by itself
-    proc = subprocess.run(
-        [str(submit), "--master", "local[1]", "--conf", "spark.ui.enabled=false",
-         "--conf", "spark.sql.shuffle.partitions=1",
-         "--driver-java-options", "-XX:TieredStopAtLevel=1",
-         str(ROOT / "sbus" / "analytics" / "job.py"), str(log_file), "--out", str(out),
-         "--show", "0", "--tables", "events"],
-        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"{len(MALFORMED)} malformed" in proc.stdout
-    rows_ = read_csv_dir(out / "csv" / "events")
-    assert ({r["event"]: int(r["records"]) for r in rows_}
-            == dict(Counter(r["event"] for r in RECORDS)))

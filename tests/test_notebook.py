@@ -1,4 +1,5 @@
-"""tools/log_analytics.ipynb, executed headless on the log of a real sbusd run under load.
+"""tools/log_analytics.ipynb, executed headless on the log of a real sbusd run under load:
+it reads the log into an analytics dataset and reports from the dataset.
 
 The notebook prints a ``RESULT {...}`` digest; every number in it is checked
 against what this test sent and against the log read with plain ``json``.
@@ -127,7 +128,8 @@ def test_notebook_runs_on_a_real_broker_log(start_broker, tmp_path, monkeypatch)
 
     out = tmp_path / "notebook-out"
     monkeypatch.setenv("SBUS_LOG", str(b.log_path))
-    monkeypatch.setenv("SBUS_BUCKET", "1 second")
+    dataset = tmp_path / "dataset"
+    monkeypatch.setenv("SBUS_DATASET", str(dataset))
     monkeypatch.setenv("SBUS_MASTER", "local[2]")
     monkeypatch.setenv("SBUS_NOTEBOOK_OUT", str(out))
     monkeypatch.setenv("MPLBACKEND", "Agg")
@@ -151,3 +153,7 @@ def test_notebook_runs_on_a_real_broker_log(start_broker, tmp_path, monkeypatch)
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     tables = [o for o in outputs if "text/html" in o.get("data", {})]
     assert len(tables) >= 10  # every aggregation was displayed
+    # The notebook read the log into a dataset, one partition per day of the log.
+    days = {r["timestamp"][:10] for r in records}
+    assert {p.name for p in (dataset / "events").glob("date=*")} == {f"date={d}" for d in days}
+    assert json.loads((dataset / "_manifest.json").read_text())["files"][0]["lines"] == len(lines)

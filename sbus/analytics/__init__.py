@@ -7,8 +7,8 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("sbus.analytics needs PySpark: pip install 'sbus[analytics]'") from exc
 
-from .job import (TABLES, events_of, line_summary, parse, read_events, read_lines, render, run,
-                  spark_session)
+from .job import (TABLES, events_of, line_summary, parse, read_events, read_lines,
+                  read_files, read_malformed, read_table, render, run, spark_session)
 from .schema import CORRUPT_COLUMN, record_schema
 from .transforms import (
     client_traffic,
@@ -38,7 +38,10 @@ __all__ = [
     "parse",
     "pattern_churn",
     "read_events",
+    "read_files",
     "read_lines",
+    "read_malformed",
+    "read_table",
     "record_schema",
     "render",
     "run",

@@ -1,73 +1,103 @@
-"""The batch job: read broker logs, compute every table, write and print them.
+"""The batch job: read new broker logs once, keep every table per day in a dataset.
 
-Runs as ``python -m sbus.analytics LOGS... --out DIR`` or, for a cluster,
-``spark-submit sbus/analytics/job.py LOGS... --out DIR`` (with the sbus
-package installed on the driver, or shipped with ``--py-files``).
+``run()`` is the whole job; ``sbus.analytics.cli`` is its command line.  The
+dataset's layout and manifest are described in ``sbus.analytics.dataset``.
 
 Lines are read as text and parsed with ``from_json`` against the declared
 schema, so one bad line costs one count, never the job: a line is
 *malformed* when it is not a JSON object, lacks ``event`` or a parseable
 ``timestamp``, or is one of the schema's events with a field of the wrong
-type.  Blank lines are skipped.
+type.  Blank lines are skipped.  A record belongs to the UTC day of its
+timestamp.
+
+Speed: the new files are parsed once into a cached frame of just the
+columns the tables use; each partial is one aggregation over that cache, and
+the tables are derived from the (small) partials, several from the same one.
 """
 from __future__ import annotations
 
-import sys
-
-if __name__ == "__main__" and not __package__:
-    # spark-submit runs this file as a plain script: make the package that
-    # contains it importable when sbus is not installed (a source checkout).
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
+import datetime as dt
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import reduce
 from typing import Callable, Sequence
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 from sbus import logschema
 from sbus.analytics import transforms as tf
+from sbus.analytics.dataset import (CSV, DAY, FILE, KIND, MALFORMED, PARTIALS, Identity,
+                                    Manifest, Store, list_inputs, path_spellings)
 from sbus.analytics.schema import CORRUPT_COLUMN, record_schema
 
-OK, MALFORMED, BLANK = "ok", "malformed", "blank"
+OK, BAD, BLANK = "ok", "malformed", "blank"
 STATUS = "_status"
 SOURCE = "_source"
+BUCKET = "1 minute"  # of the time-series tables
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Mergeable state kept per input file and day (see ``transforms``)."""
+    name: str
+    build: Callable[[DataFrame, Sequence[str]], DataFrame]
+    merge: Callable[[DataFrame, Sequence[str]], DataFrame]
 
 
 @dataclass(frozen=True)
 class Table:
     name: str
-    build: Callable[[DataFrame], DataFrame]
+    partial: Partial
+    finish: Callable[[DataFrame, Sequence[str]], DataFrame]
+    order: tuple
     about: str
 
 
+EVENTS = Partial("events", tf.event_partial, tf.event_merge)
+MESSAGES = Partial("messages", tf.message_partial, tf.message_merge)
+CLIENTS = Partial("clients", tf.client_partial, tf.client_merge)
+STATS = Partial("throughput", lambda e, by: tf.throughput_partial(e, BUCKET, by),
+                tf.throughput_merge)
+DISCONNECTS = Partial("disconnects", tf.disconnect_partial, tf.disconnect_merge)
+FLOODS = Partial("floods", tf.flood_partial, tf.flood_merge)
+SUBSCRIPTIONS = Partial("subscriptions", lambda e, by: tf.subscription_partial(e, BUCKET, by),
+                        tf.subscription_merge)
+PARTIAL_SET = (EVENTS, MESSAGES, CLIENTS, STATS, DISCONNECTS, FLOODS, SUBSCRIPTIONS)
+
 TABLES: tuple[Table, ...] = (
-    Table("events", tf.event_counts, "records per event"),
-    Table("traffic_by_prefix1", lambda e: tf.traffic_by_prefix(e, 1),
-          "sampled traffic per first routing-key segment"),
-    Table("traffic_by_prefix2", lambda e: tf.traffic_by_prefix(e, 2),
-          "sampled traffic per first two routing-key segments"),
-    Table("client_traffic", tf.client_traffic, "per connection: published and delivered"),
-    Table("throughput", lambda e: tf.throughput(e, "1 minute"),
+    Table("events", EVENTS, tf.event_table, tf.EVENT_ORDER, "records per event"),
+    Table("traffic_by_prefix1", MESSAGES, lambda m, by: tf.prefix_table(m, 1, by),
+          tf.PREFIX_ORDER, "sampled traffic per first routing-key segment"),
+    Table("traffic_by_prefix2", MESSAGES, lambda m, by: tf.prefix_table(m, 2, by),
+          tf.PREFIX_ORDER, "sampled traffic per first two routing-key segments"),
+    Table("traffic_by_key", MESSAGES, lambda m, by: tf.prefix_table(m, None, by),
+          tf.PREFIX_ORDER, "sampled traffic per routing key"),
+    Table("client_traffic", CLIENTS, tf.client_table, tf.CLIENT_ORDER,
+          "per connection seen that day: identity, disconnect, latest counters"),
+    Table("throughput", STATS, tf.throughput_table, tf.TIME_ORDER,
           "per minute: traffic and drops"),
-    Table("disconnect_reasons", tf.disconnect_reasons, "disconnects per reason"),
-    Table("flood_actions", tf.flood_actions, "flood-control actions per connection"),
-    Table("top_publishers", lambda e: tf.top_publishers(e, 20),
-          "top 20 publishers by messages"),
-    Table("fanout", tf.fanout_distribution, "fan-out distribution of sampled messages"),
-    Table("subscription_churn", lambda e: tf.subscription_churn(e, "1 minute"),
+    Table("disconnect_reasons", DISCONNECTS, tf.disconnect_table, tf.DISCONNECT_ORDER,
+          "disconnects per reason"),
+    Table("flood_actions", FLOODS, tf.flood_table, tf.FLOOD_ORDER,
+          "flood-control actions per connection"),
+    Table("top_publishers", CLIENTS, lambda m, by: tf.publishers_table(m, 20, by),
+          tf.PUBLISHER_ORDER, "top 20 publishers by messages"),
+    Table("fanout", MESSAGES, tf.fanout_table, tf.FANOUT_ORDER,
+          "fan-out distribution of sampled messages"),
+    Table("subscription_churn", SUBSCRIPTIONS, tf.churn_table, tf.TIME_ORDER,
           "per minute: subscribes, unsubscribes, refusals"),
-    Table("pattern_churn", tf.pattern_churn, "per pattern: subscribes, unsubscribes"),
+    Table("pattern_churn", SUBSCRIPTIONS, tf.pattern_table, tf.PATTERN_ORDER,
+          "per pattern: subscribes, unsubscribes, distinct connections"),
 )
 
 
 def spark_session(master: str | None = None, app_name: str = "sbus-analytics",
                   conf: dict | None = None) -> SparkSession:
-    """A session with UTC time (buckets and CSVs do not depend on the host's zone).
+    """A session with UTC time (days, buckets and CSVs do not depend on the host's zone).
 
     ``master`` None means: whatever spark-submit was given, else ``local[*]``.
     """
@@ -122,7 +152,7 @@ def parse(lines: DataFrame) -> DataFrame:
     status = (
         F.when(F.trim("value") == "", F.lit(BLANK))
         .when(F.col("event").isNull() | F.col("timestamp").isNull()
-              | (F.col(CORRUPT_COLUMN).isNotNull() & known), F.lit(MALFORMED))
+              | (F.col(CORRUPT_COLUMN).isNotNull() & known), F.lit(BAD))
         .otherwise(F.lit(OK))
     )
     return parsed.withColumn(STATUS, status)
@@ -141,74 +171,277 @@ def read_events(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
 
 def line_summary(parsed: DataFrame, examples: int = 5) -> dict:
     """Counts of lines by status and of records by schema version, and a few malformed lines."""
+    counts = parsed.groupBy(STATUS, "schema").agg(F.count(F.lit(1)).alias("n")).collect()
+    summary = _line_counts(counts)
+    summary["malformed_examples"] = _examples(parsed, examples)
+    return summary
+
+
+def _line_counts(rows) -> dict:
     by_status, versions = {}, {}
-    for r in parsed.groupBy(STATUS, "schema").agg(F.count(F.lit(1)).alias("n")).collect():
+    for r in rows:
         by_status[r[STATUS]] = by_status.get(r[STATUS], 0) + r["n"]
         if r[STATUS] == OK:
-            versions[str(r["schema"])] = r["n"]
-    bad = parsed.where(F.col(STATUS) == MALFORMED).select("value", SOURCE).limit(examples)
+            key = str(r["schema"])
+            versions[key] = versions.get(key, 0) + r["n"]
     return {
         "lines": sum(by_status.values()),
         "records": by_status.get(OK, 0),
-        "malformed": by_status.get(MALFORMED, 0),
+        "malformed": by_status.get(BAD, 0),
         "blank": by_status.get(BLANK, 0),
         "schema_versions": dict(sorted(versions.items())),
-        "malformed_examples": [{"source": r[SOURCE], "line": r["value"][:200]}
-                               for r in bad.collect()],
     }
 
 
-def write_table(df: DataFrame, out: str, name: str) -> None:
-    """``out/parquet/<name>/`` and ``out/csv/<name>/`` (one CSV part with a header)."""
-    df.write.mode("overwrite").parquet(f"{out}/parquet/{name}")
-    # Aggregates are small: one part file is what a person opening the CSV wants.
-    # Quotes are escaped by doubling (RFC 4180), not Spark's default backslash,
-    # so spreadsheets and Python's csv module read malformed lines back intact.
-    (df.coalesce(1).write.mode("overwrite").option("header", "true").option("escape", '"')
-     .csv(f"{out}/csv/{name}"))
+def _examples(parsed: DataFrame, n: int) -> list:
+    bad = parsed.where(F.col(STATUS) == BAD).select("value", SOURCE).limit(n)
+    return [{"source": r[SOURCE], "line": r["value"][:200]} for r in bad.collect()]
+
+
+def _parsed_frame(spark: SparkSession, idents: Sequence[Identity]) -> DataFrame:
+    """The new files parsed, cut down to what the partials read, and cached: the
+    one pass over the input.  Each line carries its file's short id, not its
+    path; the raw line and path are kept only where the line is malformed.
+    """
+    parsed = parse(read_lines(spark, [i.uri for i in idents]))
+    ids = {}
+    for ident in idents:  # Spark may spell a path differently from how it listed it
+        for spelling in path_spellings(spark, ident.uri):
+            ids[spelling] = ident.id
+    file_id = F.element_at(F.create_map(*[F.lit(x) for kv in ids.items() for x in kv]),
+                           F.col(SOURCE))
+    bad = F.col(STATUS) == BAD
+    # Sorted by event, each cached batch holds few events, so a partial that
+    # reads one event skips the other batches by their min/max statistics
+    # instead of scanning every message record.
+    return parsed.select(
+        file_id.alias(FILE), STATUS, "schema", F.to_date("timestamp").alias(DAY),
+        F.when(bad, F.col("value")).alias("value"), F.when(bad, F.col(SOURCE)).alias(SOURCE),
+        *tf.COLUMNS,
+    ).sortWithinPartitions("event").persist()
 
 
 def run(spark: SparkSession, paths: Sequence[str], out: str, *, show: int = 20,
-        tables: Sequence[str] | None = None, echo: Callable[[str], None] = print) -> dict:
-    """Read ``paths``, write the tables (default: all of ``TABLES``) under
-    ``out`` and print them; return the summary.  The ``malformed`` and
-    ``summary`` tables are always written.
+        csv: bool = False, echo: Callable[[str], None] = print) -> dict:
+    """Bring the dataset ``out`` up to date with the logs under ``paths``: read
+    the files it has not read, rebuild the days they cover, print those days'
+    tables (``show`` rows each) and return a summary of the run.
     """
-    chosen = [t for t in TABLES if tables is None or t.name in tables]
     started = time.perf_counter()
-    # Everything below reads this cache; the raw text is kept only where a
-    # line is malformed, which roughly halves what is cached.
-    parsed = (
-        parse(read_lines(spark, paths))
-        .drop(CORRUPT_COLUMN)
-        .withColumn("value", F.when(F.col(STATUS) != OK, F.col("value")))
-        .persist()
+    store = Store(spark, out)
+    manifest = Manifest.load(store)
+    plan = manifest.plan(store, list_inputs(spark, paths))
+    summary = {"lines": 0, "records": 0, "malformed": 0, "blank": 0, "schema_versions": {},
+               "malformed_examples": []}
+    days: set = set()
+    if plan.new:
+        summary, days = _ingest(spark, store, manifest, plan)
+    if plan.new or manifest.changed:
+        if csv:
+            write_csv(spark, out)
+        manifest.save(store)  # last: what it lists is complete
+    elif csv:
+        write_csv(spark, out)
+    summary.update(
+        seconds=round(time.perf_counter() - started, 3),
+        files_read=[i.uri for i in plan.new],
+        files_skipped=[uri for uri, _ in plan.skipped],
+        files_replaced=sorted(e["path"] for old in plan.superseded.values() for e in old),
+        days=sorted(d.isoformat() for d in days),
+        tables=[t.name for t in TABLES],
+        out=out,
     )
+    _report(spark, store, summary, show, echo)
+    return summary
+
+
+def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tuple[dict, set]:
+    """Read the plan's new files once, write their partials, rebuild the days they touch."""
+    frame = _parsed_frame(spark, plan.new)
     try:
-        summary = line_summary(parsed)
-        events = events_of(parsed)
-        bad = parsed.where(F.col(STATUS) == MALFORMED).select(
-            F.col(SOURCE).alias("source"), F.col("value").alias("line"))
-        write_table(bad, out, "malformed")
-        for table in chosen:
-            df = table.build(events).persist()
-            try:
-                write_table(df, out, table.name)
-                if show:
-                    echo(f"\n== {table.name}: {table.about}")
-                    echo(render(df, show))
-            finally:
-                df.unpersist()
+        counts = frame.groupBy(FILE, DAY, STATUS, "schema").agg(
+            F.count(F.lit(1)).alias("n")).collect()  # also fills the cache
+        if any(r[FILE] is None for r in counts):
+            raise RuntimeError("lines from a file the job did not list; "
+                               f"read: {[i.uri for i in plan.new]}")
+        summary = _line_counts(counts)
+        events = frame.where(F.col(STATUS) == OK)
+        if counts:
+            # Every partial in one job and one write (they are small): a
+            # write per partial costs more in scheduling than in work.
+            every = [p.build(events, [DAY, FILE]).withColumn(KIND, F.lit(p.name))
+                     for p in PARTIAL_SET]
+            (reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), every)
+             .coalesce(1).write.mode("overwrite").option("partitionOverwriteMode", "dynamic")
+             .partitionBy(KIND, DAY, FILE).parquet(store.path(PARTIALS)))
+        summary["malformed_examples"] = []
+        if summary["malformed"]:
+            bad = frame.where(F.col(STATUS) == BAD).select(
+                FILE, F.col(SOURCE).alias("source"), F.col("value").alias("line"))
+            (bad.coalesce(1).write.mode("overwrite")
+             .option("partitionOverwriteMode", "dynamic").partitionBy(FILE)
+             .parquet(store.path(MALFORMED)))
+            summary["malformed_examples"] = _examples(frame, 5)
     finally:
-        parsed.unpersist()
-    summary["seconds"] = round(time.perf_counter() - started, 3)
-    summary["tables"] = ["malformed", *(t.name for t in chosen), "summary"]
-    summary["out"] = out
-    counts = [(k, float(summary[k])) for k in ("lines", "records", "malformed", "blank", "seconds")]
-    write_table(spark.createDataFrame(counts, "metric string, value double"), out, "summary")
-    echo(f"\n== summary\n{summary['lines']} lines: {summary['records']} records, "
+        frame.unpersist()
+
+    days = set()
+    for ident in plan.new:
+        mine = [r for r in counts if r[FILE] == ident.id]
+        file_days = sorted({r[DAY] for r in mine if r[STATUS] == OK and r[DAY] is not None})
+        days.update(file_days)
+        replaces = plan.superseded.get(ident.id, [])
+        for old in replaces:
+            _drop_file(store, old)
+            days.update(dt.date.fromisoformat(d) for d in old["days"])
+        manifest.record(ident, {**_line_counts(mine), "days": [d.isoformat() for d in file_days]},
+                        replaces)
+    rebuild_days(spark, store, days)
+    return summary, days
+
+
+def _drop_file(store: Store, entry: dict) -> None:
+    """Remove what a replaced file contributed: its partials and malformed lines."""
+    for p in PARTIAL_SET:
+        for day in entry["days"]:
+            store.delete(PARTIALS, f"{KIND}={p.name}", f"{DAY}={day}", f"{FILE}={entry['id']}")
+    store.delete(MALFORMED, f"{FILE}={entry['id']}")
+
+
+def partial_schema(spark: SparkSession, partial: Partial) -> T.StructType:
+    """The stored columns of a partial (derived from the code, not inferred from files)."""
+    if partial.name not in _SCHEMAS:  # analysing a plan costs a good part of a second
+        empty = spark.createDataFrame([], record_schema(corrupt_column=False)).select(
+            F.to_date("timestamp").alias(DAY), F.lit("").alias(FILE), *tf.COLUMNS)
+        _SCHEMAS[partial.name] = partial.build(empty, [DAY, FILE]).schema
+    return _SCHEMAS[partial.name]
+
+
+_SCHEMAS: dict = {}
+
+
+def _stored_schema(spark: SparkSession) -> T.StructType:
+    """All partials share one directory; its schema is the union of theirs."""
+    fields = {KIND: T.StructField(KIND, T.StringType())}
+    for p in PARTIAL_SET:
+        for f in partial_schema(spark, p).fields:
+            fields.setdefault(f.name, f)
+    return T.StructType(list(fields.values()))
+
+
+def read_partial(spark: SparkSession, store: Store, partial: Partial) -> DataFrame:
+    """A partial's rows for every file and day: its columns, ``date`` and ``file_id``."""
+    columns = partial_schema(spark, partial).fieldNames()
+    stored = store.read_parquet(_stored_schema(spark), PARTIALS)
+    return stored.where(F.col(KIND) == partial.name).select(*columns)
+
+
+def rebuild_days(spark: SparkSession, store: Store, days: set) -> None:
+    """Rewrite each table's partitions of ``days`` from every file's partials of those days."""
+    if not days:
+        return
+    day_list = sorted(days)
+
+    def rebuild(p: Partial) -> None:
+        merged = p.merge(read_partial(spark, store, p).where(F.col(DAY).isin(day_list)),
+                         [DAY]).persist()
+        try:
+            for t in (t for t in TABLES if t.partial is p):
+                for day in day_list:
+                    store.delete(t.name, f"{DAY}={day.isoformat()}")
+                (t.finish(merged, [DAY]).coalesce(1)
+                 .sortWithinPartitions(DAY, *tf.order_columns(t.order))
+                 .write.mode("append").partitionBy(DAY).parquet(store.path(t.name)))
+        finally:
+            merged.unpersist()
+
+    _concurrently(rebuild, PARTIAL_SET)
+
+
+def _concurrently(fn: Callable, items: Sequence) -> None:
+    """``fn`` over ``items`` from a few driver threads: the jobs are small, so
+    planning and scheduling them one after another would leave the cores idle.
+    """
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for _ in pool.map(fn, items):
+            pass
+
+
+def read_table(spark: SparkSession, out: str, name: str, days: Sequence | None = None,
+               merged: bool = False) -> DataFrame:
+    """A table of the dataset ``out``, ordered for display.
+
+    Default: the stored day tables (a ``date`` column, one set of rows per
+    day), optionally only ``days``.  ``merged=True``: one table over those
+    days (all by default), recomputed from the partials, so that, e.g., a
+    connection that spans midnight is one row and distinct counts stay distinct.
+    """
+    table = next(t for t in TABLES if t.name == name)
+    store = Store(spark, out)
+    if merged:
+        partials = read_partial(spark, store, table.partial)
+        if days is not None:
+            partials = partials.where(F.col(DAY).isin(list(days)))
+        return tf.ordered(table.finish(table.partial.merge(partials, []), []), table.order)
+    df = spark.read.parquet(store.path(name)) if store.exists(name) else None
+    if df is None:
+        empty = read_partial(spark, store, table.partial)
+        return table.finish(table.partial.merge(empty, [DAY]), [DAY])
+    if days is not None:
+        df = df.where(F.col(DAY).isin(list(days)))
+    return df.orderBy(DAY, *tf.order_columns(table.order))
+
+
+def read_files(spark: SparkSession, out: str, replaced: bool = False) -> list[dict]:
+    """The manifest's entries: the files the dataset holds (with ``replaced``,
+    also those replaced by a longer version) and their line counts and days.
+    """
+    manifest = Manifest.load(Store(spark, out))
+    return list(manifest.entries if replaced else manifest.active())
+
+
+def read_malformed(spark: SparkSession, out: str) -> DataFrame:
+    """The malformed lines of every file read: file_id, source, line."""
+    store = Store(spark, out)
+    if not store.exists(MALFORMED):
+        return spark.createDataFrame([], f"source string, line string, {FILE} string")
+    return spark.read.parquet(store.path(MALFORMED))
+
+
+def write_csv(spark: SparkSession, out: str) -> None:
+    """``out/csv/<table>/date=D/part-*.csv``: every day of every table, with a header.
+
+    Quotes are escaped by doubling (RFC 4180), not Spark's default backslash,
+    so spreadsheets and Python's csv module read malformed lines back intact.
+    """
+    store = Store(spark, out)
+    for t in TABLES:
+        if store.exists(t.name):
+            df = read_table(spark, out, t.name).repartition(DAY).sortWithinPartitions(
+                DAY, *tf.order_columns(t.order))
+            (df.write.mode("overwrite").partitionBy(DAY).option("header", "true")
+             .option("escape", '"').csv(store.path(CSV, t.name)))
+    (read_malformed(spark, out).coalesce(1).write.mode("overwrite").option("header", "true")
+     .option("escape", '"').csv(store.path(CSV, MALFORMED)))
+
+
+def _report(spark, store: Store, summary: dict, show: int, echo) -> None:
+    if show and summary["days"]:
+        for t in TABLES:
+            echo(f"\n== {t.name}: {t.about}")
+            echo(render(read_table(spark, store.root, t.name, days=summary["days"]), show))
+    read, skipped = summary["files_read"], summary["files_skipped"]
+    echo(f"\n== summary\nread {len(read)} file(s), skipped {len(skipped)} already read; "
+         f"{summary['lines']} lines: {summary['records']} records, "
          f"{summary['malformed']} malformed, {summary['blank']} blank "
-         f"({summary['seconds']} s); tables in {out}")
+         f"({summary['seconds']} s); days rebuilt: {', '.join(summary['days']) or 'none'}; "
+         f"dataset {summary['out']}")
+    for uri in read:
+        echo(f"  read: {uri}")
+    for uri in skipped:
+        echo(f"  already read: {uri}")
+    for uri in summary["files_replaced"]:
+        echo(f"  replaced by a longer version: {uri}")
     for ex in summary["malformed_examples"]:
         echo(f"  malformed: {ex['source']}: {ex['line']!r}")
     newer = [v for v in summary["schema_versions"] if v.isdigit()
@@ -216,7 +449,6 @@ def run(spark: SparkSession, paths: Sequence[str], out: str, *, show: int = 20,
     if newer:
         echo(f"  note: records with schema {', '.join(newer)} (newer than "
              f"{logschema.SCHEMA_VERSION}); unknown fields were ignored")
-    return summary
 
 
 def render(df: DataFrame, n: int = 20) -> str:
@@ -246,9 +478,3 @@ def _cell(value) -> str:
             return str(int(value))
         return f"{value:.6g}" if abs(value) < 1e6 else f"{value:.1f}"
     return str(value)
-
-
-if __name__ == "__main__":
-    from sbus.analytics.__main__ import main
-
-    sys.exit(main())
