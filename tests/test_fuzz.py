@@ -214,20 +214,22 @@ def test_max_pattern_flag(start_broker, backend):
 def test_default_limits_are_in_help():
     out = subprocess.run([SBUSD, "--help"], capture_output=True, text=True, timeout=30).stdout
     assert re.search(r"--max-subscriptions N.*\(default 65536\)", out), out
-    assert re.search(r"--max-pattern BYTES.*\(default 4096\)", out), out
+    assert re.search(r"--max-pattern BYTES.*\(default 0: as long as a packet allows\)", out), out
 
 
-def test_default_pattern_limit_is_4096_bytes(broker):
+def test_default_pattern_limit_is_the_packet(broker):
+    """No limit below the packet size, as in the spec and the original sbusd."""
     s = broker.connect()
     pub = broker.connect()
-    s.send(b"SUB " + b"p" * 4096)
-    s.sync()
-    pub.send(b"MSG " + b"p" * 4096 + b"\0long")
-    assert s.recv(10000) == b"MSG " + b"p" * 4096 + b"\0long"
     s.send(b"SUB " + b"p" * 4097)
+    s.send(b"SUB " + b"q" * (409600 - 4))        # the largest packet the broker takes
+    s.sync()
+    pub.send(b"MSG " + b"p" * 4097 + b"\0long")
+    assert s.recv(10000) == b"MSG " + b"p" * 4097 + b"\0long"
+    s.send(b"SUB " + b"q" * (409600 - 3))        # a packet too large is oversize, as ever
     s.assert_closed()
-    rec = _limit_disconnect(broker)
-    assert "4096" in rec["detail"]
+    rec = broker.wait_for_event("client_disconnect")
+    assert rec["reason"] == "oversize" and rec["counters"]["subscriptions"] == 2
 
 
 def test_default_subscription_limit_is_65536(start_broker):
