@@ -50,7 +50,9 @@ WARN_REASONS_WITH_DETAIL = {"protocol_error", "bang_misuse", "cred_refused", "li
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_live_fuzz_broker_survives_and_steady_pair_loses_nothing(start_broker, backend, request):
     nproc, per_proc = 3, 10
+    # --max-pattern: the huge patterns hit the pattern limit (no longer a default).
     b = start_broker("--block-timeout", "1", "--queue-max-bytes", str(2 << 20),
+                     "--max-pattern", "4096",
                      "--total-max-bytes", str(96 << 20), "--stats-interval", "0",
                      backend=backend, log_level="info")
     known = _known_reasons()
@@ -220,6 +222,7 @@ def test_default_limits_are_in_help():
 def test_default_pattern_limit_is_the_packet(broker):
     """No limit below the packet size, as in the spec and the original sbusd."""
     s = broker.connect()
+    s.set_sndbuf(1 << 20)                        # room for the largest packet
     pub = broker.connect()
     s.send(b"SUB " + b"p" * 4097)
     s.send(b"SUB " + b"q" * (409600 - 4))        # the largest packet the broker takes
