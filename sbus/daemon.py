@@ -257,10 +257,12 @@ def detach_stdio() -> None:
             sys.stdout.flush()
     except (OSError, ValueError):
         pass
+    # stdout goes last, with no descriptor of ours left open in between: a
+    # parent that counts our descriptors once it sees EOF sees them settled.
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
-    os.dup2(devnull, 1)
     os.close(devnull)
+    os.dup2(0, 1)
 
 
 def release_stderr() -> None:

@@ -741,6 +741,10 @@ cdef class Server:
             self.emit(CLIENT_DISCONNECT, record)
         self.nclosing = 0
         self.fd_exhausted_logged = False
+        if self.spare_fd < 0:
+            # fd_exhausted could not get its spare back while the table was
+            # full; descriptors were just freed, so take it again now.
+            self.spare_fd = c_open(b"/dev/null", O_RDONLY | O_CLOEXEC)
         if self.accept_paused:
             self.accept_paused = False
             self.poller.set(self.listen_fd, EV_READ)
