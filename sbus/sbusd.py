@@ -78,10 +78,10 @@ def run(cfg: Config) -> int:
         allowed = daemon.resolve_users(cfg.users)
         listener = daemon.make_listener(addr, reuse=cfg.reuse, mode=cfg.mode, warn=warn)
         if listener.path is not None or listener.abstract:     # a mode we set and enforce
-            for spec, uid in zip(cfg.users, allowed):
-                for _, flag in daemon.kept_out([uid], cfg.mode, os.getuid(), os.getgid()):
-                    warn(f"-u {spec}: uid {uid} cannot connect: the socket's mode "
-                         f"{cfg.mode:04o} keeps it out ({flag} would let it in)")
+            spec_of = dict(zip(allowed, cfg.users))
+            for uid, flag in daemon.kept_out(allowed, cfg.mode, os.getuid(), os.getgid()):
+                warn(f"-u {spec_of[uid]}: uid {uid} cannot connect: the socket's mode "
+                     f"{cfg.mode:04o} keeps it out ({flag} would let it in)")
     except (AddressError, daemon.StartupError) as e:
         warn(str(e))
         return 1
