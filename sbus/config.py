@@ -23,12 +23,19 @@ QUEUE_MAX_BYTES = 8 << 20
 QUEUE_MAX_MSGS = 65536
 TOTAL_MAX_BYTES = 256 << 20
 MAX_SUBSCRIPTIONS = 65536
-MAX_PATTERN = 4096
+MAX_PATTERN = 0                 # none: as long as a packet allows
+# Budgets (docs/security.md): subscription bytes count each pattern's storage
+# with the index's own share (budget.pattern_cost).
+SUB_MAX_BYTES = 32 << 20        # per connection
+USER_SUB_MAX_BYTES = 64 << 20   # per uid, all its connections together
+TOTAL_SUB_MAX_BYTES = 256 << 20
+USER_MAX_CONNECTIONS = 1024
+USER_QUEUE_MAX_BYTES = 64 << 20
 PIDFILE = "/run/sbus.pid"
 NO_PIDFILE = "/dev/null"        # -p /dev/null: write no pidfile
 SOCKET_MODE = 0o700             # -g and -o add group and other bits
 
-USAGE = "usage: sbusd [-a address] [-f | -p pidfile] [-u user] ... [-cgor] [options]"
+USAGE = "usage: sbusd [-a address] [-f] [-p pidfile] [-u user] ... [-cgor] [options]"
 
 
 class UsageError(Exception):
@@ -121,8 +128,8 @@ OPTIONS = (
                 " stdout),\n/dev/unix/abstract/HEX, or /dev/fd/N"),
     Option("foreground", "foreground", short="f", default=False,
            help="do not daemonise; SIGINT, SIGTERM, SIGHUP stop it"),
-    Option("pidfile", "pidfile", short="p", arg="PATH", default=PIDFILE,
-           help=f"daemon's pidfile (default {{default}}; {NO_PIDFILE}: none)"),
+    Option("pidfile", "pidfile", short="p", arg="PATH", default=None,
+           help=f"pidfile, also with -f (a daemon's default: {PIDFILE};\n{NO_PIDFILE}: none)"),
     Option("users", "user", short="u", arg="USER", default=(), store="append",
            help="allow only USER (name or uid) and our own uid; repeatable"),
     Option("auto_close", "auto-close", short="c", default=False,
@@ -157,7 +164,20 @@ OPTIONS = (
     Option("max_subscriptions", "max-subscriptions", arg="N", default=MAX_SUBSCRIPTIONS,
            parse=number(low=1, high=2**32 - 1), help="per client (default {default})"),
     Option("max_pattern", "max-pattern", arg="BYTES", default=MAX_PATTERN,
-           parse=number(low=1, high=1 << 20), help="longest pattern (default {default})"),
+           parse=number(low=0, high=64 << 20),
+           help="longest pattern (default {default}: as long as a packet allows)"),
+    Option("sub_max_bytes", "sub-max-bytes", arg="N", default=SUB_MAX_BYTES,
+           parse=number(low=1), help="subscription bytes per client (default {default})"),
+    Option("user_sub_max_bytes", "user-sub-max-bytes", arg="N", default=USER_SUB_MAX_BYTES,
+           parse=number(low=1), help="subscription bytes per uid (default {default})"),
+    Option("total_sub_max_bytes", "total-sub-max-bytes", arg="N", default=TOTAL_SUB_MAX_BYTES,
+           parse=number(low=1), help="broker-wide subscription bytes (default {default})"),
+    Option("user_max_connections", "user-max-connections", arg="N",
+           default=USER_MAX_CONNECTIONS, parse=number(low=1, high=2**32 - 1),
+           help="connections per uid (default {default})"),
+    Option("user_queue_max_bytes", "user-queue-max-bytes", arg="N",
+           default=USER_QUEUE_MAX_BYTES, parse=number(low=1),
+           help="queued bytes per uid (default {default})"),
     Option("log_format", "log-format", arg="FORMAT", default=None, choices=("json", "console"),
            help="{choices} (default: json unless stderr is a terminal)"),
     Option("log_file", "log-file", arg="PATH", default=None,
@@ -198,8 +218,6 @@ def _build_config(options: Sequence[Option]) -> type:
 def _summary(self) -> dict:
     """The configuration as logged in broker_start (scalars only)."""
     d = {k: v for k, v in dataclasses.asdict(self).items() if k != "users"}
-    if self.foreground:
-        d["pidfile"] = None     # only a daemon writes one
     d["mode"] = oct(self.mode)
     d["users"] = ",".join(self.users)
     return d
@@ -238,7 +256,10 @@ def parse_args(argv: List[str]) -> "Config":
             setattr(cfg, o.field, getattr(cfg, o.field) | value)
         else:
             setattr(cfg, o.field, value)
-    if cfg.pidfile == NO_PIDFILE:
+    # -p is honoured in the foreground too; only a daemon has a default one.
+    if cfg.pidfile is None and not cfg.foreground:
+        cfg.pidfile = PIDFILE
+    elif cfg.pidfile == NO_PIDFILE:
         cfg.pidfile = None
     return cfg
 

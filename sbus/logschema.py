@@ -30,6 +30,7 @@ TOTALS = "totals"      # JSON object with TOTALS_FIELDS
 DELTA = "delta"        # JSON object with DELTA_FIELDS
 COUNTERS = "counters"  # JSON object with CLIENT_COUNTER_FIELDS
 COUNTERS_LIST = "counters[]"  # JSON array of COUNTERS objects
+USERS_LIST = "users[]"  # JSON array of objects with USER_FIELDS
 
 # --- event names (stable; analytics and dashboards match on them) -----------
 BROKER_START = "broker_start"
@@ -49,7 +50,9 @@ LOG_REOPENED = "log_reopened"      # path
 FD_EXHAUSTED = "fd_exhausted"      # errno, connected: accept ran out of descriptors
 ACCEPT_PAUSED = "accept_paused"    # connected: even the spare descriptor is gone
 ACCEPT_ERROR = "accept_error"      # errno: accept failed for another reason
-OPERATIONAL_EVENTS = (CMSG_IGNORED, LOG_REOPENED, FD_EXHAUSTED, ACCEPT_PAUSED, ACCEPT_ERROR)
+CONFIG_WARNING = "config_warning"  # detail: an option that will not do what it seems to
+OPERATIONAL_EVENTS = (CMSG_IGNORED, LOG_REOPENED, FD_EXHAUSTED, ACCEPT_PAUSED, ACCEPT_ERROR,
+                      CONFIG_WARNING)
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -65,6 +68,9 @@ DISCONNECT_OVERSIZE = "oversize"              # packet larger than the broker ac
 DISCONNECT_LIMIT = "limit"                    # pattern too long or too many subscriptions
 DISCONNECT_SHUTDOWN = "shutdown"              # the broker stopped
 DISCONNECT_FD_LIMIT = "fd_limit"              # its fd is beyond what the loop backend can watch
+DISCONNECT_SUB_BUDGET = "subscription_budget"     # a SUB over a subscription-bytes budget
+DISCONNECT_CONNECTION_BUDGET = "connection_budget"  # its uid's connection budget was full;
+#                                                    never got a client_connect
 
 DISCONNECT_REASONS = (
     DISCONNECT_EOF,
@@ -78,6 +84,8 @@ DISCONNECT_REASONS = (
     DISCONNECT_LIMIT,
     DISCONNECT_SHUTDOWN,
     DISCONNECT_FD_LIMIT,
+    DISCONNECT_SUB_BUDGET,
+    DISCONNECT_CONNECTION_BUDGET,
 )
 
 # Reasons a SUB/UNSUB is refused (``accepted`` false).  Open-ended: readers
@@ -88,8 +96,13 @@ REFUSE_CRED_MALFORMED = "cred_malformed"   # !/cred/ pattern with a bad field, o
 REFUSE_BANG_MISUSE = "bang_misuse"         # the reserved '!' outside a !/cred/ form
 REFUSE_PATTERN_TOO_LONG = "pattern_too_long"          # over --max-pattern
 REFUSE_TOO_MANY = "too_many_subscriptions"            # over --max-subscriptions
+# Over a subscription-bytes budget; the reason names the budget.
+REFUSE_SUB_BUDGET_CONNECTION = "sub_budget_connection"  # --sub-max-bytes
+REFUSE_SUB_BUDGET_USER = "sub_budget_user"              # --user-sub-max-bytes
+REFUSE_SUB_BUDGET_TOTAL = "sub_budget_total"            # --total-sub-max-bytes
 REFUSE_REASONS = (REFUSE_NOT_SUBSCRIBED, REFUSE_CRED_MISMATCH, REFUSE_CRED_MALFORMED,
-                  REFUSE_BANG_MISUSE, REFUSE_PATTERN_TOO_LONG, REFUSE_TOO_MANY)
+                  REFUSE_BANG_MISUSE, REFUSE_PATTERN_TOO_LONG, REFUSE_TOO_MANY,
+                  REFUSE_SUB_BUDGET_CONNECTION, REFUSE_SUB_BUDGET_USER, REFUSE_SUB_BUDGET_TOTAL)
 
 # --- nested records ---------------------------------------------------------
 # Broker-wide counters.  In ``stats`` and ``broker_stop`` they are cumulative
@@ -111,6 +124,9 @@ TOTALS_FIELDS = (
     "queued_bytes",       # bytes waiting in send queues now
     "queued_bytes_peak",  # highest queued_bytes seen
     "subscriptions",      # patterns registered now
+    "sub_bytes",          # subscription bytes charged to budgets now (pattern and index)
+    "budget_conns_refused",   # connections refused at accept for a uid's connection budget
+    "budget_subs_refused",    # SUBs refused for a subscription-bytes budget
 )
 
 # The traffic fields of ``stats.delta``: same meaning as in TOTALS_FIELDS,
@@ -147,6 +163,18 @@ CLIENT_COUNTER_FIELDS = (
     "subscriptions",
 )
 
+# One uid's usage against its budgets (``stats.users``, and the stats reply).
+# A ``max_*`` field is null for sbusd's own uid, which has no per-uid budgets.
+USER_FIELDS = (
+    "uid",
+    "connections",
+    "max_connections",
+    "sub_bytes",
+    "max_sub_bytes",
+    "queued_bytes",       # bytes waiting in its connections' send queues
+    "max_queued_bytes",
+)
+
 DROP_KINDS = ("drops_soft", "drops_hard", "drops_disconnect")
 
 # --- records ----------------------------------------------------------------
@@ -173,7 +201,7 @@ EVENT_FIELDS = {
         ("interval_s", FLOAT), ("drops_soft", INT), ("drops_hard", INT), ("blocks", INT),
         ("queued_msgs", INT), ("queued_bytes", INT), ("soft", STR), ("hard", STR)),
     STATS: (("interval_s", FLOAT), ("totals", TOTALS), ("delta", DELTA),
-            ("clients", COUNTERS_LIST)),
+            ("clients", COUNTERS_LIST), ("users", USERS_LIST)),
     MESSAGE: _CLIENT_IDENTITY + (
         ("key", STR), ("size", INT), ("fanout", INT), ("sample_rate", FLOAT)),
 }

@@ -1,6 +1,6 @@
 """``sbusd``: the sbus broker daemon (command line compatible with the C sbusd).
 
-    sbusd [-a address] [-f | -p pidfile] [-u user] ... [-cgor] [long options]
+    sbusd [-a address] [-f] [-p pidfile] [-u user] ... [-cgor] [long options]
 
 This is the thin main: parse the line (``sbus.config``), set up the socket and
 the process (``sbus.daemon``), wire the broker to its ``sbus.service.Service``
@@ -40,8 +40,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 def run(cfg: Config) -> int:
     from . import daemon
 
+    # Warnings about the configuration go to stderr now and, once the log
+    # is open, into it as config_warning records.
+    warnings: List[str] = []
+
     def warn(text: str) -> None:
         print(f"sbusd: {text}", file=sys.stderr)
+        warnings.append(text)
 
     # The socket accepts connections before the broker loop exists: a stop
     # signal arriving in between is remembered and honoured at once, so the
@@ -72,6 +77,11 @@ def run(cfg: Config) -> int:
         addr = addresses.parse(cfg.address)
         allowed = daemon.resolve_users(cfg.users)
         listener = daemon.make_listener(addr, reuse=cfg.reuse, mode=cfg.mode, warn=warn)
+        if listener.path is not None or listener.abstract:     # a mode we set and enforce
+            spec_of = dict(zip(allowed, cfg.users))
+            for uid, flag in daemon.kept_out(allowed, cfg.mode, os.getuid(), os.getgid()):
+                warn(f"-u {spec_of[uid]}: uid {uid} cannot connect: the socket's mode "
+                     f"{cfg.mode:04o} keeps it out ({flag} would let it in)")
     except (AddressError, daemon.StartupError) as e:
         warn(str(e))
         return 1
@@ -84,6 +94,9 @@ def run(cfg: Config) -> int:
         if listener.printed_address:
             daemon.announce(listener.printed_address)
         ready = None
+        if cfg.foreground and cfg.pidfile:      # -p is honoured in the foreground too
+            daemon.write_pidfile(cfg.pidfile)
+            pidfile_written = True
         if not cfg.foreground:
             ready = daemon.daemonise()
             if cfg.pidfile:
@@ -93,7 +106,7 @@ def run(cfg: Config) -> int:
                 daemon.release_stderr()
         if allowed:
             allowed.append(os.getuid())
-        return serve(cfg, listener, allowed, ready, early_stop)
+        return serve(cfg, listener, allowed, ready, early_stop, warnings)
     except daemon.StartupError as e:
         warn(str(e))
         return 1
@@ -104,13 +117,10 @@ def run(cfg: Config) -> int:
             except OSError:
                 pass
         if pidfile_written:
-            try:
-                os.unlink(cfg.pidfile)
-            except OSError:
-                pass
+            daemon.remove_quietly(cfg.pidfile)
 
 
-def serve(cfg: Config, listener, allowed, ready, early_stop=()) -> int:
+def serve(cfg: Config, listener, allowed, ready, early_stop=(), warnings=()) -> int:
     from functools import partial
 
     from . import daemon, log as logging_
@@ -145,6 +155,8 @@ def serve(cfg: Config, listener, allowed, ready, early_stop=()) -> int:
     log.info(schema.BROKER_START, version=__version__,
              address=listener.printed_address or cfg.address, pid=os.getpid(),
              config=cfg.summary())
+    for text in warnings:
+        log.warning(schema.CONFIG_WARNING, detail=text)
     daemon.detach_stdio()
     if ready is not None:
         ready()

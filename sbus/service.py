@@ -63,4 +63,5 @@ class Service:
     def write_stats(self) -> None:
         totals, delta = self.broker.take_stats_delta()
         self.log.info(schema.STATS, interval_s=self.cfg.stats_interval, totals=totals,
-                      delta=delta, clients=self.broker.take_changed_clients())
+                      delta=delta, clients=self.broker.take_changed_clients(),
+                      users=self.broker.users())

@@ -36,7 +36,9 @@ def test_the_fields_are_the_ones_the_broker_and_the_logs_know():
     assert [f.name for f in dataclasses.fields(Config)] == [
         "address", "foreground", "pidfile", "users", "auto_close", "mode", "reuse", "backend",
         "max_message", "soft", "hard", "order", "queue_max_bytes", "queue_max_msgs",
-        "total_max_bytes", "block_timeout", "max_subscriptions", "max_pattern", "log_format",
+        "total_max_bytes", "block_timeout", "max_subscriptions", "max_pattern", "sub_max_bytes",
+        "user_sub_max_bytes", "total_sub_max_bytes", "user_max_connections", "user_queue_max_bytes",
+        "log_format",
         "log_file", "log_level", "stats_interval", "log_messages"]
 
 
@@ -50,10 +52,15 @@ def test_defaults():
     cfg = Config()
     assert (cfg.max_message, cfg.queue_max_bytes, cfg.queue_max_msgs, cfg.total_max_bytes,
             cfg.max_subscriptions, cfg.max_pattern) == (409600, 8 << 20, 65536, 256 << 20,
-                                                         65536, 4096)
-    assert (cfg.mode, cfg.pidfile, cfg.users, cfg.log_format) == (0o700, "/run/sbus.pid", [], None)
+                                                         65536, 0)
+    assert (cfg.sub_max_bytes, cfg.user_sub_max_bytes, cfg.total_sub_max_bytes,
+            cfg.user_max_connections, cfg.user_queue_max_bytes) == (
+                32 << 20, 64 << 20, 256 << 20, 1024, 64 << 20)
+    # No pidfile until the line is parsed: a daemon's default, none in the foreground.
+    assert (cfg.mode, cfg.pidfile, cfg.users, cfg.log_format) == (0o700, None, [], None)
     assert Config().users is not Config().users      # no list shared between configs
-    assert parse_args([]) == cfg
+    assert parse_args([]) == dataclasses.replace(cfg, pidfile="/run/sbus.pid")
+    assert parse_args(["-f"]) == dataclasses.replace(cfg, foreground=True)
 
 
 def test_the_client_library_takes_its_default_from_the_config():
@@ -95,6 +102,12 @@ def test_security_limits_table_states_the_configured_defaults():
     (["-a", "/x"], "address", "/x"),
     (["-fa/dev/unix/abstract"], "address", "/dev/unix/abstract"),
     (["-p", "/dev/null"], "pidfile", None),
+    (["-f", "-p", "/x.pid"], "pidfile", "/x.pid"),
+    (["-f"], "pidfile", None),
+    (["-p", "/x.pid"], "pidfile", "/x.pid"),
+    (["--max-pattern", "0"], "max_pattern", 0),
+    (["--user-max-connections", "3"], "user_max_connections", 3),
+    (["--sub-max-bytes", "4096"], "sub_max_bytes", 4096),
     (["-u", "root", "-u1000"], "users", ["root", "1000"]),
     (["-g"], "mode", 0o770),
     (["-o"], "mode", 0o707),

@@ -50,7 +50,9 @@ WARN_REASONS_WITH_DETAIL = {"protocol_error", "bang_misuse", "cred_refused", "li
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_live_fuzz_broker_survives_and_steady_pair_loses_nothing(start_broker, backend, request):
     nproc, per_proc = 3, 10
+    # --max-pattern: the huge patterns hit the pattern limit (no longer a default).
     b = start_broker("--block-timeout", "1", "--queue-max-bytes", str(2 << 20),
+                     "--max-pattern", "4096",
                      "--total-max-bytes", str(96 << 20), "--stats-interval", "0",
                      backend=backend, log_level="info")
     known = _known_reasons()
@@ -214,20 +216,23 @@ def test_max_pattern_flag(start_broker, backend):
 def test_default_limits_are_in_help():
     out = subprocess.run([SBUSD, "--help"], capture_output=True, text=True, timeout=30).stdout
     assert re.search(r"--max-subscriptions N.*\(default 65536\)", out), out
-    assert re.search(r"--max-pattern BYTES.*\(default 4096\)", out), out
+    assert re.search(r"--max-pattern BYTES.*\(default 0: as long as a packet allows\)", out), out
 
 
-def test_default_pattern_limit_is_4096_bytes(broker):
+def test_default_pattern_limit_is_the_packet(broker):
+    """No limit below the packet size, as in the spec and the original sbusd."""
     s = broker.connect()
+    s.set_sndbuf(1 << 20)                        # room for the largest packet
     pub = broker.connect()
-    s.send(b"SUB " + b"p" * 4096)
-    s.sync()
-    pub.send(b"MSG " + b"p" * 4096 + b"\0long")
-    assert s.recv(10000) == b"MSG " + b"p" * 4096 + b"\0long"
     s.send(b"SUB " + b"p" * 4097)
+    s.send(b"SUB " + b"q" * (409600 - 4))        # the largest packet the broker takes
+    s.sync()
+    pub.send(b"MSG " + b"p" * 4097 + b"\0long")
+    assert s.recv(10000) == b"MSG " + b"p" * 4097 + b"\0long"
+    s.send(b"SUB " + b"q" * (409600 - 3))        # a packet too large is oversize, as ever
     s.assert_closed()
-    rec = _limit_disconnect(broker)
-    assert "4096" in rec["detail"]
+    rec = broker.wait_for_event("client_disconnect")
+    assert rec["reason"] == "oversize" and rec["counters"]["subscriptions"] == 2
 
 
 def test_default_subscription_limit_is_65536(start_broker):

@@ -43,6 +43,13 @@ def check_value(event, name, tag, value):
         assert isinstance(value, list), where
         for item in value:
             check_value(event, name + "[]", schema.COUNTERS, item)
+    elif tag == schema.USERS_LIST:
+        assert isinstance(value, list), where
+        for item in value:
+            assert set(item) == set(schema.USER_FIELDS), where
+            # a budget is null for the exempt uid (sbusd's own)
+            assert all(isinstance(item[f], int) or (item[f] is None and f.startswith("max_"))
+                       for f in schema.USER_FIELDS), f"{where}={item}"
     else:
         assert isinstance(value, dict), where
         for field in NESTED[tag]:

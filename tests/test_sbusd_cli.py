@@ -138,7 +138,7 @@ def read_pid(pidfile: Path) -> int:
 def test_help_prints_usage_and_every_option_then_exits_0(flag):
     proc = run_sbusd(flag)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: sbusd [-a address] [-f | -p pidfile] [-u user] ... [-cgor]")
+    assert proc.stdout.startswith("usage: sbusd [-a address] [-f] [-p pidfile] [-u user] ... [-cgor]")
     for opt in ("-a,", "-f,", "-p,", "-u,", "-c,", "-g,", "-o,", "-r,", "--backend",
                 "--log-file", "-h,", "-V,"):
         assert opt in proc.stdout

@@ -246,8 +246,12 @@ class Generator:
         t["queued_bytes_peak"] = max(t["queued_bytes_peak"], t["queued_bytes"])
         delta = {f: t[f] - self.last_totals[f] for f in ls.DELTA_FIELDS}
         self.last_totals = dict(t)
+        uids = sorted({c.c["uid"] for c in self.clients.values()})
+        users = [dict(zip(ls.USER_FIELDS, (
+            uid, sum(c.c["uid"] == uid for c in self.clients.values()), 1024, 0, 64 << 20, 0,
+            64 << 20))) for uid in uids]
         out.append(self.record(ls.STATS, interval_s=interval, totals=t, delta=delta,
-                               clients=[c.c for c in self.clients.values()]))
+                               clients=[c.c for c in self.clients.values()], users=users))
 
     def lines(self, n: int):
         """Yield chunks (lists of lines) totalling exactly ``n`` lines."""

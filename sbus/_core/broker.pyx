@@ -378,6 +378,7 @@ cdef class Broker(Server):
         cdef PacketStats *ps = get_packet_stats()
         cdef bint over = (c.q.bytes + length > self.queue_max_bytes or
                           c.q.live + 1 > self.queue_max_msgs or
+                          c.acct.queued_bytes + length > c.acct.max_queued_bytes or
                           (pkt == NULL and self.batch_pkts[e.slot] == NULL and
                            ps.bytes + length > self.total_max_bytes))
         cdef int action = flood_action(c.soft, c.hard, c.blocking,
@@ -403,6 +404,7 @@ cdef class Broker(Server):
             c.counts.drops_hard += 1
             self.tot.drops_hard += 1
             return 0
+        c.acct.queued_bytes += pkt.len
         if action == FLOOD_QUEUE_BLOCK:
             self.start_blocking(c)
         if c.q.live == 1:
@@ -425,6 +427,7 @@ cdef class Broker(Server):
         """Write queued packets in c's order, SEND_BATCH per syscall."""
         cdef uint32_t k, i
         cdef int sent
+        cdef uint64_t queued
         while c.q.live:
             k = sq_select(&c.q, c.order, self.spos, self.ssel, SEND_BATCH)
             for i in range(k):
@@ -434,7 +437,9 @@ cdef class Broker(Server):
             sent = self.send_prepared(c, k)
             if sent == 0:
                 break
+            queued = c.q.bytes
             sq_consume(&c.q, self.spos, sent)
+            c.acct.queued_bytes -= queued - c.q.bytes
             if <uint32_t>sent < k:
                 break
         self.update_interest(c)
@@ -452,6 +457,7 @@ cdef class Broker(Server):
     cdef int stop_writing(self, Conn *c) except -1:
         """Mark c write_dead: its queue is dropped, and so is every later delivery."""
         c.write_dead = 1
+        c.acct.queued_bytes -= c.q.bytes
         self.count_drops_disconnect(c, sq_clear(&c.q))
         if c.blocking:
             self.maybe_unblock(c)

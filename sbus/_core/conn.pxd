@@ -3,6 +3,7 @@
 # records (one calloc'd Conn per accepted socket, freed at teardown).
 from libc.stdint cimport uint8_t, int32_t, uint32_t, uint64_t, int64_t
 
+from sbus._core.budget cimport Account
 from sbus._core.index cimport Sub
 from sbus._core.sendq cimport SendQueue
 
@@ -29,6 +30,8 @@ cdef enum Reason:
     R_LIMIT
     R_SHUTDOWN
     R_FD_LIMIT
+    R_SUB_BUDGET            # a SUB over a subscription-bytes budget
+    R_CONN_BUDGET           # refused at accept: its uid's connection budget is full
     R_COUNT                 # not a reason: one past the last
 
 
@@ -76,6 +79,8 @@ cdef struct Conn:
     Sub **subs
     uint32_t nsubs
     uint32_t subs_cap
+    uint64_t sub_bytes      # budget.pattern_cost of its patterns
+    Account *acct           # its uid's account (budgets)
     uint64_t stamp          # seq of the last message it was picked for
     int32_t pend_head       # its deliveries pending in this batch
     int32_t pend_tail

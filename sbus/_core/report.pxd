@@ -3,7 +3,15 @@
 # for events, ticks and control replies, never per message.
 from libc.stdint cimport uint32_t, uint64_t, int64_t
 
+from sbus._core.budget cimport Accounts
 from sbus._core.conn cimport Conn, Counters
+
+
+# The broker-wide budget figures the totals carry.
+cdef struct Budgets:
+    uint64_t sub_bytes          # charged now
+    uint64_t conns_refused      # since start
+    uint64_t subs_refused
 
 
 cdef dict ident(const Conn *c)                   # client, pid, uid, gid
@@ -17,5 +25,7 @@ cdef dict refused(uint64_t id, int64_t pid, int64_t uid, int64_t gid, int reason
 cdef list entries(Conn **table, int cap)                 # every open connection
 cdef list take_changed_entries(Conn **table, int cap)    # changed since the last call
 cdef list take_flood_records(Conn **table, int cap)      # drops/blocks grew since the last call
+cdef list users(const Accounts *accounts)              # USER_FIELDS per uid, by uid
 cdef dict totals(Conn **table, int cap, uint32_t nclients, uint64_t connects,
-                 uint64_t disconnects, const Counters *tot, uint64_t subscriptions)
+                 uint64_t disconnects, const Counters *tot, uint64_t subscriptions,
+                 const Budgets *budgets)

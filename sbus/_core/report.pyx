@@ -10,7 +10,8 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 
 from sbus._core.conn cimport (
     Conn, Counters, R_NONE, R_EOF, R_ERROR, R_PROTOCOL, R_CRED, R_BANG, R_USER,
-    R_FLOOD, R_OVERSIZE, R_LIMIT, R_SHUTDOWN, R_FD_LIMIT, R_COUNT)
+    R_FLOOD, R_OVERSIZE, R_LIMIT, R_SHUTDOWN, R_FD_LIMIT, R_SUB_BUDGET, R_CONN_BUDGET, R_COUNT)
+from sbus._core.budget cimport Account, Accounts, UNLIMITED
 from sbus._core.sendq cimport PacketStats, get_packet_stats
 
 from sbus import logschema as ls
@@ -23,7 +24,8 @@ _REASONS = {
     R_BANG: ls.DISCONNECT_BANG_MISUSE, R_USER: ls.DISCONNECT_USER_REFUSED,
     R_FLOOD: ls.DISCONNECT_FLOOD_ERROR, R_OVERSIZE: ls.DISCONNECT_OVERSIZE,
     R_LIMIT: ls.DISCONNECT_LIMIT, R_SHUTDOWN: ls.DISCONNECT_SHUTDOWN,
-    R_FD_LIMIT: ls.DISCONNECT_FD_LIMIT,
+    R_FD_LIMIT: ls.DISCONNECT_FD_LIMIT, R_SUB_BUDGET: ls.DISCONNECT_SUB_BUDGET,
+    R_CONN_BUDGET: ls.DISCONNECT_CONNECTION_BUDGET,
 }
 REASON_NAMES = tuple(_REASONS.get(r) for r in range(R_COUNT))
 
@@ -142,8 +144,29 @@ cdef list take_flood_records(Conn **table, int cap):
     return out
 
 
+cdef list users(const Accounts *accounts):
+    """Each uid with a connection: its usage against its budgets, by uid."""
+    cdef uint32_t i
+    cdef const Account *a
+    out = []
+    for i in range(accounts.size):
+        a = accounts.table[i]
+        while a != NULL:
+            out.append(dict(zip(ls.USER_FIELDS, (
+                a.uid, a.conns, _budget(a.max_conns), a.sub_bytes, _budget(a.max_sub_bytes),
+                a.queued_bytes, _budget(a.max_queued_bytes)))))
+            a = a.next
+    out.sort(key=lambda d: d["uid"])
+    return out
+
+
+cdef object _budget(uint64_t limit):
+    return None if limit == UNLIMITED else limit
+
+
 cdef dict totals(Conn **table, int cap, uint32_t nclients, uint64_t connects,
-                 uint64_t disconnects, const Counters *tot, uint64_t subscriptions):
+                 uint64_t disconnects, const Counters *tot, uint64_t subscriptions,
+                 const Budgets *b):
     cdef PacketStats *ps = get_packet_stats()
     cdef int fd
     cdef uint64_t queued_msgs = 0
@@ -153,4 +176,5 @@ cdef dict totals(Conn **table, int cap, uint32_t nclients, uint64_t connects,
     return dict(zip(ls.TOTALS_FIELDS, (
         nclients, connects, disconnects, tot.msgs_in, tot.bytes_in, tot.msgs_out,
         tot.bytes_out, tot.replies_out, tot.drops_soft, tot.drops_hard, tot.drops_disconnect,
-        queued_msgs, ps.bytes, ps.bytes_peak, subscriptions)))
+        queued_msgs, ps.bytes, ps.bytes_peak, subscriptions, b.sub_bytes, b.conns_refused,
+        b.subs_refused)))

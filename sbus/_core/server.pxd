@@ -5,10 +5,12 @@
 # "the message path" are implemented there.
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 
+from sbus._core.budget cimport Account, Accounts
 from sbus._core.conn cimport Conn, Counters
 from sbus._core.includes.sys cimport ucred
-from sbus._core.index cimport Index
+from sbus._core.index cimport Index, Sub
 from sbus._core.loop cimport Poller
+from sbus._core.report cimport Budgets
 
 
 cdef enum:
@@ -48,6 +50,11 @@ cdef class Server:
     cdef double block_timeout
     cdef uint32_t max_subscriptions
     cdef uint32_t max_pattern
+    cdef uint64_t sub_max_bytes         # budgets (budget.pxd; docs/security.md)
+    cdef uint64_t user_sub_max_bytes
+    cdef uint64_t total_sub_max_bytes
+    cdef uint64_t user_max_connections
+    cdef uint64_t user_queue_max_bytes
     cdef bint auto_close
     cdef double log_messages        # fraction of messages sampled to on_message
     cdef int64_t *allowed_uids
@@ -58,6 +65,8 @@ cdef class Server:
 
     # state
     cdef Counters tot               # broker-wide traffic counters
+    cdef Accounts accounts          # one per uid with a connection
+    cdef Budgets budgets            # broker-wide subscription bytes and refusals
     cdef uint64_t connects
     cdef uint64_t disconnects
     cdef uint64_t trimmed_at        # disconnects at the last malloc_trim
@@ -108,6 +117,9 @@ cdef class Server:
     cdef int unsubscribe(self, Conn *c, const char *pat, size_t n) except -1  # '!' misuse: close
     cdef int refuse_pattern(self, Conn *c, int refusal, const char *pat,
                             size_t n) except -1   # log the refused SUB, close c
+    cdef int over_sub_budget(self, Conn *c, size_t cost, const char *pat,
+                             size_t n) except -1  # 1: refused (logged, c closing)
+    cdef void drop_sub(self, Conn *c, Sub *sub) noexcept   # out of the index, uncharged
 
     # ---- control messages
     cdef int control(self, Conn *c, const char *key, size_t n) except -1   # reply, mode, or ignore

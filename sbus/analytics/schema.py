@@ -39,6 +39,7 @@ _NESTED = {
     ls.DELTA: DELTA,
     ls.COUNTERS: COUNTERS,
     ls.COUNTERS_LIST: T.ArrayType(COUNTERS),
+    ls.USERS_LIST: T.ArrayType(_longs(ls.USER_FIELDS)),
 }
 
 
