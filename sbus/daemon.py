@@ -156,6 +156,13 @@ def resolve_users(specs) -> list:
     return uids
 
 
+def remove_quietly(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def write_pidfile(path: str) -> None:
     """Create the pidfile exclusively, never through a symlink."""
     try:
@@ -201,13 +208,46 @@ def ensure_stdio() -> None:
 
 
 def announce(text: str) -> None:
-    """Print a line on stdout for whoever started us; nobody listening
-    (stdout closed, or a pipe whose reader left) is not an error."""
+    """Print a line on stdout for whoever started us, in one write(2): a
+    parent may read the pipe once (the original sbusd's test suite does),
+    and Python's own stdout writes the newline apart when unbuffered
+    (PYTHONUNBUFFERED=1, python -u). Nobody listening (stdout closed, or a
+    pipe whose reader left) is not an error."""
+    data = (text + "\n").encode()
     try:
         if sys.stdout is not None:
-            print(text, file=sys.stdout, flush=True)
+            sys.stdout.flush()      # anything printed before goes first
+        while data:
+            data = data[os.write(1, data):]
     except (OSError, ValueError):
         pass
+
+
+def kept_out(uids, mode: int, own_uid: int, own_gid: int) -> list:
+    """The uids of an -u list that the socket's mode keeps out (neither root
+    nor sbusd's own uid, no 'other' bits, and outside the group or no group
+    bits), with the flag that would let each in."""
+    import grp
+    import pwd
+    if mode & 0o007:
+        return []
+    try:
+        members = set(grp.getgrgid(own_gid).gr_mem)
+    except KeyError:
+        members = set()
+    out = []
+    for uid in uids:
+        if uid in (0, own_uid):
+            continue
+        try:
+            pw = pwd.getpwuid(uid)
+            in_group = pw.pw_gid == own_gid or pw.pw_name in members
+        except KeyError:
+            in_group = False
+        if mode & 0o070 and in_group:
+            continue
+        out.append((uid, "-g or -o" if in_group else "-o"))
+    return out
 
 
 def detach_stdio() -> None:
@@ -217,10 +257,10 @@ def detach_stdio() -> None:
             sys.stdout.flush()
     except (OSError, ValueError):
         pass
-    # stdout goes last, from fd 0: the parent sees EOF only once no spare
-    # descriptor of ours is left open, so what it counts then is final.
+    # stdout goes last, with no descriptor of ours left open in between: a
+    # parent that counts our descriptors once it sees EOF sees them settled.
     devnull = os.open(os.devnull, os.O_RDWR)
-    if devnull != 0:
+    if devnull != 0:        # fd 0 was free: the open already put /dev/null there
         os.dup2(devnull, 0)
         os.close(devnull)
     os.dup2(0, 1)

@@ -18,9 +18,12 @@ from posix.fcntl cimport open as c_open, O_RDONLY, O_CLOEXEC
 from posix.unistd cimport close, read
 
 from sbus._core cimport report
+from sbus._core.budget cimport (
+    Account, UNLIMITED, accounts_init, accounts_free, account_get, account_drop_if_idle,
+    pattern_cost)
 from sbus._core.conn cimport (
     Conn, MODE_QUEUE, R_CRED, R_BANG, R_USER, R_FLOOD, R_LIMIT, R_ERROR, R_SHUTDOWN,
-    R_FD_LIMIT)
+    R_FD_LIMIT, R_SUB_BUDGET, R_CONN_BUDGET)
 from sbus._core.includes.sys cimport (
     accept4, getsockopt, setsockopt, socklen_t, ucred, SOL_SOCKET, SO_PEERCRED, SO_SNDBUF,
     SO_SNDBUFFORCE, SOCK_NONBLOCK, SOCK_CLOEXEC, clock_gettime, timespec, CLOCK_MONOTONIC,
@@ -41,7 +44,8 @@ from sbus.logschema import (
     ACCEPT_ERROR, ACCEPT_PAUSED, CLIENT_CONNECT, CLIENT_DISCONNECT, CMSG_IGNORED,
     DELTA_FIELDS, FD_EXHAUSTED, SUBSCRIBE, UNSUBSCRIBE, REFUSE_BANG_MISUSE,
     REFUSE_CRED_MALFORMED, REFUSE_CRED_MISMATCH, REFUSE_NOT_SUBSCRIBED,
-    REFUSE_PATTERN_TOO_LONG, REFUSE_TOO_MANY)
+    REFUSE_PATTERN_TOO_LONG, REFUSE_TOO_MANY, REFUSE_SUB_BUDGET_CONNECTION,
+    REFUSE_SUB_BUDGET_USER, REFUSE_SUB_BUDGET_TOTAL)
 from sbus._core.policy import MODE_NAMES, ORDER_NAMES
 
 # A refused SUB: its logged reason, and the connection's Reason and detail.
@@ -96,7 +100,7 @@ cdef class Server:
         self.conns = NULL
         self.scratch = NULL
         self.allowed_uids = NULL
-        if index_init(&self.index) < 0:
+        if index_init(&self.index) < 0 or accounts_init(&self.accounts) < 0:
             raise MemoryError()
 
     def __init__(self, int listen_fd, config, *, allowed_uids=(), int access_mode=-1,
@@ -120,7 +124,13 @@ cdef class Server:
         self.total_max_bytes = config.total_max_bytes
         self.block_timeout = config.block_timeout
         self.max_subscriptions = config.max_subscriptions
-        self.max_pattern = config.max_pattern
+        # 0: no limit of its own; a pattern is as long as a packet allows.
+        self.max_pattern = config.max_pattern or config.max_message
+        self.sub_max_bytes = config.sub_max_bytes
+        self.user_sub_max_bytes = config.user_sub_max_bytes
+        self.total_sub_max_bytes = config.total_sub_max_bytes
+        self.user_max_connections = config.user_max_connections
+        self.user_queue_max_bytes = config.user_queue_max_bytes
         self.auto_close = config.auto_close
         self.log_messages = config.log_messages
         self.on_event = on_event
@@ -168,6 +178,7 @@ cdef class Server:
                     free(c)
             free(self.conns)
         index_free(&self.index)
+        accounts_free(&self.accounts)
         free(self.recips)
         free(self.touched)
         free(self.closing)
@@ -329,11 +340,28 @@ cdef class Server:
     cdef int admit(self, int fd, ucred *cred) except -1:
         """Take fd on as a connection, or close it with a disconnect record."""
         cdef Conn *c
+        cdef Account *acct = NULL
         cdef int reason = R_USER
         detail = self.refuse_peer(cred)
         if detail is None and fd >= self.poller.fd_limit():
             reason = R_FD_LIMIT
             detail = f"fd {fd} is beyond what the {self.poller.name} backend can watch"
+        if detail is None:
+            # sbusd's own uid has no per-uid budgets (docs/security.md).
+            exempt = cred.uid == self.own_uid
+            acct = account_get(&self.accounts, cred.uid,
+                               UNLIMITED if exempt else self.user_max_connections,
+                               UNLIMITED if exempt else self.user_sub_max_bytes,
+                               UNLIMITED if exempt else self.user_queue_max_bytes)
+            if acct == NULL:
+                close(fd)
+                raise MemoryError()
+            if acct.conns >= acct.max_conns:
+                reason = R_CONN_BUDGET
+                detail = (f"uid {cred.uid} has {acct.conns} connections "
+                          f"(--user-max-connections {acct.max_conns})")
+                self.budgets.conns_refused += 1
+                account_drop_if_idle(&self.accounts, acct)
         if detail is not None:
             close(fd)
             self.emit(CLIENT_DISCONNECT, report.refused(
@@ -344,6 +372,8 @@ cdef class Server:
         if setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &self.sndbuf, sizeof(int)) < 0:
             setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &self.sndbuf, sizeof(int))
         c = self.add_conn(fd, cred)
+        c.acct = acct
+        acct.conns += 1
         if self.nblocking:
             self.pause(c)
         else:
@@ -457,6 +487,7 @@ cdef class Server:
 
     cdef int subscribe(self, Conn *c, const char *pat, size_t n) except -1:
         cdef size_t stored = 0
+        cdef size_t cost
         cdef int refusal
         cdef Sub *sub
         cdef Sub **grown
@@ -473,6 +504,9 @@ cdef class Server:
                                     self.scratch_cap, &stored)
         if refusal != PATTERN_OK:
             return self.refuse_pattern(c, refusal, pat, n)
+        cost = pattern_cost(self.scratch, stored)
+        if self.over_sub_budget(c, cost, pat, n):
+            return 0
         if c.nsubs == c.subs_cap:
             cap = c.subs_cap * 2 if c.subs_cap else 4
             grown = <Sub **>realloc(c.subs, cap * sizeof(Sub *))
@@ -486,6 +520,9 @@ cdef class Server:
         sub.owner_pos = c.nsubs
         c.subs[c.nsubs] = sub
         c.nsubs += 1
+        c.sub_bytes += cost
+        c.acct.sub_bytes += cost
+        self.budgets.sub_bytes += cost
         self.emit(SUBSCRIBE, report.subscription(c, text(self.scratch, stored), True, None))
         return 0
 
@@ -494,6 +531,35 @@ cdef class Server:
         logged, reason, detail = _PATTERN_REFUSALS[refusal]
         self.emit(SUBSCRIBE, report.subscription(c, text(pat, n), False, logged))
         return self.mark_closing(c, reason, detail)
+
+    cdef int over_sub_budget(self, Conn *c, size_t cost, const char *pat,
+                             size_t n) except -1:
+        """Refuse a SUB whose pattern would take c, its uid or the broker past
+        a subscription-bytes budget: log it, count it, close c."""
+        if c.sub_bytes + cost > self.sub_max_bytes:
+            logged, used, limit, flag = (REFUSE_SUB_BUDGET_CONNECTION, c.sub_bytes,
+                                         self.sub_max_bytes, "--sub-max-bytes")
+        elif c.acct.sub_bytes + cost > c.acct.max_sub_bytes:
+            logged, used, limit, flag = (REFUSE_SUB_BUDGET_USER, c.acct.sub_bytes,
+                                         c.acct.max_sub_bytes, "--user-sub-max-bytes")
+        elif self.budgets.sub_bytes + cost > self.total_sub_max_bytes:
+            logged, used, limit, flag = (REFUSE_SUB_BUDGET_TOTAL, self.budgets.sub_bytes,
+                                         self.total_sub_max_bytes, "--total-sub-max-bytes")
+        else:
+            return 0
+        self.budgets.subs_refused += 1
+        self.emit(SUBSCRIBE, report.subscription(
+            c, text(pat, n if n < 256 else 256) + ("..." if n > 256 else ""), False, logged))
+        self.mark_closing(c, R_SUB_BUDGET,
+                          f"pattern of {cost} bytes over {flag} {limit} ({used} in use)")
+        return 1
+
+    cdef void drop_sub(self, Conn *c, Sub *sub) noexcept:
+        cdef size_t cost = pattern_cost(sub.pattern, sub.len)
+        c.sub_bytes -= cost
+        c.acct.sub_bytes -= cost
+        self.budgets.sub_bytes -= cost
+        index_remove(&self.index, sub)
 
     cdef int unsubscribe(self, Conn *c, const char *pat, size_t n) except -1:
         cdef size_t stored = 0
@@ -517,7 +583,7 @@ cdef class Server:
                         last = c.subs[c.nsubs]
                         c.subs[i] = last
                         last.owner_pos = i
-                    index_remove(&self.index, sub)
+                    self.drop_sub(c, sub)
                     self.emit(UNSUBSCRIBE, report.subscription(c, text(pat, n), True, None))
                     return 0
         self.emit(UNSUBSCRIBE, report.subscription(c, text(pat, n), False, REFUSE_NOT_SUBSCRIBED))
@@ -653,9 +719,12 @@ cdef class Server:
             self.poller.set(c.fd, 0)
             close(c.fd)
             for j in range(c.nsubs):
-                index_remove(&self.index, c.subs[j])
+                self.drop_sub(c, c.subs[j])
             free(c.subs)
+            c.acct.queued_bytes -= c.q.bytes
             self.count_drops_disconnect(c, sq_clear(&c.q))
+            c.acct.conns -= 1
+            account_drop_if_idle(&self.accounts, c.acct)
             if c.paused:
                 for j in range(self.npaused):
                     if self.paused[j] == c:
@@ -673,7 +742,8 @@ cdef class Server:
         self.nclosing = 0
         self.fd_exhausted_logged = False
         if self.spare_fd < 0:
-            # Descriptors were freed: take the spare back for the next storm.
+            # fd_exhausted could not get its spare back while the table was
+            # full; descriptors were just freed, so take it again now.
             self.spare_fd = c_open(b"/dev/null", O_RDONLY | O_CLOEXEC)
         if self.accept_paused:
             self.accept_paused = False
@@ -706,12 +776,17 @@ cdef class Server:
     def totals(self):
         """Broker-wide counters (cumulative since start)."""
         return report.totals(self.conns, self.conns_cap, self.nconns, self.connects,
-                             self.disconnects, &self.tot, self.index.nsubs)
+                             self.disconnects, &self.tot, self.index.nsubs, &self.budgets)
 
     def stats(self):
         """A snapshot: totals, and counters and modes per connected client."""
         return {"uptime_s": round(monotonic() - self.started, 3), "backend": self.poller.name,
-                "totals": self.totals(), "clients": report.entries(self.conns, self.conns_cap)}
+                "totals": self.totals(), "clients": report.entries(self.conns, self.conns_cap),
+                "users": self.users()}
+
+    def users(self):
+        """Each connected uid's usage against its budgets."""
+        return report.users(&self.accounts)
 
     def take_changed_clients(self):
         """Entries, as in stats(), for the clients that connected or changed
