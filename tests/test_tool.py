@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 
 import pytest
@@ -87,11 +88,28 @@ def test_sub_plain_output(broker):
 
 def test_sub_ends_with_an_error_when_the_broker_goes_away(start_broker):
     b = start_broker()
-    sub = start_sub(b.address, "x")
+    sub = start_sub(b.address, "--no-reconnect", "x")
     b.stop()
     _, err = sub.communicate(timeout=TIMEOUT)
     assert sub.returncode == 1
     assert b"closed the connection" in err
+
+
+def test_sub_rides_out_a_broker_restart_and_says_so(start_broker):
+    b = start_broker("-r")
+    sub = start_sub(b.address, "-n", "2", "x/*")
+    try:
+        sbus("pub", "-a", b.address, "x/1", "before")
+        b.stop(signal.SIGKILL)
+        assert sub.stderr.readline().endswith(b"the broker went away; reconnecting\n")
+        b = start_broker("-r", address=b.address)
+        assert sub.stderr.readline().endswith(b"reconnected; subscriptions restored\n")
+        sbus("pub", "-a", b.address, "x/2", "after")
+        out, _ = sub.communicate(timeout=TIMEOUT)
+    finally:
+        sub.kill()
+    assert sub.returncode == 0
+    assert out == b"x/1\tbefore\nx/2\tafter\n"
 
 
 def test_sbus_address_from_the_environment(broker, listener):

@@ -1,0 +1,42 @@
+# Batched client I/O: packets packed into one C buffer and sent with one
+# sendmmsg, packets taken with one recvmmsg and parsed into Message objects.
+# Shared by sbus.client (blocking) and sbus.aio; nothing here blocks the
+# event loop unless the socket itself is blocking.
+from .includes.sys cimport iovec, mmsghdr
+
+
+cdef class Outbox:
+    cdef char *buf              # packed packets, back to back
+    cdef size_t cap             # bytes in buf
+    cdef size_t used            # bytes packed so far
+    cdef iovec *iov             # one per packed packet, pointing into buf
+    cdef mmsghdr *hdrs
+    cdef int slots              # entries in iov/hdrs
+    cdef readonly int count     # packets packed
+    cdef readonly int head      # packets already sent (the rest are still owed)
+    cdef readonly size_t max_message
+    cdef object held            # a (key, payload) that did not fit, packed first next time
+    cdef readonly bint exhausted  # pack_many ran its iterator to the end
+
+    cpdef bint add_publish(self, object key, object payload) except -1
+    cpdef bint add_packet(self, bytes packet) except -1
+    cdef int _append(self, const char *head, size_t hlen, const char *key, size_t klen,
+                     const char *tail, size_t tlen) noexcept
+
+
+cdef class Inbox:
+    cdef char *area             # slots of max_message + 1 bytes, mapped lazily
+    cdef size_t area_size
+    cdef size_t slot_size
+    cdef iovec *iov
+    cdef mmsghdr *hdrs
+    cdef readonly int slots
+    cdef readonly size_t max_message
+    cdef object message_type
+    cdef object control_type
+    cdef bytes last_key         # reused when the next message has the same key
+    cdef readonly int irregular  # control messages and errors in the last batch
+
+    cdef object make(self, object cls, const char *key, size_t klen,
+                     const char *payload, size_t plen)
+    cdef void release(self, int i) noexcept

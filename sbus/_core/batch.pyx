@@ -1,0 +1,449 @@
+# Batched client I/O for sbus.client and sbus.aio.
+#
+# Outbox packs MSG/SUB/UNSUB/CMSG packets back to back in one C buffer and
+# sends them with sendmmsg; a partial send (a full socket, a signal) leaves
+# the unsent tail owed, so the caller can wait and call send() again without
+# reordering anything. Inbox takes up to `slots` packets with one recvmmsg
+# and builds the Message/ControlMessage tuples straight from the C buffer.
+# The checks here are the broker's own (protocol.pxd), so a packet the
+# client lets through is one the broker accepts.
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from libc.errno cimport EINTR, errno
+from libc.stdlib cimport free, malloc
+from libc.string cimport memchr, memcmp, memcpy, memset
+
+from .includes.sys cimport (
+    MADV_DONTNEED, MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, MSG_NOSIGNAL, MSG_TRUNC,
+    PROT_READ, PROT_WRITE, iovec, madvise, mmap, mmsghdr, msghdr, munmap, recvmmsg,
+    sendmmsg,
+)
+from .protocol cimport KEY_OK, CredForm, check_rest, is_cred_key, parse_cred_form
+
+import os
+
+from ..errors import BusClosedError, KeyRefusedError, MessageTooLargeError, ProtocolError
+
+
+cdef extern from "<sys/socket.h>" nogil:
+    enum:
+        MSG_WAITFORONE
+    ssize_t sendmsg(int fd, const msghdr *msg, int flags)
+
+
+cdef extern from "<sys/mman.h>" nogil:
+    enum:
+        MAP_NORESERVE
+
+
+cdef extern from "Python.h":
+    # A tuple subclass is built as tuple_subtype_new builds one: tp_alloc
+    # with two items, then the items set in place (one allocation, no args tuple).
+    ctypedef struct PyTypeObject_ "PyTypeObject":
+        PyObject *(*tp_alloc)(PyTypeObject_ *, Py_ssize_t) except NULL
+    void PyTuple_SET_ITEM(object t, Py_ssize_t i, object v)
+
+
+cdef enum:
+    OUTBOX_SLOTS = 512          # sendmmsg takes at most UIO_MAXIOV (1024)
+    OUTBOX_MIN_BYTES = 1 << 18
+    INBOX_SLOTS = 64
+    KEEP_MAPPED = 1 << 16       # slot bytes kept resident after a large packet
+
+
+cdef inline bytes as_bytes(object text):
+    """str as UTF-8 (surrogateescape), bytes as is, any other bytes-like copied."""
+    if type(text) is bytes:
+        return <bytes>text
+    if isinstance(text, str):
+        return (<str>text).encode("utf-8", "surrogateescape")
+    return bytes(text)
+
+
+cdef int raise_errno(str what) except -1:
+    cdef int err = errno
+    raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+cdef int check_key(const char *key, size_t klen, bint is_pattern) except -1:
+    """Raise KeyRefusedError for a key (or pattern) the broker would refuse by
+    closing the connection: a NUL, or the reserved '!' misused."""
+    cdef CredForm form
+    cdef int check
+    what = "pattern" if is_pattern else "key"
+    if memchr(key, 0, klen) != NULL:
+        raise KeyRefusedError(f"a routing {what} cannot contain NUL: {key[:klen]!r}")
+    if memchr(key, b'!', klen) == NULL:
+        return 0
+    if is_cred_key(key, klen):
+        if parse_cred_form(key, klen, False, &form) < 0:
+            raise KeyRefusedError(f"malformed !/cred/ {what} {key[:klen]!r}")
+        check = check_rest(key + form.prefix_len, klen - form.prefix_len, is_pattern)
+    else:
+        check = check_rest(key, klen, is_pattern)
+    if check != KEY_OK:
+        raise KeyRefusedError(f"reserved '!' misused in {what} {key[:klen]!r}")
+    return 0
+
+
+def check_publish_key(bytes key):
+    """Raise KeyRefusedError if the broker would refuse to relay ``key``."""
+    check_key(key, len(key), False)
+
+
+def check_pattern(bytes pattern):
+    """Raise KeyRefusedError if the broker would refuse ``SUB pattern``
+    (credentials aside: only the broker knows whose they are)."""
+    check_key(pattern, len(pattern), True)
+
+
+cdef int refuse_size(size_t size, size_t max_message) except -1:
+    raise MessageTooLargeError(f"packet of {size} bytes exceeds the bus limit of {max_message}")
+
+
+def pack_publish(object key, object payload, size_t max_message):
+    """``MSG key\\0payload`` after the checks the broker would make."""
+    cdef bytes k = as_bytes(key)
+    cdef bytes p = as_bytes(payload)
+    cdef size_t klen = PyBytes_GET_SIZE(k), plen = PyBytes_GET_SIZE(p)
+    cdef size_t size = 5 + klen + plen
+    check_key(PyBytes_AS_STRING(k), klen, False)
+    if size > max_message:
+        refuse_size(size, max_message)
+    out = PyBytes_FromStringAndSize(NULL, size)
+    cdef char *o = PyBytes_AS_STRING(out)
+    memcpy(o, b"MSG ", 4)
+    memcpy(o + 4, PyBytes_AS_STRING(k), klen)
+    o[4 + klen] = 0
+    memcpy(o + 5 + klen, PyBytes_AS_STRING(p), plen)
+    return out
+
+
+def send_publish(int fd, object key, object payload, int flags, size_t max_message):
+    """Check and send one ``MSG key\\0payload`` with sendmsg(2), gathering the
+    parts in place (no packet is built). OSError as send(2) reports it."""
+    cdef bytes k = as_bytes(key)
+    cdef bytes p = as_bytes(payload)
+    cdef size_t klen = PyBytes_GET_SIZE(k), plen = PyBytes_GET_SIZE(p)
+    cdef size_t size = 5 + klen + plen
+    cdef iovec parts[4]
+    cdef msghdr msg
+    cdef ssize_t n
+    check_key(PyBytes_AS_STRING(k), klen, False)
+    if size > max_message:
+        refuse_size(size, max_message)
+    parts[0].iov_base = <void *><const char *>b"MSG "
+    parts[0].iov_len = 4
+    parts[1].iov_base = PyBytes_AS_STRING(k)
+    parts[1].iov_len = klen
+    parts[2].iov_base = <void *><const char *>b"\0"
+    parts[2].iov_len = 1
+    parts[3].iov_base = PyBytes_AS_STRING(p)
+    parts[3].iov_len = plen
+    memset(&msg, 0, sizeof(msg))
+    msg.msg_iov = parts
+    msg.msg_iovlen = 4
+    while True:
+        with nogil:
+            n = sendmsg(fd, &msg, flags | MSG_NOSIGNAL)
+        if n >= 0:
+            return
+        if errno != EINTR:
+            raise_errno("sendmsg")
+        PyErr_CheckSignals()
+
+
+cdef class Outbox:
+    """Packets packed for one sendmmsg: at most 512, and as many bytes as
+    max(256 KiB, max_message) holds. Refusals are raised before a packet is
+    packed, so everything packed can be sent."""
+
+    def __cinit__(self, size_t max_message):
+        cdef int i
+        self.max_message = max_message
+        self.cap = max_message + 64 if max_message + 64 > OUTBOX_MIN_BYTES else OUTBOX_MIN_BYTES
+        self.slots = OUTBOX_SLOTS
+        self.buf = <char *>malloc(self.cap)
+        self.iov = <iovec *>malloc(self.slots * sizeof(iovec))
+        self.hdrs = <mmsghdr *>malloc(self.slots * sizeof(mmsghdr))
+        if self.buf == NULL or self.iov == NULL or self.hdrs == NULL:
+            raise MemoryError()
+        memset(self.hdrs, 0, self.slots * sizeof(mmsghdr))
+        for i in range(self.slots):
+            self.hdrs[i].msg_hdr.msg_iov = &self.iov[i]
+            self.hdrs[i].msg_hdr.msg_iovlen = 1
+
+    def __dealloc__(self):
+        free(self.buf)
+        free(self.iov)
+        free(self.hdrs)
+
+    def __len__(self):
+        """Packets packed and not yet sent."""
+        return self.count - self.head
+
+    @property
+    def nbytes(self):
+        """Bytes packed, sent or not (what the buffer holds until it is cleared)."""
+        return self.used
+
+    @property
+    def full(self):
+        return self.count == self.slots
+
+    def clear(self):
+        """Forget every packet, sent or not, and any held pair."""
+        self.count = self.head = 0
+        self.used = 0
+        self.held = None
+
+    def unsent(self):
+        """The packets still owed, as bytes, oldest first."""
+        cdef int i
+        return [PyBytes_FromStringAndSize(<char *>self.iov[i].iov_base, self.iov[i].iov_len)
+                for i in range(self.head, self.count)]
+
+    cdef int _append(self, const char *head, size_t hlen, const char *key, size_t klen,
+                     const char *tail, size_t tlen) noexcept:
+        """Pack head+key+tail as one packet; 0 when it does not fit."""
+        cdef size_t size = hlen + klen + tlen
+        cdef char *at
+        if self.count == self.slots or self.used + size > self.cap:
+            return 0
+        at = self.buf + self.used
+        memcpy(at, head, hlen)
+        memcpy(at + hlen, key, klen)
+        memcpy(at + hlen + klen, tail, tlen)
+        self.iov[self.count].iov_base = at
+        self.iov[self.count].iov_len = size
+        self.count += 1
+        self.used += size
+        return 1
+
+    cpdef bint add_publish(self, object key, object payload) except -1:
+        """Check and pack ``MSG key\\0payload``; False if the box is full
+        (send, then add again). KeyRefusedError or MessageTooLargeError if the
+        broker would refuse it."""
+        cdef bytes k = as_bytes(key)
+        cdef bytes p = as_bytes(payload)
+        cdef size_t klen = PyBytes_GET_SIZE(k), plen = PyBytes_GET_SIZE(p)
+        cdef size_t size = 5 + klen + plen
+        cdef char *kp = PyBytes_AS_STRING(k)
+        cdef char *pp = PyBytes_AS_STRING(p)
+        cdef char *at
+        if memchr(kp, 0, klen) != NULL or memchr(kp, b'!', klen) != NULL:
+            check_key(kp, klen, False)
+        if size > self.max_message:
+            refuse_size(size, self.max_message)
+        if self.count == self.slots or self.used + size > self.cap:
+            return False
+        at = self.buf + self.used
+        memcpy(at, b"MSG ", 4)
+        memcpy(at + 4, kp, klen)
+        at[4 + klen] = 0
+        memcpy(at + 5 + klen, pp, plen)
+        self.iov[self.count].iov_base = at
+        self.iov[self.count].iov_len = size
+        self.count += 1
+        self.used += size
+        return True
+
+    cpdef bint add_packet(self, bytes packet) except -1:
+        """Pack a packet already built and checked; False if the box is full."""
+        return self._append(PyBytes_AS_STRING(packet), PyBytes_GET_SIZE(packet), NULL, 0, NULL, 0)
+
+    def pack_many(self, object items, Py_ssize_t base):
+        """Pack (key, payload) pairs from the iterator ``items`` until it ends
+        (then ``exhausted`` is set) or the box is full; returns how many were
+        packed. A pair that did not fit is held and packed first next time.
+        A refused pair raises with ``index = base + its position``; the
+        pairs packed before it stay packed."""
+        cdef Py_ssize_t k = 0
+        self.exhausted = False
+        while self.count < self.slots:
+            if self.held is not None:
+                item, self.held = self.held, None
+            else:
+                try:
+                    item = next(items)
+                except StopIteration:
+                    self.exhausted = True
+                    break
+            key, payload = item
+            try:
+                packed = self.add_publish(key, payload)
+            except KeyRefusedError as exc:
+                exc.index = base + k
+                raise
+            except MessageTooLargeError as exc:
+                exc.index = base + k
+                raise
+            if not packed:
+                self.held = item
+                break
+            k += 1
+        return k
+
+    def send(self, int fd, int flags=0):
+        """sendmmsg what is owed until all of it is sent; returns how many
+        went out, and clears the box. An OSError (BlockingIOError for a full
+        non-blocking socket) leaves the rest owed: ``head`` counts what went out."""
+        cdef int start = self.head
+        cdef int n
+        while self.head < self.count:
+            with nogil:
+                n = sendmmsg(fd, self.hdrs + self.head, self.count - self.head,
+                             flags | MSG_NOSIGNAL)
+            if n < 0:
+                if errno != EINTR:
+                    raise_errno("sendmmsg")
+                PyErr_CheckSignals()
+                continue
+            self.head += n
+        sent = self.head - start
+        self.count = self.head = 0
+        self.used = 0
+        return sent
+
+
+cdef class Inbox:
+    """Up to 64 packets per recvmmsg, each slot max_message + 1 bytes (one
+    more than the limit, so an oversized packet shows even without
+    MSG_TRUNC). The slots are mapped with MAP_NORESERVE: only the pages
+    packets touch are resident, and a large packet's pages are handed back."""
+
+    def __cinit__(self, size_t max_message, object message_type, object control_type,
+                  int slots=INBOX_SLOTS):
+        cdef int i
+        cdef void *area
+        self.max_message = max_message
+        self.message_type = message_type
+        self.control_type = control_type
+        self.slots = slots
+        self.slot_size = max_message + 1
+        self.area_size = <size_t>slots * self.slot_size
+        area = mmap(NULL, self.area_size, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        if area == MAP_FAILED:
+            raise MemoryError()
+        self.area = <char *>area
+        self.iov = <iovec *>malloc(slots * sizeof(iovec))
+        self.hdrs = <mmsghdr *>malloc(slots * sizeof(mmsghdr))
+        if self.iov == NULL or self.hdrs == NULL:
+            raise MemoryError()
+        memset(self.hdrs, 0, slots * sizeof(mmsghdr))
+        for i in range(slots):
+            self.iov[i].iov_base = self.area + i * self.slot_size
+            self.iov[i].iov_len = self.slot_size
+            self.hdrs[i].msg_hdr.msg_iov = &self.iov[i]
+            self.hdrs[i].msg_hdr.msg_iovlen = 1
+        self.last_key = b""
+
+    def __dealloc__(self):
+        if self.area != NULL:
+            munmap(self.area, self.area_size)
+        free(self.iov)
+        free(self.hdrs)
+
+    def receive(self, int fd, int limit, int flags=0):
+        """recvmmsg up to ``limit`` packets (waiting for the first unless the
+        socket or ``flags`` say MSG_DONTWAIT) and parse them, in order.
+
+        Returns a list of Message and ControlMessage objects, in which an
+        oversized or malformed packet is the exception that reports it, and
+        the end of the connection is a BusClosedError (always last).
+        ``irregular`` counts the control messages and exceptions, so a caller
+        finding it 0 can take the list as plain messages. OSError as
+        recvmmsg(2) reports it (BlockingIOError: nothing to read)."""
+        cdef int n, i
+        cdef size_t size, klen
+        cdef const char *p
+        cdef const char *nul
+        cdef int irregular = 0
+        cdef size_t kept
+        if limit > self.slots:
+            limit = self.slots
+        if limit < 1:
+            limit = 1
+        while True:
+            with nogil:
+                n = recvmmsg(fd, self.hdrs, limit, flags | MSG_WAITFORONE, NULL)
+            if n >= 0:
+                break
+            if errno != EINTR:
+                raise_errno("recvmmsg")
+            PyErr_CheckSignals()
+        out = []
+        message_type = self.message_type
+        for i in range(n):
+            size = self.hdrs[i].msg_len
+            p = <const char *>self.iov[i].iov_base
+            if size == 0:
+                # SOCK_SEQPACKET reads 0 bytes at EOF; the broker never sends
+                # an empty packet, and every later slot would read 0 as well.
+                out.append(BusClosedError("the broker closed the connection"))
+                irregular += 1
+                break
+            if size > self.max_message or self.hdrs[i].msg_hdr.msg_flags & MSG_TRUNC:
+                out.append(MessageTooLargeError(
+                    f"received a packet larger than {self.max_message} bytes; it was dropped"))
+                irregular += 1
+                self.release(i)
+                continue
+            if size > 4 and memcmp(p, b"MSG ", 4) == 0:
+                nul = <const char *>memchr(p + 4, 0, size - 4)
+                if nul == NULL:
+                    out.append(ProtocolError(
+                        f"MSG packet without NUL after the key: {p[:size if size < 64 else 64]!r}"))
+                    irregular += 1
+                    continue
+                klen = nul - (p + 4)
+                out.append(self.make(message_type, p + 4, klen, nul + 1, size - 5 - klen))
+            elif size >= 5 and memcmp(p, b"CMSG ", 5) == 0:
+                nul = <const char *>memchr(p + 5, 0, size - 5)
+                if nul == NULL:
+                    out.append(self.make(self.control_type, p + 5, size - 5, p, 0))
+                else:
+                    klen = nul - (p + 5)
+                    out.append(self.make(self.control_type, p + 5, klen, nul + 1, size - 6 - klen))
+                irregular += 1
+            else:
+                out.append(ProtocolError(f"unknown packet type: {p[:size if size < 64 else 64]!r}"))
+                irregular += 1
+            if size > KEEP_MAPPED:
+                self.release(i)
+        self.irregular = irregular
+        return out
+
+    cdef object make(self, object cls, const char *key, size_t klen,
+                            const char *payload, size_t plen):
+        """cls(key, payload) for a two-field NamedTuple; a key equal to the
+        last one reuses its bytes object (bytes are immutable)."""
+        cdef bytes k = self.last_key
+        if <size_t>PyBytes_GET_SIZE(k) != klen or memcmp(PyBytes_AS_STRING(k), key, klen) != 0:
+            k = PyBytes_FromStringAndSize(key, klen)
+            self.last_key = k
+        payload_obj = PyBytes_FromStringAndSize(payload, plen)
+        t = <object>(<PyTypeObject_ *>cls).tp_alloc(<PyTypeObject_ *>cls, 2)
+        Py_DECREF(t)    # the <object> cast took a second reference to tp_alloc's
+        Py_INCREF(k)
+        PyTuple_SET_ITEM(t, 0, k)
+        Py_INCREF(payload_obj)
+        PyTuple_SET_ITEM(t, 1, payload_obj)
+        return t
+
+    cdef void release(self, int i) noexcept:
+        """Hand back the pages of slot i beyond the first KEEP_MAPPED bytes."""
+        cdef size_t page = 4096
+        cdef char *start = self.area + i * self.slot_size + KEEP_MAPPED
+        cdef size_t offset = <size_t>start % page
+        cdef size_t length
+        if offset:
+            start += page - offset
+        if start >= self.area + (i + 1) * self.slot_size:
+            return
+        length = <size_t>(self.area + (i + 1) * self.slot_size - start) // page * page
+        if length:
+            madvise(start, length, MADV_DONTNEED)
