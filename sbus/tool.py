@@ -7,6 +7,8 @@
                                     broker restart unless --no-reconnect
     sbus whoami                     print this client's credentials
     sbus stats                      print the broker's counters as JSON
+    sbus bridge --nats URL [--export PATTERN] [--import SUBJECT] ...
+                                    join this bus to others through NATS
 
 Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
 ``/run/sbus.socket``.
@@ -149,12 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
     stats = commands.add_parser("stats", parents=[common],
                                 help="print the broker's counters as JSON")
     stats.set_defaults(run=cmd_stats)
+
+    from .bridge.cli import add_parser as add_bridge_parser
+    add_bridge_parser(commands, common)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     where = from_environment(args.address)
+    if hasattr(args, "standalone"):     # a long-running command with its own client (bridge)
+        return args.standalone(args, where)
     stdout = sys.stdout.buffer
     reconnect = None
     if args.command == "sub" and args.reconnect:
