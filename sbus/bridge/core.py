@@ -383,11 +383,12 @@ class Bridge:
             self._read_local(), self._forward(), self._connect_nats(), self._report())]
         stopping = asyncio.ensure_future(stop.wait())
         try:
-            done, _ = await asyncio.wait([stopping, *tasks],
-                                         return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                if t is not stopping and t.exception() is not None:
-                    raise t.exception()
+            running = {stopping, *tasks}
+            while not stopping.done():
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:      # only connecting to NATS ends on its own
+                    if t is not stopping and t.exception() is not None:
+                        raise t.exception()
             reason = "signal"
         finally:
             for t in (stopping, *tasks):
