@@ -62,6 +62,10 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
                    help=f"seconds between counter reports (default {DEFAULT_STATS_INTERVAL:g})")
     p.add_argument("--reconnect-wait", metavar="SECONDS", type=_seconds, default=1.0,
                    help="seconds between NATS reconnection attempts (default 1)")
+    p.add_argument("--local-flood", choices=("discard", "block"), default=None,
+                   help="when the bridge falls behind the local bus: the broker discards "
+                        "(and counts) what overflows its queue, or blocks the publishers "
+                        "(default: the broker's default, discard)")
     p.add_argument("--name", default="sbus-bridge", help="the client name NATS shows")
     auth = p.add_argument_group("NATS authentication and TLS (as nats-py takes them)")
     auth.add_argument("--creds", metavar="FILE", help="a user credentials file (JWT and NKey)")
@@ -87,6 +91,7 @@ def settings_of(args: argparse.Namespace, address: str):
         subject_prefix=args.subject_prefix, max_pending=args.max_pending, drop=args.drop,
         max_message=args.max_message, stats_key=args.stats_key,
         stats_interval=args.stats_interval, reconnect_wait=args.reconnect_wait, name=args.name,
+        local_flood=args.local_flood,
         creds=args.creds, token=args.token, user=args.user, password=args.password,
         tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
 

@@ -7,8 +7,8 @@ nats-py while NATS is connected. The reader never awaits the network, so
 the local bus never waits for it.
 
 NATS -> local: one NATS subscription per --import subject; each message is
-mapped to its key, checked, and published on the bus in buffered mode (one
-sendmmsg for many).
+mapped to its key, checked, and queued; a writer task publishes the queue (one
+sendmmsg for many, by publish_many).
 
 Echo is off on both sides (``CMSG echo/off`` on sbus, ``no_echo`` on NATS):
 what the bridge publishes never comes back to it, so two bridges through
@@ -28,7 +28,7 @@ from .. import __version__
 from .. import logschema as schema
 from ..aio import Client as BusClient
 from ..client import ControlMessage
-from ..errors import BacklogFullError, KeyRefusedError, MessageRefusedError
+from ..errors import BacklogFullError, BusClosedError, KeyRefusedError, MessageRefusedError
 from ..reconnect import Reconnect
 from . import mapping
 from .counters import Counters
@@ -61,6 +61,7 @@ class Settings:
     stats_key: str = DEFAULT_STATS_KEY
     stats_interval: float = DEFAULT_STATS_INTERVAL
     reconnect_wait: float = 1.0
+    local_flood: Optional[str] = None   # "discard" or "block": CMSG blocking/hard/...
     name: str = "sbus-bridge"
     creds: Optional[str] = None
     token: Optional[str] = None
@@ -138,6 +139,9 @@ class Bridge:
         self._suppressed = 0
         self._started = time.monotonic()
         self.bus: Optional[BusClient] = None
+        # Mapped NATS messages waiting for _write_local, oldest first.
+        self._inbound: List[Tuple[bytes, bytes]] = []
+        self._inbound_ready = asyncio.Event()
 
     # -- the local side --------------------------------------------------------
 
@@ -148,11 +152,12 @@ class Bridge:
             on_disconnect=lambda exc: self.log.warning(
                 schema.BRIDGE_LOCAL_LOST, address=s.address, error=str(exc)),
             on_reconnect=lambda: self.log.info(schema.BRIDGE_LOCAL_BACK, address=s.address))
-        self.bus = BusClient(s.address, max_message=s.max_message, buffered=True,
-                             reconnect=policy)
+        self.bus = BusClient(s.address, max_message=s.max_message, reconnect=policy)
         # Echo off first: what the bridge imports must never reach its own
         # export subscriptions.
         await self.bus.send_cmsg("echo/off")
+        if s.local_flood:
+            await self.bus.send_cmsg(f"blocking/hard/{s.local_flood}")
         for pattern in s.exports:
             await self.bus.subscribe(pattern)
         await self.bus.whoami()     # answered in order: the SUBs are in place
@@ -255,14 +260,38 @@ class Bridge:
             return self._dropped("in", "oversize", key, len(payload),
                                  f"over the broker's --max-message {self.settings.max_message}",
                                  msg.subject)
-        try:
-            await self.bus.publish(key, payload)
-        except KeyRefusedError as exc:
-            return self._dropped("in", "refused", key, len(payload), str(exc), msg.subject)
-        except (BacklogFullError, MessageRefusedError) as exc:
-            return self._dropped("in", "local", key, len(payload), str(exc), msg.subject)
-        c.in_forwarded += 1
-        c.in_forwarded_bytes += len(payload)
+        self._inbound.append((key, payload))
+        if len(self._inbound) == 1:
+            self._inbound_ready.set()
+
+    async def _write_local(self) -> None:
+        """Mapped NATS messages -> the local bus, many per sendmmsg(2)."""
+        c = self.counters
+        while True:
+            await self._inbound_ready.wait()
+            self._inbound_ready.clear()
+            batch, self._inbound = self._inbound, []
+            while batch:
+                try:
+                    done = await self.bus.publish_many(batch)
+                except MessageRefusedError as exc:      # one message; the rest go on
+                    done = exc.sent
+                    key, payload = batch[exc.index]
+                    reason = "refused" if isinstance(exc, KeyRefusedError) else "local"
+                    self._dropped("in", reason, key, len(payload), str(exc))
+                    skip = exc.index + 1
+                except (BacklogFullError, BusClosedError) as exc:
+                    # The broker is away and the backlog full (or the bus closed).
+                    done = getattr(exc, "sent", 0)
+                    for key, payload in batch[done:]:
+                        self._dropped("in", "local", key, len(payload), str(exc))
+                    skip = len(batch)
+                else:
+                    skip = done
+                for _, payload in batch[:done]:
+                    c.in_forwarded_bytes += len(payload)
+                c.in_forwarded += done
+                batch = batch[skip:]
 
     def _dropped(self, direction: str, reason: str, key: Optional[bytes], size: int,
                  detail: str, subject: str = "") -> None:
@@ -367,8 +396,7 @@ class Bridge:
             if key:
                 try:
                     await self.bus.publish(key, json.dumps(state, separators=(",", ":")))
-                    await self.bus.flush()
-                except (BacklogFullError, MessageRefusedError):
+                except (BacklogFullError, MessageRefusedError, BusClosedError):
                     pass    # the broker is away; the log has the same record
 
     async def run(self, stop: asyncio.Event) -> str:
@@ -380,7 +408,8 @@ class Bridge:
                       imports=" ".join(s.imports), subject_prefix=s.subject_prefix,
                       max_pending=s.max_pending, drop=s.drop, stats_key=s.stats_key)
         tasks = [asyncio.ensure_future(t) for t in (
-            self._read_local(), self._forward(), self._connect_nats(), self._report())]
+            self._read_local(), self._forward(), self._write_local(), self._connect_nats(),
+            self._report())]
         stopping = asyncio.ensure_future(stop.wait())
         try:
             running = {stopping, *tasks}
@@ -404,10 +433,6 @@ class Bridge:
             except Exception:
                 pass
         if self.bus is not None:
-            try:
-                await asyncio.wait_for(self.bus.flush(), 2)
-            except Exception:
-                pass
             self.bus.close()
 
     def stopped(self, reason: str) -> None:
