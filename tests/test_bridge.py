@@ -7,6 +7,7 @@ fixed sleeps: waits are for log records, stats records or messages.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import threading
@@ -220,7 +221,6 @@ def test_counters_are_published_on_the_local_bus(pair):
         bus.subscribe(STATS_KEY)
         bus.whoami(timeout=10)
         m = bus.receive(timeout=10)
-    import json
     state = json.loads(m.payload)
     assert m.key == STATS_KEY and state["connected"] is True
     assert {"pending_msgs", "pending_bytes", "out_forwarded", "out_dropped", "in_forwarded",
@@ -335,13 +335,14 @@ def _numbers(messages):
     return [int(k.split(b"/")[1]) for k, _ in messages if k.startswith(b"stream/")]
 
 
-def test_nats_killed_mid_stream_and_restarted(tmp_path, cleanup):
+@pytest.mark.parametrize("drop", ["newest", "oldest"])
+def test_nats_killed_mid_stream_and_restarted(tmp_path, cleanup, drop):
     server = NatsServer(tmp_path)
     cleanup(server)
     a, b = start_host(tmp_path, "a", cleanup), start_host(tmp_path, "b", cleanup)
     max_pending = 20000
     ba = start_bridge(tmp_path, cleanup, a, [server.url], "--export", "stream/",
-                      "--max-pending", str(max_pending), "--drop", "newest")
+                      "--max-pending", str(max_pending), "--drop", drop)
     bb = start_bridge(tmp_path, cleanup, b, [server.url], "--import", "sbus.stream.>")
     ba.ready()
     bb.ready()
@@ -378,13 +379,32 @@ def test_nats_killed_mid_stream_and_restarted(tmp_path, cleanup):
         assert sent - len(got) >= state["out_dropped_full"]
         assert max(r["pending_bytes"] for r in ba.events("bridge_stats")) <= max_pending
         assert state["nats_disconnects"] == 1 and state["nats_connects"] == 2
-        drops = [r for r in ba.events("bridge_stats")]
-        assert drops[-1]["out_dropped_full"] == state["out_dropped_full"]
+        assert ba.events("bridge_stats")[-1]["out_dropped_full"] == state["out_dropped_full"]
     finally:
         if not stream._stop.is_set():
             stream.stop()
         local.stop()
         remote.stop()
+
+
+def test_overlapping_export_patterns_export_once(tmp_path, cleanup):
+    server = NatsServer(tmp_path)
+    cleanup(server)
+    a, b = start_host(tmp_path, "a", cleanup), start_host(tmp_path, "b", cleanup)
+    ba = start_bridge(tmp_path, cleanup, a, [server.url], "--export", "a/", "--export", "a/b",
+                      "--export", "")
+    bb = start_bridge(tmp_path, cleanup, b, [server.url], "--import", "sbus.a.>")
+    ba.ready()
+    bb.ready()
+    at_b = Collector(b, "")
+    try:
+        publish_all(a, [(b"a/b", b"1"), (b"a/c", b"2")])
+        assert at_b.wait_count(2) == [(b"a/b", b"1"), (b"a/c", b"2")]
+        assert ba.stats()["out_forwarded"] == 2
+        bb.stats()
+        assert len(at_b.messages) == 2
+    finally:
+        at_b.stop()
 
 
 def test_cluster_failover(tmp_path, cleanup):

