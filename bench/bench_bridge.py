@@ -35,7 +35,7 @@ BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
 BIN = Path(sys.executable).parent
 KEY = b"bench/key"
-SUBJECT = "sbus.bench.key"
+PLAIN_SUBJECT = "plain.bench"      # outside the bridges' prefix: plain NATS only
 
 
 def say(*args):
@@ -114,7 +114,7 @@ async def _nats_sub(url, count, timeout):
         if state["got"] >= count:
             done.set()
 
-    await nc.subscribe(SUBJECT, cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
+    await nc.subscribe(PLAIN_SUBJECT, cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
     await nc.flush()
     print("ready", flush=True)
     seen = -1
@@ -134,7 +134,7 @@ async def _nats_pub(url, count, payload):
     nc = await nats.connect(url, pending_size=8 << 20)
     data = b"x" * payload
     for _ in range(count):
-        await nc.publish(SUBJECT, data)
+        await nc.publish(PLAIN_SUBJECT, data)
     await nc.flush(timeout=60)
     await nc.close()
     return {"sent": count}

@@ -468,3 +468,36 @@ def wait_for_routes(a, b):
             except TimeoutError:
                 return None
         wait_until(probe, 30, "a probe across the cluster")
+
+
+def test_every_bridge_record_follows_logschema(pair):
+    from sbus import logschema as ls
+    server, a, b, ba, bb = pair
+    publish_all(a, [(b"x", b"1")])
+    asyncio.run(_nats_publish(server.url, [("sbus.bad%", b"", None)]))
+    ba.wait_for("bridge_drop")
+    ba.stats()
+    ba.stop()
+    common = {name for name, _ in ls.COMMON_FIELDS}
+    records = ba.records() + bb.records()
+    assert {r["event"] for r in ba.records()} >= {
+        ls.BRIDGE_START, ls.BRIDGE_CONNECTED, ls.BRIDGE_STATS, ls.BRIDGE_DROP, ls.BRIDGE_STOP}
+    for r in records:
+        declared = {name for name, _ in ls.BRIDGE_EVENT_FIELDS[r["event"]]}
+        assert set(r) == common | declared, r["event"]
+        assert r["broker_pid"] in (ba.proc.pid, bb.proc.pid)
+
+
+@pytest.mark.parametrize("server_auth, bridge_auth", [
+    (["--auth", "s3cret"], ["--token", "s3cret"]),
+    (["--user", "u", "--pass", "pw"], ["--user", "u", "--password", "pw"]),
+])
+def test_authentication_is_passed_to_nats(tmp_path, cleanup, server_auth, bridge_auth):
+    server = NatsServer(tmp_path, extra=server_auth)
+    cleanup(server)
+    a = start_host(tmp_path, "a", cleanup)
+    refused = start_bridge(tmp_path, cleanup, a, [server.url], "--export", "x/")
+    refused.wait_for("bridge_disconnected")         # no credentials: it keeps trying
+    assert not refused.events("bridge_connected") and refused.alive()
+    good = start_bridge(tmp_path, cleanup, a, [server.url], "--export", "x/", *bridge_auth)
+    good.ready()

@@ -41,6 +41,8 @@ from .defaults import (DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STAT
 MAX_SUBJECT = 3900
 # Bad-input drops logged one by one per stats interval; the rest are counted.
 DROP_LOG_LIMIT = 20
+# Seconds between repeated records of the same failed NATS connection attempt.
+ERROR_LOG_INTERVAL = 10.0
 # How many key -> (subject, header) and header -> key mappings are cached.
 _CACHE_SIZE = 4096
 _BATCH = 256
@@ -137,6 +139,8 @@ class Bridge:
         self._in_cache: dict = {}
         self._logged_drops = 0
         self._suppressed = 0
+        self._last_error = ""
+        self._last_error_at = 0.0
         self._started = time.monotonic()
         self.bus: Optional[BusClient] = None
         # Mapped NATS messages waiting for _write_local, oldest first.
@@ -371,8 +375,17 @@ class Bridge:
     async def _on_error(self, exc: Exception) -> None:
         from nats.errors import SlowConsumerError
         if isinstance(exc, SlowConsumerError):
-            self._dropped("in", "local", None, 0, "NATS dropped for this slow subscriber",
-                          getattr(exc, "subject", ""))
+            return self._dropped("in", "local", None, 0, "NATS dropped for this slow subscriber",
+                                 getattr(exc, "subject", ""))
+        if self.connected:
+            return
+        # A failed (re)connection attempt; nats-py tries again after --reconnect-wait.
+        # Logged when the error changes, and at most every ERROR_LOG_INTERVAL seconds.
+        text, now = repr(exc), time.monotonic()
+        if text != self._last_error or now - self._last_error_at >= ERROR_LOG_INTERVAL:
+            self._last_error, self._last_error_at = text, now
+            self.log.warning(schema.BRIDGE_DISCONNECTED, server=self.server or ",".join(
+                self.settings.servers), error=text, pending_msgs=len(self._queue))
 
     async def _on_closed(self) -> None:
         self.connected = False

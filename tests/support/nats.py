@@ -26,12 +26,14 @@ class NatsServer:
     """``nats-server`` on 127.0.0.1; ``routes`` joins a cluster. ``stop()`` always
     runs in the fixtures, so no server outlives its test."""
 
-    def __init__(self, workdir: Path, name="n1", port=None, cluster_port=None, routes=()):
+    def __init__(self, workdir: Path, name="n1", port=None, cluster_port=None, routes=(),
+                 extra=()):
         self.workdir = Path(workdir)
         self.name = name
         self.port = port or free_port()
         self.cluster_port = cluster_port
         self.routes = list(routes)
+        self.extra = list(extra)
         self.proc = None
         self.start()
 
@@ -41,7 +43,7 @@ class NatsServer:
 
     def start(self) -> "NatsServer":
         argv = [nats_server_path(), "-a", "127.0.0.1", "-p", str(self.port),
-                "--server_name", self.name]
+                "--server_name", self.name, *self.extra]
         if self.cluster_port:
             argv += ["--cluster_name", "sbus-test",
                      "--cluster", f"nats://127.0.0.1:{self.cluster_port}"]
