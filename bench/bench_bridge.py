@@ -243,7 +243,7 @@ def run(args):
             r = pair(me + ["--worker", "sbus_sub", "--address", hosts["b"], "--count",
                            str(args.count), "--seconds", "120"],
                      me + ["--worker", "sbus_pub", "--address", hosts["a"], "--count",
-                           str(args.count), *common], procs, 300)
+                           str(args.count), "--rate", "0", *common], procs, 300)
             results.setdefault("bridge_rate", []).append(
                 {"received": r["received"], "sent": args.count,
                  "rate": r["received"] / r["seconds"] if r["seconds"] else 0})
