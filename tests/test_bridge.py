@@ -501,3 +501,35 @@ def test_authentication_is_passed_to_nats(tmp_path, cleanup, server_auth, bridge
     assert not refused.events("bridge_connected") and refused.alive()
     good = start_bridge(tmp_path, cleanup, a, [server.url], "--export", "x/", *bridge_auth)
     good.ready()
+
+
+def test_local_broker_restart(tmp_path, cleanup):
+    """The bridge rides out a restart of its own broker: subscriptions and
+    echo/off are restored, and traffic resumes both ways."""
+    server = NatsServer(tmp_path)
+    cleanup(server)
+    a, b = start_host(tmp_path, "a", cleanup), start_host(tmp_path, "b", cleanup)
+    ba = start_bridge(tmp_path, cleanup, a, [server.url], "--export", "", "--import", "sbus.>")
+    bb = start_bridge(tmp_path, cleanup, b, [server.url], "--export", "", "--import", "sbus.>")
+    ba.ready()
+    bb.ready()
+    mark = ba.mark()
+    a.stop()
+    ba.wait_for("bridge_local_lost", since=mark)
+    a2 = Sbusd.foreground(tmp_path / "a", address=a.address)
+    cleanup(a2)
+    ba.wait_for("bridge_local_back", 30, since=mark)
+    at_a, at_b = Collector(a2, ""), Collector(b, "")
+    try:
+        publish_all(a2, [(b"after/%d" % i, b"a") for i in range(20)])
+        publish_all(b, [(b"back/%d" % i, b"b") for i in range(20)])
+        assert at_b.wait_count(40)
+        assert at_a.wait_count(40)
+        ba.stats()
+        bb.stats()
+        # Each host saw its own 20 once and the other's 20 once: echo is off again.
+        assert sorted(at_a.messages) == sorted(at_b.messages)
+        assert len(at_a.messages) == len(set(at_a.messages)) == 40
+    finally:
+        at_a.stop()
+        at_b.stop()
