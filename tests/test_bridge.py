@@ -167,6 +167,7 @@ def test_overlapping_imports():
 @pytest.mark.parametrize("args, says", [
     (["--export", "!/cred/"], "never exported"),
     (["--export", "!"], "never exported"),
+    (["--export", "a/!/b"], "reserved '!' misused"),
     (["--import", "sbus.>", "--import", "sbus.news.*"], "overlap"),
     (["--import", "a..b"], "empty tokens"),
     (["--subject-prefix", "s.*", "--export", "x/"], "subject-prefix"),

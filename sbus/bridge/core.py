@@ -27,7 +27,7 @@ from typing import Deque, List, Optional, Tuple
 from .. import __version__
 from .. import logschema as schema
 from ..aio import Client as BusClient
-from ..client import ControlMessage
+from ..client import ControlMessage, pack_subscribe
 from ..errors import BacklogFullError, BusClosedError, KeyRefusedError, MessageRefusedError
 from ..reconnect import Reconnect
 from . import mapping
@@ -88,8 +88,10 @@ def check(settings: Settings) -> None:
         if pattern.startswith("!"):
             raise SettingsError(f"--export {pattern!r}: keys starting with '!' name local "
                                 f"credentials and are never exported")
-        if "\0" in pattern:
-            raise SettingsError(f"--export {pattern!r}: a pattern holds no NUL")
+        try:
+            pack_subscribe(pattern)     # refuses what the broker would refuse
+        except MessageRefusedError as exc:
+            raise SettingsError(f"--export {pattern!r}: {exc}") from None
     prefix = settings.subject_prefix
     if mapping.check_import(prefix) or any(c in prefix for c in "*>"):
         raise SettingsError(f"--subject-prefix {prefix!r} is not a plain NATS subject")
