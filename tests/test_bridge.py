@@ -534,3 +534,28 @@ def test_local_broker_restart(tmp_path, cleanup):
     finally:
         at_a.stop()
         at_b.stop()
+
+
+def test_systemd_unit_starts_after_the_broker_and_restarts_on_failure():
+    import shutil
+
+    from test_systemd import UNITS, read_unit
+    unit = read_unit("sbus-bridge.service")
+    after = " ".join(v for k, v in unit["Unit"] if k == "After").split()
+    assert "sbusd.service" in after and "sbusd.socket" in after
+    svc = dict(unit["Service"])
+    assert svc["Restart"] == "on-failure"
+    argv = svc["ExecStart"].split()
+    assert argv[:2] == ["/usr/bin/env", "sbus"] and "bridge" in argv
+    assert argv[argv.index("-a") + 1] == "/run/sbus.socket"
+    # The unit's command line parses: the options it names exist.
+    from sbus.tool import build_parser
+    args = build_parser().parse_args(argv[2:argv.index("$SBUS_BRIDGE_ARGS")] +
+                                     ["--nats", "nats://hub:4222", "--export", "news/"])
+    assert args.command == "bridge" and args.log_format == "json"
+    analyze = shutil.which("systemd-analyze")
+    if analyze:
+        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"),
+                            str(UNITS / "sbusd.service"), str(UNITS / "sbus-bridge.service")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
