@@ -41,6 +41,8 @@ from .defaults import (DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STAT
 MAX_SUBJECT = 3900
 # Bad-input drops logged one by one per stats interval; the rest are counted.
 DROP_LOG_LIMIT = 20
+# Seconds a stopping bridge waits for its pending messages to leave.
+SETTLE_TIMEOUT = 2.0
 # Seconds between repeated records of the same failed NATS connection attempt.
 ERROR_LOG_INTERVAL = 10.0
 # How many key -> (subject, header) and header -> key mappings are cached.
@@ -116,6 +118,12 @@ def _tls(settings: Settings) -> Optional[ssl.SSLContext]:
     if settings.tls_cert:
         ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
     return ctx
+
+
+def _redact(url: str) -> str:
+    """A server URL as logged: without user:password@ or a token in it."""
+    scheme, sep, rest = url.rpartition("://")
+    return scheme + sep + rest.rpartition("@")[2]
 
 
 def _describe(key: bytes) -> str:
@@ -338,7 +346,7 @@ class Bridge:
                 nc = await nats.connect(**options)
                 break
             except Exception as exc:        # nats-py raises several kinds; all mean "later"
-                self.log.warning(schema.BRIDGE_DISCONNECTED, server=",".join(s.servers),
+                self.log.warning(schema.BRIDGE_DISCONNECTED, server=self._seeds(),
                                  error=f"connect failed: {exc!r}", pending_msgs=len(self._queue))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _CONNECT_DELAY[1])
@@ -358,7 +366,8 @@ class Bridge:
         if not self.connected:
             return
         self.counters.nats_connects += 1
-        self.server = str(nc.connected_url.netloc) if nc.connected_url else ""
+        url = nc.connected_url
+        self.server = f"{url.hostname}:{url.port}" if url else ""
         self.log.info(schema.BRIDGE_CONNECTED, server=self.server,
                       nats_connects=self.counters.nats_connects, pending_msgs=len(self._queue))
         self._wake.set()
@@ -382,15 +391,25 @@ class Bridge:
         if self.connected:
             return
         # A failed (re)connection attempt; nats-py tries again after --reconnect-wait.
-        # Logged when the error changes, and at most every ERROR_LOG_INTERVAL seconds.
+        # Logged when the error changes; the same error again after ERROR_LOG_INTERVAL s.
         text, now = repr(exc), time.monotonic()
         if text != self._last_error or now - self._last_error_at >= ERROR_LOG_INTERVAL:
             self._last_error, self._last_error_at = text, now
-            self.log.warning(schema.BRIDGE_DISCONNECTED, server=self.server or ",".join(
-                self.settings.servers), error=text, pending_msgs=len(self._queue))
+            self.log.warning(schema.BRIDGE_DISCONNECTED, server=self.server or self._seeds(),
+                             error=text, pending_msgs=len(self._queue))
 
     async def _on_closed(self) -> None:
         self.connected = False
+
+    def _seeds(self) -> str:
+        return ",".join(_redact(url) for url in self.settings.servers)
+
+    async def _settle(self, timeout: float) -> None:
+        """On stop: give what is pending a moment to leave, both ways."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while ((self._queue and self.connected) or self._inbound) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
 
     # -- state -----------------------------------------------------------------
 
@@ -419,7 +438,7 @@ class Bridge:
         s = self.settings
         await self._open_bus()
         self.log.info(schema.BRIDGE_START, version=__version__, address=s.address,
-                      nats=",".join(s.servers), exports=" ".join(s.exports),
+                      nats=self._seeds(), exports=" ".join(s.exports),
                       imports=" ".join(s.imports), subject_prefix=s.subject_prefix,
                       max_pending=s.max_pending, drop=s.drop, stats_key=s.stats_key)
         tasks = [asyncio.ensure_future(t) for t in (
@@ -434,6 +453,7 @@ class Bridge:
                     if t is not stopping and t.exception() is not None:
                         raise t.exception()
             reason = "signal"
+            await self._settle(SETTLE_TIMEOUT)
         finally:
             for t in (stopping, *tasks):
                 t.cancel()
