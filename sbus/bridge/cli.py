@@ -61,7 +61,8 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
                    default=DEFAULT_STATS_INTERVAL,
                    help=f"seconds between counter reports (default {DEFAULT_STATS_INTERVAL:g})")
     p.add_argument("--reconnect-wait", metavar="SECONDS", type=_seconds, default=1.0,
-                   help="seconds between NATS reconnection attempts (default 1)")
+                   help="first wait before a NATS server is tried again; doubles up to 5 s "
+                        "(default 1)")
     p.add_argument("--local-flood", choices=("discard", "block"), default=None,
                    help="when the bridge falls behind the local bus: the broker discards "
                         "(and counts) what overflows its queue, or blocks the publishers "

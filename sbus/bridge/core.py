@@ -41,6 +41,8 @@ from .defaults import (DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STAT
 MAX_SUBJECT = 3900
 # Bad-input drops logged one by one per stats interval; the rest are counted.
 DROP_LOG_LIMIT = 20
+# The longest wait before a NATS server is tried again (--reconnect-wait doubles up to it).
+MAX_RECONNECT_WAIT = 5.0
 # Seconds a stopping bridge waits for its pending messages to leave.
 SETTLE_TIMEOUT = 2.0
 # Seconds between repeated records of the same failed NATS connection attempt.
@@ -322,7 +324,7 @@ class Bridge:
         self._suppressed = 0
 
     async def _connect_nats(self) -> None:
-        import nats
+        import nats.aio.client
         s = self.settings
         options = dict(
             servers=s.servers, name=s.name, no_echo=True, allow_reconnect=True,
@@ -342,15 +344,17 @@ class Bridge:
             options["tls"] = tls
         delay = _CONNECT_DELAY[0]
         while True:
+            # Made before connecting, so the error callback can lengthen its
+            # wait between attempts while the first connection fails too.
+            nc = self._nc = nats.aio.client.Client()
             try:
-                nc = await nats.connect(**options)
+                await nc.connect(**options)
                 break
             except Exception as exc:        # nats-py raises several kinds; all mean "later"
                 self.log.warning(schema.BRIDGE_DISCONNECTED, server=self._seeds(),
                                  error=f"connect failed: {exc!r}", pending_msgs=len(self._queue))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _CONNECT_DELAY[1])
-        self._nc = nc
         for subject in s.imports:
             await nc.subscribe(subject, cb=self._on_nats, pending_msgs_limit=-1,
                                pending_bytes_limit=256 << 20)
@@ -366,6 +370,7 @@ class Bridge:
         if not self.connected:
             return
         self.counters.nats_connects += 1
+        nc.options["reconnect_time_wait"] = self.settings.reconnect_wait
         url = nc.connected_url
         self.server = f"{url.hostname}:{url.port}" if url else ""
         self.log.info(schema.BRIDGE_CONNECTED, server=self.server,
@@ -390,7 +395,13 @@ class Bridge:
                                  getattr(exc, "subject", ""))
         if self.connected:
             return
-        # A failed (re)connection attempt; nats-py tries again after --reconnect-wait.
+        # A failed (re)connection attempt: nats-py tries the next server, and
+        # one it tried lately after reconnect_time_wait, which doubles up to
+        # MAX_RECONNECT_WAIT (back-off) and is reset once connected.
+        if self._nc is not None:
+            wait = self._nc.options.get("reconnect_time_wait", self.settings.reconnect_wait)
+            self._nc.options["reconnect_time_wait"] = min(
+                max(wait, self.settings.reconnect_wait) * 2, MAX_RECONNECT_WAIT)
         # Logged when the error changes; the same error again after ERROR_LOG_INTERVAL s.
         text, now = repr(exc), time.monotonic()
         if text != self._last_error or now - self._last_error_at >= ERROR_LOG_INTERVAL:
