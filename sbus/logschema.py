@@ -215,7 +215,7 @@ _BRIDGE_COUNTERS = tuple((name, INT) for name in (
     "out_forwarded", "out_forwarded_bytes", "out_private", "out_dropped_full",
     "out_dropped_unmappable", "out_dropped", "in_forwarded", "in_forwarded_bytes",
     "in_dropped_private", "in_dropped_unmappable", "in_dropped_oversize", "in_dropped_refused",
-    "in_dropped_local", "in_dropped", "nats_connects", "nats_disconnects"))
+    "in_dropped_local", "in_dropped_full", "in_dropped", "nats_connects", "nats_disconnects"))
 
 BRIDGE_EVENT_FIELDS = {
     BRIDGE_START: (("version", STR), ("address", STR), ("nats", STR), ("exports", STR),

@@ -566,3 +566,32 @@ def test_server_urls_are_logged_without_credentials():
     assert _redact("nats://user:pw@hub:4222") == "nats://hub:4222"
     assert _redact("tls://t0ken@hub:4443") == "tls://hub:4443"
     assert _redact("hub:4222") == "hub:4222"
+
+
+def test_a_slow_local_broker_bounds_the_inbound_side(tmp_path, cleanup):
+    """A local subscriber that asks the broker to block for it and never reads
+    makes the broker stop taking the bridge's messages; the bridge holds at
+    most --max-pending bytes for it, drops and counts the rest, stays up."""
+    server = NatsServer(tmp_path)
+    cleanup(server)
+    workdir = tmp_path / "b"
+    workdir.mkdir()
+    b = Sbusd.foreground(workdir, "--queue-max-msgs", "10", "--block-timeout", "60")
+    cleanup(b)
+    bb = start_bridge(tmp_path, cleanup, b, [server.url], "--import", "sbus.slow.>",
+                      "--max-pending", "5000")
+    bb.ready()
+    stuck = Client(b.address)
+    stuck.send_cmsg("blocking/hard/block")
+    stuck.subscribe("slow/")
+    stuck.whoami(timeout=10)
+    try:
+        asyncio.run(_nats_publish(server.url, [("sbus.slow.x", b"y" * 100, None)] * 2000))
+        state = wait_until(lambda: (lambda s: s if s["in_dropped_full"] > 0 else None)(
+            bb.stats()), 30, "inbound drops")
+        assert bb.alive()
+        assert state["in_forwarded"] + state["in_dropped_full"] <= 2000
+        drops = [r for r in bb.events("bridge_drop") if r["reason"] == "full"]
+        assert drops and all(r["direction"] == "in" for r in drops)
+    finally:
+        stuck.close()

@@ -157,6 +157,7 @@ class Bridge:
         self.bus: Optional[BusClient] = None
         # Mapped NATS messages waiting for _write_local, oldest first.
         self._inbound: List[Tuple[bytes, bytes]] = []
+        self._inbound_bytes = 0
         self._inbound_ready = asyncio.Event()
 
     # -- the local side --------------------------------------------------------
@@ -276,7 +277,13 @@ class Bridge:
             return self._dropped("in", "oversize", key, len(payload),
                                  f"over the broker's --max-message {self.settings.max_message}",
                                  msg.subject)
+        size = len(key) + len(payload)
+        if self._inbound_bytes + size > self.settings.max_pending:
+            # The local broker is slower than NATS (or away): this direction
+            # is bounded by --max-pending too, and loses the newest.
+            return self._dropped("in", "full", key, len(payload), "", msg.subject)
         self._inbound.append((key, payload))
+        self._inbound_bytes += size
         if len(self._inbound) == 1:
             self._inbound_ready.set()
 
@@ -287,6 +294,7 @@ class Bridge:
             await self._inbound_ready.wait()
             self._inbound_ready.clear()
             batch, self._inbound = self._inbound, []
+            self._inbound_bytes = 0
             while batch:
                 try:
                     done = await self.bus.publish_many(batch)

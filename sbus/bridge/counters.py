@@ -16,12 +16,13 @@ FIELDS = (
     "in_dropped_refused",     # a key the broker would refuse (a misused '!')
     "in_dropped_local",       # the local broker was away and the backlog full, or NATS
                               # reported this subscriber slow (it dropped for us)
+    "in_dropped_full",        # more than --max-pending bytes waiting for the local broker
     "nats_connects",          # successful connections to NATS, the first and reconnections
     "nats_disconnects",       # connections to NATS lost
 )
 OUT_DROPS = ("out_dropped_full", "out_dropped_unmappable")
 IN_DROPS = ("in_dropped_private", "in_dropped_unmappable", "in_dropped_oversize",
-            "in_dropped_refused", "in_dropped_local")
+            "in_dropped_refused", "in_dropped_local", "in_dropped_full")
 
 
 class Counters:
