@@ -595,3 +595,37 @@ def test_a_slow_local_broker_bounds_the_inbound_side(tmp_path, cleanup):
         assert drops and all(r["direction"] == "in" for r in drops)
     finally:
         stuck.close()
+
+
+@pytest.mark.skipif(__import__("shutil").which("openssl") is None,
+                    reason="openssl makes the test's certificates")
+def test_tls_options_are_passed_to_nats(tmp_path, cleanup):
+    """nats-server requires TLS and a client certificate; the bridge
+    connects with --tls-ca, --tls-cert and --tls-key."""
+    def openssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+    ca, ca_key = tmp_path / "ca.pem", tmp_path / "ca.key"
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+            "-keyout", str(ca_key), "-out", str(ca))
+    ext = tmp_path / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                "-keyout", str(tmp_path / f"{name}.key"), "-out", str(tmp_path / f"{name}.csr"))
+        openssl("x509", "-req", "-in", str(tmp_path / f"{name}.csr"), "-CA", str(ca),
+                "-CAkey", str(ca_key), "-CAcreateserial", "-days", "1",
+                "-extfile", str(ext), "-out", str(tmp_path / f"{name}.pem"))
+    server = NatsServer(tmp_path, extra=[
+        "--tlsverify", "--tlscert", str(tmp_path / "server.pem"),
+        "--tlskey", str(tmp_path / "server.key"), "--tlscacert", str(ca)])
+    cleanup(server)
+    a = start_host(tmp_path, "a", cleanup)
+    url = f"tls://127.0.0.1:{server.port}"
+    bridge = start_bridge(tmp_path, cleanup, a, [url], "--export", "x/", "--tls-ca", str(ca),
+                          "--tls-cert", str(tmp_path / "client.pem"),
+                          "--tls-key", str(tmp_path / "client.key"))
+    bridge.ready()
+    without_cert = start_bridge(tmp_path, cleanup, a, [url], "--export", "x/",
+                                "--tls-ca", str(ca))
+    without_cert.wait_for("bridge_disconnected")
+    assert not without_cert.events("bridge_connected")
