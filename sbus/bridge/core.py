@@ -27,7 +27,7 @@ from typing import Deque, List, Optional, Tuple
 from .. import __version__
 from .. import logschema as schema
 from ..aio import Client as BusClient
-from ..client import ControlMessage, pack_subscribe
+from ..client import MAX_MESSAGE, ControlMessage, pack_subscribe
 from ..errors import BacklogFullError, BusClosedError, KeyRefusedError, MessageRefusedError
 from ..reconnect import Reconnect
 from . import mapping
@@ -63,7 +63,7 @@ class Settings:
     subject_prefix: str = mapping.DEFAULT_PREFIX
     max_pending: int = DEFAULT_MAX_PENDING
     drop: str = DROP_OLDEST
-    max_message: int = 409600
+    max_message: int = MAX_MESSAGE
     stats_key: str = DEFAULT_STATS_KEY
     stats_interval: float = DEFAULT_STATS_INTERVAL
     reconnect_wait: float = 1.0
