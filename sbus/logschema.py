@@ -223,3 +223,39 @@ def all_fields() -> dict:
             if out.setdefault(name, tag) != tag:
                 raise ValueError(f"field {name!r} of {event!r} is {tag}, elsewhere {out[name]}")
     return out
+
+# --- the bridge (``sbus bridge``, docs/bridge.md) ----------------------------
+# A separate process with its own records: the common fields (``broker_pid``
+# is the bridge's own pid) plus those below. Not read by the analytics job.
+BRIDGE_START = "bridge_start"
+BRIDGE_STOP = "bridge_stop"
+BRIDGE_CONNECTED = "bridge_connected"        # to NATS, the first time or again
+BRIDGE_DISCONNECTED = "bridge_disconnected"  # from NATS; it reconnects with back-off
+BRIDGE_LOCAL_LOST = "bridge_local_lost"      # the local broker went away
+BRIDGE_LOCAL_BACK = "bridge_local_back"      # ... and is back, subscriptions restored
+BRIDGE_STATS = "bridge_stats"                # every --stats-interval seconds
+BRIDGE_DROP = "bridge_drop"                  # one message dropped for bad input (rate-limited)
+
+# Why a message was dropped (``bridge_drop.reason``; counters in sbus.bridge.counters).
+BRIDGE_DROP_REASONS = ("full", "unmappable", "private", "oversize", "refused", "local")
+
+_BRIDGE_COUNTERS = tuple((name, INT) for name in (
+    "out_forwarded", "out_forwarded_bytes", "out_private", "out_dropped_full",
+    "out_dropped_unmappable", "out_dropped", "in_forwarded", "in_forwarded_bytes",
+    "in_dropped_private", "in_dropped_unmappable", "in_dropped_oversize", "in_dropped_refused",
+    "in_dropped_local", "in_dropped_full", "in_dropped", "nats_connects", "nats_disconnects"))
+
+BRIDGE_EVENT_FIELDS = {
+    BRIDGE_START: (("version", STR), ("address", STR), ("nats", STR), ("exports", STR),
+                   ("imports", STR), ("subject_prefix", STR), ("max_pending", INT),
+                   ("drop", STR), ("stats_key", STR)),
+    BRIDGE_STOP: (("reason", STR), ("uptime_s", FLOAT)) + _BRIDGE_COUNTERS,
+    BRIDGE_CONNECTED: (("server", STR), ("nats_connects", INT), ("pending_msgs", INT)),
+    BRIDGE_DISCONNECTED: (("server", STR), ("error", STR), ("pending_msgs", INT)),
+    BRIDGE_LOCAL_LOST: (("address", STR), ("error", STR)),
+    BRIDGE_LOCAL_BACK: (("address", STR),),
+    BRIDGE_STATS: (("connected", BOOL), ("server", STR), ("pending_msgs", INT),
+                   ("pending_bytes", INT), ("max_pending", INT)) + _BRIDGE_COUNTERS,
+    BRIDGE_DROP: (("direction", STR), ("reason", STR), ("subject", STR), ("key", STR),
+                  ("size", INT), ("detail", STR), ("suppressed", INT)),
+}

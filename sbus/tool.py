@@ -15,6 +15,8 @@
     sbus stats [--format prometheus] [--no-clients]
                                     print the broker's counters as JSON, or in the
                                     Prometheus text format
+    sbus bridge --nats URL [--export PATTERN] [--import SUBJECT] ...
+                                    join this bus to others through NATS
 
 Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
 ``/run/sbus.socket``.
@@ -272,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--timeout", type=_seconds, default=300.0, metavar="SECONDS",
                        help="give up on a run after this long (default 300)")
     bench.set_defaults(run=None)
+
+    from .bridge.cli import add_parser as add_bridge_parser
+    add_bridge_parser(commands, common)
     return parser
 
 
@@ -283,6 +288,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "bench":     # its processes make their own connections
         return cmd_bench(args)
     where = from_environment(args.address)
+    if hasattr(args, "standalone"):     # a long-running command with its own client (bridge)
+        return args.standalone(args, where)
     stdout = sys.stdout.buffer
     reconnect = None
     if args.command == "sub" and args.reconnect:

@@ -1,0 +1,495 @@
+"""The bridge itself: one sbus connection, one NATS connection, two directions.
+
+Local -> NATS: a reader task takes matching messages off the bus in batches
+and appends them to a bounded queue (``max_pending`` bytes; full means a
+drop at the chosen end, counted); a forwarder task hands the queue to
+nats-py while NATS is connected. The reader never awaits the network, so
+the local bus never waits for it.
+
+NATS -> local: one NATS subscription per --import subject; each message is
+mapped to its key, checked, and queued; a writer task publishes the queue (one
+sendmmsg for many, by publish_many).
+
+Echo is off on both sides (``CMSG echo/off`` on sbus, ``no_echo`` on NATS):
+what the bridge publishes never comes back to it, so two bridges through
+one NATS carry each message at most once and never back to its origin.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import ssl
+import time
+from dataclasses import dataclass, field
+from typing import Deque, List, Optional, Tuple
+
+from .. import __version__
+from .. import logschema as schema
+from ..aio import Client as BusClient
+from ..client import MAX_MESSAGE, ControlMessage, pack_subscribe
+from ..errors import BacklogFullError, BusClosedError, KeyRefusedError, MessageRefusedError
+from ..reconnect import Reconnect
+from . import mapping
+from .counters import Counters
+from .defaults import (DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY,
+                       DROP_NEWEST, DROP_OLDEST)
+
+# nats-server's default max_control_line is 4096 bytes: a PUB line with a
+# longer subject makes the server close the connection, so such a message
+# is dropped (and counted) rather than sent.
+MAX_SUBJECT = 3900
+# Bad-input drops logged one by one per stats interval; the rest are counted.
+DROP_LOG_LIMIT = 20
+# The longest wait before a NATS server is tried again (--reconnect-wait doubles up to it).
+MAX_RECONNECT_WAIT = 5.0
+# Seconds a stopping bridge waits for its pending messages to leave.
+SETTLE_TIMEOUT = 2.0
+# Seconds between repeated records of the same failed NATS connection attempt.
+ERROR_LOG_INTERVAL = 10.0
+# How many key -> (subject, header) and header -> key mappings are cached.
+_CACHE_SIZE = 4096
+_BATCH = 256
+# Back-off of the first NATS connection (nats-py reconnects on its own after).
+_CONNECT_DELAY = (0.1, 5.0)
+
+
+@dataclass
+class Settings:
+    address: str
+    servers: List[str]
+    exports: List[str] = field(default_factory=list)
+    imports: List[str] = field(default_factory=list)
+    subject_prefix: str = mapping.DEFAULT_PREFIX
+    max_pending: int = DEFAULT_MAX_PENDING
+    drop: str = DROP_OLDEST
+    max_message: int = MAX_MESSAGE
+    stats_key: str = DEFAULT_STATS_KEY
+    stats_interval: float = DEFAULT_STATS_INTERVAL
+    reconnect_wait: float = 1.0
+    local_flood: Optional[str] = None   # "discard" or "block": CMSG blocking/hard/...
+    name: str = "sbus-bridge"
+    creds: Optional[str] = None
+    token: Optional[str] = None
+    user: Optional[str] = None
+    password: Optional[str] = None
+    tls_ca: Optional[str] = None
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+
+
+class SettingsError(ValueError):
+    """Settings the bridge refuses to start with."""
+
+
+def check(settings: Settings) -> None:
+    """SettingsError for settings that would leak private keys, loop or duplicate."""
+    if not settings.servers:
+        raise SettingsError("no NATS server: give --nats URL")
+    if not settings.exports and not settings.imports:
+        raise SettingsError("nothing to bridge: give --export PATTERN and/or --import SUBJECT")
+    for pattern in settings.exports:
+        if pattern.startswith("!"):
+            raise SettingsError(f"--export {pattern!r}: keys starting with '!' name local "
+                                f"credentials and are never exported")
+        try:
+            pack_subscribe(pattern)     # refuses what the broker would refuse
+        except MessageRefusedError as exc:
+            raise SettingsError(f"--export {pattern!r}: {exc}") from None
+    prefix = settings.subject_prefix
+    if mapping.check_import(prefix) or any(c in prefix for c in "*>"):
+        raise SettingsError(f"--subject-prefix {prefix!r} is not a plain NATS subject")
+    for i, subject in enumerate(settings.imports):
+        why = mapping.check_import(subject)
+        if why:
+            raise SettingsError(f"--import {subject!r}: {why}")
+        for other in settings.imports[:i]:
+            if mapping.subjects_overlap(subject, other):
+                raise SettingsError(f"--import {other!r} and {subject!r} overlap: NATS would "
+                                    f"deliver a message matching both twice")
+    if settings.drop not in (DROP_OLDEST, DROP_NEWEST):
+        raise SettingsError(f"--drop must be {DROP_OLDEST} or {DROP_NEWEST}")
+    if settings.max_pending < 0:
+        raise SettingsError("--max-pending must be 0 or more")
+
+
+def _tls(settings: Settings) -> Optional[ssl.SSLContext]:
+    if not (settings.tls_ca or settings.tls_cert):
+        return None
+    ctx = ssl.create_default_context(cafile=settings.tls_ca)
+    if settings.tls_cert:
+        ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
+    return ctx
+
+
+def _redact(url: str) -> str:
+    """A server URL as logged: without user:password@ or a token in it."""
+    scheme, sep, rest = url.rpartition("://")
+    return scheme + sep + rest.rpartition("@")[2]
+
+
+def _describe(key: bytes) -> str:
+    return mapping.encode_header(key[:256])
+
+
+class Bridge:
+    """Create inside a running loop, then ``await run(stop)``."""
+
+    def __init__(self, settings: Settings, log) -> None:
+        check(settings)
+        self.settings = settings
+        self.log = log
+        self.counters = Counters()
+        # (subject, payload, headers, size) waiting for NATS, oldest first.
+        self._queue: Deque[Tuple[str, bytes, dict, int]] = collections.deque()
+        self.pending_bytes = 0
+        self._wake = asyncio.Event()
+        self._nc = None
+        self.connected = False
+        self.server = ""
+        self._out_cache: dict = {}
+        self._in_cache: dict = {}
+        self._logged_drops = 0
+        self._suppressed = 0
+        self._last_error = ""
+        self._last_error_at = 0.0
+        self._started = time.monotonic()
+        self.bus: Optional[BusClient] = None
+        # Mapped NATS messages waiting for _write_local, oldest first.
+        self._inbound: List[Tuple[bytes, bytes]] = []
+        self._inbound_bytes = 0
+        self._inbound_ready = asyncio.Event()
+
+    # -- the local side --------------------------------------------------------
+
+    async def _open_bus(self) -> None:
+        s = self.settings
+        policy = Reconnect(
+            give_up_after=None, max_delay=2.0,
+            on_disconnect=lambda exc: self.log.warning(
+                schema.BRIDGE_LOCAL_LOST, address=s.address, error=str(exc)),
+            on_reconnect=lambda: self.log.info(schema.BRIDGE_LOCAL_BACK, address=s.address))
+        self.bus = BusClient(s.address, max_message=s.max_message, reconnect=policy)
+        # Echo off first: what the bridge imports must never reach its own
+        # export subscriptions.
+        await self.bus.send_cmsg("echo/off")
+        if s.local_flood:
+            await self.bus.send_cmsg(f"blocking/hard/{s.local_flood}")
+        for pattern in s.exports:
+            await self.bus.subscribe(pattern)
+        await self.bus.whoami()     # answered in order: the SUBs are in place
+
+    def _mapped_out(self, key: bytes) -> Optional[Tuple[str, dict]]:
+        hit = self._out_cache.get(key)
+        if hit is None:
+            if len(self._out_cache) >= _CACHE_SIZE:
+                self._out_cache.clear()
+            subject = mapping.key_to_subject(key, self.settings.subject_prefix)
+            if len(subject) > MAX_SUBJECT:
+                return None
+            hit = self._out_cache[key] = (subject, {mapping.HEADER: mapping.encode_header(key)})
+        return hit
+
+    async def _read_local(self) -> None:
+        """Local bus -> the pending queue. Awaits only the local socket."""
+        bus, queue, c = self.bus, self._queue, self.counters
+        limit, newest = self.settings.max_pending, self.settings.drop == DROP_NEWEST
+        mapped = self._mapped_out
+        while True:
+            batch = await bus.receive_many(_BATCH)
+            for m in batch:
+                if type(m) is ControlMessage:
+                    continue
+                key, payload = m
+                if key[:1] == b"!":
+                    c.out_private += 1
+                    continue
+                hit = mapped(key)
+                if hit is None:
+                    self._dropped("out", "unmappable", key, len(payload),
+                                  "the subject would be longer than NATS accepts")
+                    continue
+                size = len(payload) + len(hit[0]) + len(hit[1][mapping.HEADER])
+                if self.pending_bytes + size > limit:
+                    if newest or size > limit:
+                        c.out_dropped_full += 1
+                        continue
+                    while queue and self.pending_bytes + size > limit:
+                        self.pending_bytes -= queue.popleft()[3]
+                        c.out_dropped_full += 1
+                queue.append((hit[0], payload, hit[1], size))
+                self.pending_bytes += size
+            if queue and self.connected:
+                self._wake.set()
+
+    async def _forward(self) -> None:
+        """The pending queue -> NATS, while connected."""
+        from nats.errors import (ConnectionClosedError, ConnectionReconnectingError,
+                                 MaxPayloadError, OutboundBufferLimitError)
+        queue, c = self._queue, self.counters
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            nc = self._nc
+            while queue and self.connected:
+                subject, payload, headers, size = queue[0]
+                try:
+                    await nc.publish(subject, payload, headers=headers)
+                except (ConnectionClosedError, ConnectionReconnectingError,
+                        OutboundBufferLimitError):
+                    break       # kept: sent once NATS is back
+                except MaxPayloadError:
+                    queue.popleft()
+                    self.pending_bytes -= size
+                    self._dropped("out", "unmappable", mapping.decode_header(
+                        headers[mapping.HEADER]), len(payload), "larger than NATS's max_payload")
+                    continue
+                queue.popleft()
+                self.pending_bytes -= size
+                c.out_forwarded += 1
+                c.out_forwarded_bytes += len(payload)
+
+    # -- the NATS side ---------------------------------------------------------
+
+    def _key_of(self, msg) -> bytes:
+        headers = msg.headers
+        value = headers.get(mapping.HEADER) if headers else None
+        if value is not None:
+            key = self._in_cache.get(value)
+            if key is None:
+                key = mapping.decode_header(value)
+                if len(self._in_cache) >= _CACHE_SIZE:
+                    self._in_cache.clear()
+                self._in_cache[value] = key
+            return key
+        return mapping.subject_to_key(msg.subject, self.settings.subject_prefix)
+
+    async def _on_nats(self, msg) -> None:
+        c = self.counters
+        payload = msg.data
+        try:
+            key = self._key_of(msg)
+        except mapping.UnmappableError as exc:
+            return self._dropped("in", "unmappable", None, len(payload), str(exc), msg.subject)
+        if key[:1] == b"!":
+            return self._dropped("in", "private", key, len(payload), "", msg.subject)
+        if 5 + len(key) + len(payload) > self.settings.max_message:
+            return self._dropped("in", "oversize", key, len(payload),
+                                 f"over the broker's --max-message {self.settings.max_message}",
+                                 msg.subject)
+        size = len(key) + len(payload)
+        if self._inbound_bytes + size > self.settings.max_pending:
+            # The local broker is slower than NATS (or away): this direction
+            # is bounded by --max-pending too, and loses the newest.
+            return self._dropped("in", "full", key, len(payload), "", msg.subject)
+        self._inbound.append((key, payload))
+        self._inbound_bytes += size
+        if len(self._inbound) == 1:
+            self._inbound_ready.set()
+
+    async def _write_local(self) -> None:
+        """Mapped NATS messages -> the local bus, many per sendmmsg(2)."""
+        c = self.counters
+        while True:
+            await self._inbound_ready.wait()
+            self._inbound_ready.clear()
+            batch, self._inbound = self._inbound, []
+            self._inbound_bytes = 0
+            while batch:
+                try:
+                    done = await self.bus.publish_many(batch)
+                except MessageRefusedError as exc:      # one message; the rest go on
+                    done = exc.sent
+                    key, payload = batch[exc.index]
+                    reason = "refused" if isinstance(exc, KeyRefusedError) else "local"
+                    self._dropped("in", reason, key, len(payload), str(exc))
+                    skip = exc.index + 1
+                except (BacklogFullError, BusClosedError) as exc:
+                    # The broker is away and the backlog full (or the bus closed).
+                    done = getattr(exc, "sent", 0)
+                    for key, payload in batch[done:]:
+                        self._dropped("in", "local", key, len(payload), str(exc))
+                    skip = len(batch)
+                else:
+                    skip = done
+                for _, payload in batch[:done]:
+                    c.in_forwarded_bytes += len(payload)
+                c.in_forwarded += done
+                batch = batch[skip:]
+
+    def _dropped(self, direction: str, reason: str, key: Optional[bytes], size: int,
+                 detail: str, subject: str = "") -> None:
+        """Count one dropped message; log it unless too many were logged lately."""
+        name = f"{direction}_dropped_{reason}"
+        setattr(self.counters, name, getattr(self.counters, name) + 1)
+        if self._logged_drops >= DROP_LOG_LIMIT:
+            self._suppressed += 1
+            return
+        self._logged_drops += 1
+        self.log.warning(schema.BRIDGE_DROP, direction=direction, reason=reason,
+                         subject=subject, key=None if key is None else _describe(key),
+                         size=size, detail=detail, suppressed=self._suppressed)
+        self._suppressed = 0
+
+    async def _connect_nats(self) -> None:
+        import nats.aio.client
+        s = self.settings
+        options = dict(
+            servers=s.servers, name=s.name, no_echo=True, allow_reconnect=True,
+            max_reconnect_attempts=-1, reconnect_time_wait=s.reconnect_wait,
+            connect_timeout=2, pending_size=1 << 20,
+            disconnected_cb=self._on_disconnected, reconnected_cb=self._on_reconnected,
+            error_cb=self._on_error, closed_cb=self._on_closed)
+        if s.creds:
+            options["user_credentials"] = s.creds
+        if s.token:
+            options["token"] = s.token
+        if s.user:
+            options["user"] = s.user
+            options["password"] = s.password
+        tls = _tls(s)
+        if tls is not None:
+            options["tls"] = tls
+        delay = _CONNECT_DELAY[0]
+        while True:
+            # Made before connecting, so the error callback can lengthen its
+            # wait between attempts while the first connection fails too.
+            nc = self._nc = nats.aio.client.Client()
+            try:
+                await nc.connect(**options)
+                break
+            except Exception as exc:        # nats-py raises several kinds; all mean "later"
+                self.log.warning(schema.BRIDGE_DISCONNECTED, server=self._seeds(),
+                                 error=f"connect failed: {exc!r}", pending_msgs=len(self._queue))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _CONNECT_DELAY[1])
+        for subject in s.imports:
+            await nc.subscribe(subject, cb=self._on_nats, pending_msgs_limit=-1,
+                               pending_bytes_limit=256 << 20)
+        await self._connected()
+
+    async def _connected(self) -> None:
+        nc = self._nc
+        try:
+            await nc.flush(timeout=5)     # the server has our SUBs before we say so
+        except Exception:
+            pass
+        self.connected = nc.is_connected
+        if not self.connected:
+            return
+        self.counters.nats_connects += 1
+        nc.options["reconnect_time_wait"] = self.settings.reconnect_wait
+        url = nc.connected_url
+        self.server = f"{url.hostname}:{url.port}" if url else ""
+        self.log.info(schema.BRIDGE_CONNECTED, server=self.server,
+                      nats_connects=self.counters.nats_connects, pending_msgs=len(self._queue))
+        self._wake.set()
+
+    async def _on_disconnected(self) -> None:
+        if self.connected:
+            self.connected = False
+            self.counters.nats_disconnects += 1
+            self.log.warning(schema.BRIDGE_DISCONNECTED, server=self.server,
+                             error="connection lost; reconnecting",
+                             pending_msgs=len(self._queue))
+
+    async def _on_reconnected(self) -> None:
+        await self._connected()
+
+    async def _on_error(self, exc: Exception) -> None:
+        from nats.errors import SlowConsumerError
+        if isinstance(exc, SlowConsumerError):
+            return self._dropped("in", "local", None, 0, "NATS dropped for this slow subscriber",
+                                 getattr(exc, "subject", ""))
+        if self.connected:
+            return
+        # A failed (re)connection attempt: nats-py tries the next server, and
+        # one it tried lately after reconnect_time_wait, which doubles up to
+        # MAX_RECONNECT_WAIT (back-off) and is reset once connected.
+        if self._nc is not None:
+            wait = self._nc.options.get("reconnect_time_wait", self.settings.reconnect_wait)
+            self._nc.options["reconnect_time_wait"] = min(
+                max(wait, self.settings.reconnect_wait) * 2, MAX_RECONNECT_WAIT)
+        # Logged when the error changes; the same error again after ERROR_LOG_INTERVAL s.
+        text, now = repr(exc), time.monotonic()
+        if text != self._last_error or now - self._last_error_at >= ERROR_LOG_INTERVAL:
+            self._last_error, self._last_error_at = text, now
+            self.log.warning(schema.BRIDGE_DISCONNECTED, server=self.server or self._seeds(),
+                             error=text, pending_msgs=len(self._queue))
+
+    async def _on_closed(self) -> None:
+        self.connected = False
+
+    def _seeds(self) -> str:
+        return ",".join(_redact(url) for url in self.settings.servers)
+
+    async def _settle(self, timeout: float) -> None:
+        """On stop: give what is pending a moment to leave, both ways."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while ((self._queue and self.connected) or self._inbound) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+
+    # -- state -----------------------------------------------------------------
+
+    def state(self) -> dict:
+        out = {"connected": self.connected, "server": self.server,
+               "pending_msgs": len(self._queue), "pending_bytes": self.pending_bytes,
+               "max_pending": self.settings.max_pending}
+        out.update(self.counters.as_dict())
+        return out
+
+    async def _report(self) -> None:
+        key = self.settings.stats_key
+        while True:
+            await asyncio.sleep(self.settings.stats_interval)
+            state = self.state()
+            self.log.info(schema.BRIDGE_STATS, **state)
+            self._logged_drops = 0
+            if key:
+                try:
+                    await self.bus.publish(key, json.dumps(state, separators=(",", ":")))
+                except (BacklogFullError, MessageRefusedError, BusClosedError):
+                    pass    # the broker is away; the log has the same record
+
+    async def run(self, stop: asyncio.Event) -> str:
+        """Bridge until ``stop`` is set; the reason it stopped."""
+        s = self.settings
+        await self._open_bus()
+        self.log.info(schema.BRIDGE_START, version=__version__, address=s.address,
+                      nats=self._seeds(), exports=" ".join(s.exports),
+                      imports=" ".join(s.imports), subject_prefix=s.subject_prefix,
+                      max_pending=s.max_pending, drop=s.drop, stats_key=s.stats_key)
+        tasks = [asyncio.ensure_future(t) for t in (
+            self._read_local(), self._forward(), self._write_local(), self._connect_nats(),
+            self._report())]
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            running = {stopping, *tasks}
+            while not stopping.done():
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:      # only connecting to NATS ends on its own
+                    if t is not stopping and t.exception() is not None:
+                        raise t.exception()
+            reason = "signal"
+            await self._settle(SETTLE_TIMEOUT)
+        finally:
+            for t in (stopping, *tasks):
+                t.cancel()
+            await asyncio.gather(stopping, *tasks, return_exceptions=True)
+            await self._close()
+        return reason
+
+    async def _close(self) -> None:
+        if self._nc is not None:
+            try:
+                await asyncio.wait_for(self._nc.close(), 5)
+            except Exception:
+                pass
+        if self.bus is not None:
+            self.bus.close()
+
+    def stopped(self, reason: str) -> None:
+        self.log.info(schema.BRIDGE_STOP, reason=reason,
+                      uptime_s=round(time.monotonic() - self._started, 3),
+                      **self.counters.as_dict())
