@@ -22,11 +22,11 @@ LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "off": 50}
 _WARNING_REASONS = frozenset(schema.DISCONNECT_REASONS) - {
     schema.DISCONNECT_EOF, schema.DISCONNECT_SHUTDOWN}
 _EVENT_LEVELS = {
-    "cmsg_ignored": "debug",
-    "flood": "warning",
-    "fd_exhausted": "error",
-    "accept_paused": "error",
-    "accept_error": "error",
+    schema.CMSG_IGNORED: "debug",
+    schema.FLOOD: "warning",
+    schema.FD_EXHAUSTED: "error",
+    schema.ACCEPT_PAUSED: "error",
+    schema.ACCEPT_ERROR: "error",
 }
 
 

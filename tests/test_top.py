@@ -9,7 +9,9 @@ import pexpect
 import pyte
 import pytest
 
-from support import SBUS
+from support import SBUS, Conn
+from test_budgets import open_broker  # noqa: F401 (fixture)
+from test_security import NOBODY, asroot, spawn  # noqa: F401 (fixture)
 
 ROWS, COLS = 30, 120
 
@@ -113,3 +115,40 @@ def test_top_needs_a_terminal(start_broker):
     proc = subprocess.run([SBUS, "top", "-a", broker.address], capture_output=True,
                           stdin=subprocess.DEVNULL, timeout=10)
     assert proc.returncode == 1 and b"needs a terminal" in proc.stderr
+
+
+@asroot
+def test_top_shows_each_uids_use_of_its_budgets(open_broker, spawn):
+    """A second user's connections and subscription bytes appear in the
+    per-uid table beside its budgets (sbusd's own uid has none)."""
+    b = open_broker("--user-max-connections", "7", "--user-sub-max-bytes", "5000000")
+
+    def child(ctl):
+        held = [Conn.to(b.address, timeout=10) for _ in range(3)]
+        held[0].sub("budget/x")
+        held[0].sync()
+        ctl.send({"ready": True})
+        ctl.wait()
+        return True
+
+    kid = spawn(child)
+    kid.recv(timeout=30)
+    term_ = Terminal(b.address, "xterm-256color")
+    try:
+        def nobody_row(ls):
+            at = next((i for i, ln in enumerate(ls) if ln.lstrip().startswith("UID")), None)
+            if at is None:
+                return None
+            return next((ln.split() for ln in ls[at + 1:]
+                         if ln.split() and ln.split()[0] == str(NOBODY)), None)
+        lines = term_.wait_for(lambda ls: nobody_row(ls) is not None, "the uid table")
+        row = nobody_row(lines)
+        assert row[1] == "3/7", row                    # connections against the budget
+        used, budget = row[2].split("/")
+        assert used != "0" and budget == "5.0M", row    # 5,000,000 B
+        term_.child.send("q")
+        term_.child.expect(pexpect.EOF, timeout=10)
+    finally:
+        term_.close()
+        kid.send({"done": True})
+        kid.result()
