@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import reduce
 from typing import Callable, Sequence
 
+from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -383,13 +384,26 @@ def read_table(spark: SparkSession, out: str, name: str, days: Sequence | None =
         if days is not None:
             partials = partials.where(F.col(DAY).isin(list(days)))
         return tf.ordered(table.finish(table.partial.merge(partials, []), []), table.order)
-    df = spark.read.parquet(store.path(name)) if store.exists(name) else None
+    df = _read_stored(spark, store, name)
     if df is None:
         empty = read_partial(spark, store, table.partial)
         return table.finish(table.partial.merge(empty, [DAY]), [DAY])
     if days is not None:
         df = df.where(F.col(DAY).isin(list(days)))
     return df.orderBy(DAY, *tf.order_columns(table.order))
+
+
+def _read_stored(spark: SparkSession, store: Store, name: str) -> DataFrame | None:
+    """A stored table, or None while it holds no rows: a day with no rows of a
+    table (no floods, say) leaves a folder with no Parquet file to read."""
+    if not store.exists(name):
+        return None
+    try:
+        return spark.read.parquet(store.path(name))
+    except AnalysisException as exc:
+        if "UNABLE_TO_INFER_SCHEMA" not in str(exc):
+            raise
+        return None
 
 
 def read_files(spark: SparkSession, out: str, replaced: bool = False) -> list[dict]:
