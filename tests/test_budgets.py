@@ -11,14 +11,9 @@ states, and returns near its baseline once the user's clients leave.
 """
 from __future__ import annotations
 
-import shutil
-
-import pytest
-
 from sbus import logschema as ls
 from sbus._core.budget import cost
-from support import Conn, Sbusd, report_line, status_kib, wait_until
-from test_security import NOBODY, asroot, make_public_dir, spawn  # noqa: F401 (fixture)
+from support import NOBODY, Conn, Sbusd, asroot, report_line, status_kib, wait_until
 
 PATTERN = 4000                                  # bytes of each flood pattern
 PATTERN_COST = cost(b"p" * PATTERN)             # what one is charged (no '/': one segment)
@@ -27,26 +22,6 @@ MIB = 1 << 20
 # records' buffers, the receive pages SUB packets touched, malloc's free lists
 # (docs/security.md, "What a local user can make the broker spend").
 RSS_OVERHEAD_KIB = 8 * 1024
-
-
-@pytest.fixture
-def open_broker(tmp_path):
-    """Factory: sbusd -f -o ARGS on a socket in a world-reachable directory."""
-    started, dirs = [], []
-
-    def start(*args):
-        d = make_public_dir()
-        dirs.append(d)
-        b = Sbusd.foreground(tmp_path, "-o", "--stats-interval", "0.2", *args,
-                             address=d / "sbus.socket")
-        started.append(b)
-        return b
-
-    yield start
-    for b in started:
-        b.stop()
-    for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def flood_patterns(address, caps, tag=b"nobody"):

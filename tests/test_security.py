@@ -18,7 +18,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import select
 import shutil
 import signal
 import socket
@@ -32,17 +31,10 @@ import pytest
 from sbus import address as addresses
 from sbus._core.protocol import matches
 
-from support import BACKENDS, SBUSD, WHOAMI, Conn, Sbusd, wait_until
+from support import (BACKENDS, NOBODY, OTHER_GID, SBUSD, WHOAMI, Conn, Sbusd, asroot,
+                     make_public_dir, run_as, wait_until)
 
 
-def asroot(test):
-    """For tests that fork a second user: they need root to drop privileges."""
-    return pytest.mark.asroot(pytest.mark.skipif(
-        os.geteuid() != 0, reason="needs root to drop privileges to another uid")(test))
-
-
-NOBODY = 65534          # uid and gid of the second user
-OTHER_GID = 65533       # a group the second user is not in (unless we say so)
 TIMEOUT = 5.0
 WHOAMI_REPLY = WHOAMI + b"\0"
 
@@ -64,131 +56,6 @@ def msg(key, payload=b"") -> bytes:
     return b"MSG " + _b(key) + b"\0" + _b(payload)
 
 
-# -- the second user -------------------------------------------------------------
-
-class _ChildSide:
-    def __init__(self, w, r):
-        self.w, self.r, self.buf = w, r, b""
-
-    def send(self, obj):
-        os.write(self.w, (json.dumps(obj) + "\n").encode())
-
-    def wait(self, timeout=15.0):
-        while b"\n" not in self.buf:
-            ready, _, _ = select.select([self.r], [], [], timeout)
-            if not ready:
-                raise TimeoutError("parent never answered")
-            chunk = os.read(self.r, 4096)
-            if not chunk:
-                raise EOFError("parent went away")
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line)
-
-
-class Child:
-    """A forked process that drops to ``uid``/``gid`` (supplementary ``groups``)
-    and runs ``fn(ctl)``; ``ctl.send(obj)`` and ``ctl.wait()`` talk to the
-    parent, and fn's return value is the final report."""
-
-    def __init__(self, fn, *, uid=NOBODY, gid=NOBODY, groups=()):
-        up_r, up_w = os.pipe()
-        down_r, down_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            # The child: no pytest machinery from here on, and always os._exit.
-            status = 0
-            try:
-                os.close(up_r)
-                os.close(down_w)
-                os.setgroups(list(groups))
-                os.setgid(gid)
-                os.setuid(uid)
-                if (os.getuid(), os.geteuid(), os.getgid(), os.getegid()) != (uid, uid, gid, gid):
-                    raise RuntimeError("privileges not dropped")
-                ctl = _ChildSide(up_w, down_r)
-                ctl.send({"result": fn(ctl)})
-            except BaseException as e:     # noqa: BLE001 - report everything
-                status = 1
-                try:
-                    report = json.dumps({"error": f"{type(e).__name__}: {e}"})
-                    os.write(up_w, (report + "\n").encode())
-                except BaseException:      # noqa: BLE001
-                    pass
-            finally:
-                os._exit(status)
-        os.close(up_w)
-        os.close(down_r)
-        self.pid = pid
-        self._r, self._w = up_r, down_w
-        self._buf = b""
-        self._reaped = False
-
-    def recv(self, timeout=15.0):
-        while b"\n" not in self._buf:
-            ready, _, _ = select.select([self._r], [], [], timeout)
-            if not ready:
-                raise AssertionError(f"child {self.pid} said nothing within {timeout}s")
-            chunk = os.read(self._r, 65536)
-            if not chunk:
-                raise AssertionError(f"child {self.pid} exited without a report")
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        obj = json.loads(line)
-        if "error" in obj:
-            raise AssertionError(f"child {self.pid} failed: {obj['error']}")
-        return obj
-
-    def send(self, obj):
-        os.write(self._w, (json.dumps(obj) + "\n").encode())
-
-    def result(self, timeout=15.0):
-        while True:
-            obj = self.recv(timeout)
-            if "result" in obj:
-                self.reap()
-                return obj["result"]
-
-    def reap(self):
-        if not self._reaped:
-            _, status = os.waitpid(self.pid, 0)
-            self._reaped = True
-            return status
-
-    def kill(self):
-        if not self._reaped:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.reap()
-        for fd in (self._r, self._w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-@pytest.fixture
-def spawn():
-    """Factory for Child processes; any still running at teardown is killed."""
-    children = []
-
-    def make(fn, **kwargs) -> Child:
-        c = Child(fn, **kwargs)
-        children.append(c)
-        return c
-
-    yield make
-    for c in children:
-        c.kill()
-
-
-def run_as(spawn, fn, **kwargs):
-    """Run ``fn()`` (no parent interaction) as the second user; its report."""
-    return spawn(lambda ctl: fn(), **kwargs).result()
-
-
 def try_connect(address):
     """Inside a child: connect and ask whoami. {'errno': n} if connect fails;
     {'whoami': creds or None (closed by the broker)} otherwise."""
@@ -200,18 +67,6 @@ def try_connect(address):
 
 
 # -- directories and brokers ----------------------------------------------------
-
-def make_public_dir(group=None) -> Path:
-    """A fresh 0755 directory under /tmp (setgid and owned by ``group`` if given,
-    so sockets created in it belong to that group)."""
-    d = Path(tempfile.mkdtemp(prefix="sbus-sec-", dir="/tmp"))
-    if group is None:
-        os.chmod(d, 0o755)
-    else:
-        os.chown(d, 0, group)
-        os.chmod(d, 0o2755)
-    return d
-
 
 @pytest.fixture
 def pubdir():

@@ -9,9 +9,7 @@ import pexpect
 import pyte
 import pytest
 
-from support import SBUS, Conn
-from test_budgets import open_broker  # noqa: F401 (fixture)
-from test_security import NOBODY, asroot, spawn  # noqa: F401 (fixture)
+from support import NOBODY, SBUS, Conn, asroot
 
 ROWS, COLS = 30, 120
 
