@@ -13,7 +13,7 @@ import getopt
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from . import logschema
+from . import argtypes, logschema
 from .address import DEFAULT_ADDRESS
 from ._version import __version__
 
@@ -56,14 +56,9 @@ def number(kind: type = int, low: float = 0,
            high: Optional[float] = None) -> Callable[[str, str], Any]:
     def parse(flag: str, text: str):
         try:
-            n = kind(text)
-        except ValueError:
-            raise UsageError(f"{flag}: not a number: {text!r}") from None
-        if n != n or n in (float("inf"), float("-inf")):    # nan, inf: no JSON for them either
-            raise UsageError(f"{flag}: not a finite number: {text!r}")
-        if n < low or (high is not None and n > high):
-            raise UsageError(f"{flag}: out of range: {text!r}")
-        return n
+            return argtypes.number(text, kind, low, high)
+        except ValueError as exc:
+            raise UsageError(f"{flag}: {exc}") from None
     return parse
 
 

@@ -30,7 +30,7 @@ import sys
 import time
 from typing import BinaryIO, Iterator, List, Optional
 
-from . import __version__, render
+from . import __version__, argtypes, render
 from .address import from_environment
 from .client import MAX_MESSAGE, Client, Message
 from .reconnect import Reconnect
@@ -146,26 +146,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return benchmark.main(args, from_environment(args.address), sys.stdout)
 
 
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
-    if n < 0:
-        raise argparse.ArgumentTypeError("must be 0 or more")
-    return n
-
-
-def _seconds(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}")
-    if not 0 <= x < float("inf"):
-        raise argparse.ArgumentTypeError("must be 0 or more")
-    return x
-
-
 def _template(text: str) -> str:
     try:
         return render.check_template(text)
@@ -184,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-a", "--address", metavar="ADDRESS", default=argparse.SUPPRESS,
                         help="the bus to connect to")
-    common.add_argument("--max-message", metavar="BYTES", type=_count, default=MAX_MESSAGE,
+    common.add_argument("--max-message", metavar="BYTES", type=argtypes.count, default=MAX_MESSAGE,
                         help=f"the largest packet to send or receive, as the broker's "
                              f"--max-message (default {MAX_MESSAGE})")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -198,9 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("-l", "--lines", action="store_true",
                         help="one message per line of stdin, sent as the lines come "
                              "(the newline is not sent)")
-    pub.add_argument("--repeat", type=_count, default=1, metavar="N",
+    pub.add_argument("--repeat", type=argtypes.count, default=1, metavar="N",
                      help="send the message N times (default 1)")
-    pub.add_argument("--interval", type=_seconds, default=0.0, metavar="SECONDS",
+    pub.add_argument("--interval", type=argtypes.seconds, default=0.0, metavar="SECONDS",
                      help="wait this long between messages")
     pub.set_defaults(run=cmd_pub)
 
@@ -220,9 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"key and payload: -F '{render.VERBOSE}' (as mosquitto_sub -v)")
     shape.add_argument("--raw", action="store_true",
                        help="the payload bytes only, nothing between messages (for binary data)")
-    sub.add_argument("-n", "--count", type=_count, metavar="N",
+    sub.add_argument("-n", "--count", type=argtypes.count, metavar="N",
                      help="exit after N messages (control messages are shown, not counted)")
-    sub.add_argument("-W", "--timeout", type=_seconds, metavar="SECONDS",
+    sub.add_argument("-W", "--timeout", type=argtypes.seconds, metavar="SECONDS",
                      help=f"exit after SECONDS; the exit status is {TIMEOUT_EXIT} if --count "
                           "messages had not come by then")
     sub.add_argument("--ready", action="store_true",
@@ -246,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(run=cmd_stats)
     top = commands.add_parser("top", parents=[common],
                               help="a live view of the broker: totals, rates, busiest clients")
-    top.add_argument("-i", "--interval", type=_seconds, default=1.0, metavar="SECONDS",
+    top.add_argument("-i", "--interval", type=argtypes.seconds, default=1.0, metavar="SECONDS",
                      help="seconds between refreshes (default 1)")
     top.set_defaults(run=cmd_top)
 
@@ -257,21 +237,21 @@ def build_parser() -> argparse.ArgumentParser:
                     "generator; loss and order are checked (exit 2 if anything was lost or "
                     "reordered). Runs for 2 s unless given --count or --seconds.")
     bench.add_argument("workload", choices=("pair", "fanout", "latency"))
-    bench.add_argument("subscribers", nargs="?", type=_count, metavar="N",
+    bench.add_argument("subscribers", nargs="?", type=argtypes.count, metavar="N",
                        help="fanout: the number of subscribers")
-    bench.add_argument("-s", "--size", type=_count, default=64, metavar="BYTES",
+    bench.add_argument("-s", "--size", type=argtypes.count, default=64, metavar="BYTES",
                        help="payload size (default 64; 8 or more carries the sequence number)")
-    bench.add_argument("-n", "--count", type=_count, metavar="N",
+    bench.add_argument("-n", "--count", type=argtypes.count, metavar="N",
                        help="messages to publish (latency: round trips to time)")
-    bench.add_argument("-d", "--seconds", type=_seconds, metavar="SECONDS",
+    bench.add_argument("-d", "--seconds", type=argtypes.seconds, metavar="SECONDS",
                        help="how long to publish (default 2 unless --count)")
-    bench.add_argument("-w", "--window", type=_count, default=256, metavar="N",
+    bench.add_argument("-w", "--window", type=argtypes.count, default=256, metavar="N",
                        help="messages in flight toward the slowest subscriber (default 256)")
-    bench.add_argument("--runs", type=_count, default=1, metavar="N",
+    bench.add_argument("--runs", type=argtypes.count, default=1, metavar="N",
                        help="repeat the run N times, one line each (default 1)")
     bench.add_argument("--json", action="store_true",
                        help="the load generator's JSON result, one object per run")
-    bench.add_argument("--timeout", type=_seconds, default=300.0, metavar="SECONDS",
+    bench.add_argument("--timeout", type=argtypes.seconds, default=300.0, metavar="SECONDS",
                        help="give up on a run after this long (default 300)")
     bench.set_defaults(run=None)
 

@@ -191,3 +191,15 @@ def test_max_message_matches_a_broker_with_a_raised_limit(start_broker):
         assert listener.receive(timeout=TIMEOUT) == Message(b"big", payload)
     proc = sbus("pub", "-a", b.address, "--max-message", "lots", "k", check=False)
     assert proc.returncode == 2 and b"not a whole number: 'lots'" in proc.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sub", "-W", "-1", "k"], "argument -W/--timeout: out of range: '-1' (0 or more)"),
+    (["top", "-i", "nan"], "argument -i/--interval: not a finite number: 'nan'"),
+    (["pub", "--repeat", "2.5", "k", "x"], "argument --repeat: not a whole number: '2.5'"),
+    (["bridge", "--nats", "nats://127.0.0.1:4222", "--stats-interval", "0"],
+     "argument --stats-interval: out of range: '0' (more than 0)"),
+])
+def test_numbers_on_every_command_line_follow_one_rule(argv, message):
+    proc = sbus(*argv, check=False)
+    assert proc.returncode == 2 and message.encode() in proc.stderr, proc.stderr

@@ -6,29 +6,10 @@ import asyncio
 import signal
 import sys
 
+from .. import argtypes
 from . import mapping
 from .defaults import (DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY, DROP_NEWEST,
                        DROP_OLDEST)
-
-
-def _size(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
-    if n < 0:
-        raise argparse.ArgumentTypeError("must be 0 or more")
-    return n
-
-
-def _seconds(text: str) -> float:
-    try:
-        n = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}")
-    if not n > 0:
-        raise argparse.ArgumentTypeError("must be more than 0")
-    return n
 
 
 def add_parser(commands, common: argparse.ArgumentParser) -> None:
@@ -48,7 +29,7 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
     p.add_argument("--subject-prefix", metavar="PREFIX", default=mapping.DEFAULT_PREFIX,
                    help=f"the first subject token(s) of mapped keys "
                         f"(default {mapping.DEFAULT_PREFIX})")
-    p.add_argument("--max-pending", metavar="BYTES", type=_size, default=DEFAULT_MAX_PENDING,
+    p.add_argument("--max-pending", metavar="BYTES", type=argtypes.count, default=DEFAULT_MAX_PENDING,
                    help=f"bytes held for NATS while it is slow or away "
                         f"(default {DEFAULT_MAX_PENDING})")
     p.add_argument("--drop", choices=(DROP_OLDEST, DROP_NEWEST), default=DROP_OLDEST,
@@ -57,10 +38,10 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
     p.add_argument("--stats-key", metavar="KEY", default=DEFAULT_STATS_KEY,
                    help=f"local key the counters are published on ('' for none; "
                         f"default {DEFAULT_STATS_KEY})")
-    p.add_argument("--stats-interval", metavar="SECONDS", type=_seconds,
+    p.add_argument("--stats-interval", metavar="SECONDS", type=argtypes.positive_seconds,
                    default=DEFAULT_STATS_INTERVAL,
                    help=f"seconds between counter reports (default {DEFAULT_STATS_INTERVAL:g})")
-    p.add_argument("--reconnect-wait", metavar="SECONDS", type=_seconds, default=1.0,
+    p.add_argument("--reconnect-wait", metavar="SECONDS", type=argtypes.positive_seconds, default=1.0,
                    help="first wait before a NATS server is tried again; doubles up to 5 s "
                         "(default 1)")
     p.add_argument("--local-flood", choices=("discard", "block"), default=None,
