@@ -326,16 +326,17 @@ class Client:
         async with self._send_lock:
             await self._drain(0)
 
-    async def _drain(self, done: int) -> None:
-        """sendmmsg the outbox, waiting for writability; ``done``: messages of
-        this batch sent before it (for BatchInterruptedError)."""
-        out = self._out
+    async def _drain(self, done: int, out: Optional[Outbox] = None) -> None:
+        """sendmmsg the outbox (or ``out``), waiting for writability; ``done``:
+        messages of this batch sent before it (for BatchInterruptedError)."""
+        if out is None:
+            out = self._out
         while len(out):
             if not self._live and not self._delivering:
                 if self._closed or self._policy is None:
                     out.clear()
                     raise self._gone()
-                self._lost_outbox()
+                self._lost_outbox(out)
                 return
             before = out.head
             try:
@@ -356,10 +357,12 @@ class Client:
                 self._lost(exc)
                 return
 
-    def _lost_outbox(self) -> None:
-        """Keep what the outbox still owes, in front of the backlog."""
-        unsent = [p for p in self._out.unsent() if not self._session.covers(p)]
-        self._out.clear()
+    def _lost_outbox(self, out: Optional[Outbox] = None) -> None:
+        """Keep what the outbox (or ``out``) still owes, in front of the backlog."""
+        if out is None:
+            out = self._out
+        unsent = [p for p in out.unsent() if not self._session.covers(p)]
+        out.clear()
         for packet in reversed(unsent):
             self._backlog.packets.appendleft(packet)
             self._backlog.nbytes += len(packet)
@@ -420,6 +423,26 @@ class Client:
                     await self._drain(packed - len(out))
                 if out.exhausted:
                     return packed
+
+    async def publish_packed(self, box: Outbox, flags: int = 0) -> int:
+        """Send the packets of ``box``, an Outbox packed elsewhere (by
+        sbus._core.natswire, straight from NATS frames), in order and as
+        :meth:`publish_many` sends its own: waiting while the socket is
+        full; kept for the new connection when the broker is away (with
+        ``reconnect``). Returns how many were sent or kept; the box is empty
+        afterwards."""
+        if self._closed:
+            box.clear()
+            raise self._gone()
+        await self.flush()
+        count = len(box)
+        async with self._send_lock:
+            self._out_flags = flags
+            if self._live or self._policy is None:
+                await self._drain(0, box)
+            if len(box):
+                self._lost_outbox(box)
+        return count
 
     async def send_cmsg(self, key: Text, payload: Optional[Text] = None, flags: int = 0) -> None:
         await self.send_packet(pack_control(key, payload), flags)

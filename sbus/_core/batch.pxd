@@ -20,6 +20,8 @@ cdef class Outbox:
 
     cpdef bint add_publish(self, object key, object payload) except -1
     cpdef bint add_packet(self, bytes packet) except -1
+    cdef int pack_message(self, const char *key, size_t klen,
+                          const char *payload, size_t plen) noexcept
     cdef int _append(self, const char *head, size_t hlen, const char *key, size_t klen,
                      const char *tail, size_t tlen) noexcept
 

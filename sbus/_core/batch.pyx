@@ -255,6 +255,25 @@ cdef class Outbox:
         self.used += size
         return True
 
+    cdef int pack_message(self, const char *key, size_t klen,
+                          const char *payload, size_t plen) noexcept:
+        """Pack ``MSG key\\0payload`` from C bytes already checked by the
+        caller (sbus._core.natswire); 0 when the box is full."""
+        cdef size_t size = 5 + klen + plen
+        cdef char *at
+        if self.count == self.slots or self.used + size > self.cap:
+            return 0
+        at = self.buf + self.used
+        memcpy(at, b"MSG ", 4)
+        memcpy(at + 4, key, klen)
+        at[4 + klen] = 0
+        memcpy(at + 5 + klen, payload, plen)
+        self.iov[self.count].iov_base = at
+        self.iov[self.count].iov_len = size
+        self.count += 1
+        self.used += size
+        return 1
+
     cpdef bint add_packet(self, bytes packet) except -1:
         """Pack a packet already built and checked; False if the box is full."""
         return self._append(PyBytes_AS_STRING(packet), PyBytes_GET_SIZE(packet), NULL, 0, NULL, 0)
