@@ -152,7 +152,7 @@ cdef Py_ssize_t subject_to_key(const char *s, size_t n, const char *prefix, size
         i = (dot - s) if dot != NULL else n
         if i == start:
             return MAP_EMPTY_TOKEN
-        if o:
+        if start > plen:        # not the first token
             out[o] = b'/'
             o += 1
         if not (i - start == 1 and s[start] == b'%'):
