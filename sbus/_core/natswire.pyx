@@ -32,8 +32,9 @@ cdef enum:
     DROP_RECORDS = 20           # drops described per take_drops(); the rest only counted
     HEADER_NAME_LEN = 8         # len("Sbus-Key")
 
-# Inbound drop reasons: indexes into Importer.drops, named as sbus.bridge.counters names them.
-cdef enum:  # InDrop
+# Inbound drop reasons: indexes into Importer.drops, named as
+# sbus.bridge.counters names them (a named enum cannot index an array).
+cdef enum:
     IN_PRIVATE = 0
     IN_UNMAPPABLE = 1
     IN_OVERSIZE = 2
@@ -479,7 +480,8 @@ cdef class Importer:
 
 # -- local bus -> NATS -------------------------------------------------------------
 
-cdef enum:  # OutDrop
+# Outbound counts: indexes into Exporter.counts_.
+cdef enum:
     OUT_PRIVATE = 0             # not a drop: kept home
     OUT_FULL = 1
     OUT_UNMAPPABLE = 2
