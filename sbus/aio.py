@@ -305,9 +305,15 @@ class Client:
 
     def _on_timer(self) -> None:
         self._flush_timer = None
-        if len(self._out) and not self._send_lock.locked():
-            task = self._loop.create_task(self._flush_quietly())
-            task.add_done_callback(_retrieve)
+        if not len(self._out):
+            return
+        if self._send_lock.locked():
+            # The holder may never send what was packed meanwhile (a query's
+            # request, publish_packed's own box): look again later.
+            self._arm_timer()
+            return
+        task = self._loop.create_task(self._flush_quietly())
+        task.add_done_callback(_retrieve)
 
     async def _flush_quietly(self) -> None:
         # an error here is raised again by the next call that sends
