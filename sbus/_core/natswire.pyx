@@ -207,6 +207,11 @@ cdef bint header_key(const char *h, size_t n, const char **value, size_t *vlen) 
     return found
 
 
+cdef inline bint is_op(const char *s, size_t n, const char *op, size_t oplen) noexcept nogil:
+    """Whether s[:n] starts with the protocol verb ``op`` and a blank."""
+    return n > oplen and memcmp(s, op, oplen) == 0 and (s[oplen] == b' ' or s[oplen] == b'\t')
+
+
 cdef int parse_uint(const char *s, size_t n, size_t *out) noexcept nogil:
     cdef size_t v = 0, i
     if n == 0 or n > 18:
@@ -321,9 +326,8 @@ cdef class Importer:
             if nl == NULL:
                 break       # an incomplete line: nats-py's parser waits as well
             line_end = nl - b + 1
-            hmsg = n - p >= 5 and memcmp(b + p, b"HMSG", 4) == 0 and (b[p + 4] == b' ' or b[p + 4] == b'\t')
-            if not hmsg and not (n - p >= 4 and memcmp(b + p, b"MSG", 3) == 0
-                                 and (b[p + 3] == b' ' or b[p + 3] == b'\t')):
+            hmsg = is_op(b + p, n - p, b"HMSG", 4)
+            if not hmsg and not is_op(b + p, n - p, b"MSG", 3):
                 buf_append(&self.other, b + p, line_end - p)
                 p = line_end
                 continue
