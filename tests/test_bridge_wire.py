@@ -431,3 +431,13 @@ def test_bad_input_is_dropped_and_counted_alike_on_both_paths(tmp_path, started)
     finally:
         for c in collectors.values():
             c.stop()
+
+
+def test_the_seam_is_checked_before_it_is_used(monkeypatch):
+    from sbus.bridge import wire
+    assert wire.missing(NatsClient()) is None       # the nats-py the dev extra pins
+    nc = NatsClient()
+    del nc._pending
+    assert "_pending" in wire.missing(nc)
+    monkeypatch.setattr(wire, "TESTED", ((1, 0), (2, 0)))
+    assert "outside the tested range" in wire.missing(NatsClient())
