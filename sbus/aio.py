@@ -49,6 +49,7 @@ from .client import (
     parse_stats,
 )
 from .errors import (
+    BacklogFullError,
     BatchInterruptedError,
     BusClosedError,
     MessageRefusedError,
@@ -363,6 +364,21 @@ class Client:
                 self._lost(exc)
                 return
 
+    def _keep_outbox(self, out: Outbox, done: int) -> None:
+        """The broker is away: what ``out`` holds goes behind the backlog, in
+        order, within max_backlog. BacklogFullError at the first packet that
+        does not fit (``index`` and ``sent``: ``done`` plus the packets kept
+        before it; it and the rest are not kept)."""
+        try:
+            for i, packet in enumerate(out.unsent()):
+                if not self._session.covers(packet):
+                    self._backlog.add(packet)
+        except BacklogFullError as exc:
+            exc.index = exc.sent = done + i
+            raise
+        finally:
+            out.clear()
+
     def _lost_outbox(self, out: Optional[Outbox] = None) -> None:
         """Keep what the outbox (or ``out``) still owes, in front of the backlog."""
         if out is None:
@@ -424,7 +440,7 @@ class Client:
                     exc.sent = exc.index
                     raise
                 if not self._live and self._policy is not None:
-                    self._lost_outbox()
+                    self._keep_outbox(out, packed - len(out))
                 else:
                     await self._drain(packed - len(out))
                 if out.exhausted:
@@ -435,7 +451,8 @@ class Client:
         sbus._core.natswire, straight from NATS frames), in order and as
         :meth:`publish_many` sends its own: waiting while the socket is
         full; kept for the new connection when the broker is away (with
-        ``reconnect``). Returns how many were sent or kept; the box is empty
+        ``reconnect``; BacklogFullError, as for publish_many, for what does
+        not fit). Returns how many were sent or kept; the box is empty
         afterwards."""
         if self._closed:
             box.clear()
@@ -444,9 +461,11 @@ class Client:
         count = len(box)
         async with self._send_lock:
             self._out_flags = flags
-            if self._live or self._policy is None:
-                await self._drain(0, box)
-            if len(box):
+            if not self._live and self._policy is not None:
+                self._keep_outbox(box, 0)
+                return count
+            await self._drain(0, box)
+            if len(box):    # owed when the connection broke: before what is kept since
                 self._lost_outbox(box)
         return count
 

@@ -441,3 +441,34 @@ def test_the_seam_is_checked_before_it_is_used(monkeypatch):
     assert "_pending" in wire.missing(nc)
     monkeypatch.setattr(wire, "TESTED", ((1, 0), (2, 0)))
     assert "outside the tested range" in wire.missing(NatsClient())
+
+
+@needs_server
+def test_while_the_local_broker_is_away_both_paths_keep_and_drop_alike(tmp_path, started):
+    """Inbound messages for an absent local broker are kept up to the client's
+    backlog (1 MiB), the rest dropped and counted, the same on both paths."""
+    server = NatsServer(tmp_path)
+    started(server)
+    hosts = {p: _host(tmp_path, p, started) for p in ("fast", "reference")}
+    bridges = {p: _bridge(tmp_path, started, hosts[p], server.url, p, "--import", "sbus.>")
+               for p in hosts}
+    for p, bridge in bridges.items():
+        bridge.ready()
+        mark = bridge.mark()
+        hosts[p].stop()
+        bridge.wait_for("bridge_local_lost", since=mark)
+    count, size = 150, 10_000       # 1.5 MB of packets: about 104 fit the backlog
+    asyncio.run(_nats_publish(server.url, [(f"sbus.away.{i}", b"x" * size, None)
+                                           for i in range(count)]))
+    seen = {}
+    for p, bridge in bridges.items():
+        seen[p] = bridge.wait_for(
+            "bridge_stats", 30,
+            lambda r: r["in_forwarded"] + r["in_dropped_local"] == count)
+        assert 0 < seen[p]["in_dropped_local"] < count
+        assert seen[p]["in_forwarded"] * (size + 16) <= 1 << 20
+        mark = bridge.mark()
+        back = Sbusd.foreground(tmp_path / p, address=hosts[p].address)
+        started(back)
+        bridge.wait_for("bridge_local_back", 30, since=mark)
+    assert seen["fast"]["in_dropped_local"] == seen["reference"]["in_dropped_local"]

@@ -376,8 +376,8 @@ class Bridge:
                 count = len(box)
                 try:
                     await self.bus.publish_packed(box)
-                except BusClosedError as exc:
-                    # The broker is away for good, or the bus closed.
+                except (BacklogFullError, BusClosedError) as exc:
+                    # The broker is away and the backlog full (or the bus closed).
                     sent = getattr(exc, "sent", 0)
                     c.in_forwarded += sent
                     c.in_dropped_local += count - sent
