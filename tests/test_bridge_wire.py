@@ -472,3 +472,32 @@ def test_while_the_local_broker_is_away_both_paths_keep_and_drop_alike(tmp_path,
         started(back)
         bridge.wait_for("bridge_local_back", 30, since=mark)
     assert seen["fast"]["in_dropped_local"] == seen["reference"]["in_dropped_local"]
+
+
+def test_receive_into_hands_the_sink_every_message_in_order(broker):
+    """sbus.aio's receive_into with the Exporter as its sink packs what
+    receive_many would have returned, in order, while a query is answered
+    and messages read earlier as objects come first."""
+    from sbus import aio
+    sent = [(b"k/%d" % (i % 5), b"p%d" % i) for i in range(3000)]
+
+    async def main():
+        async with aio.Client(broker.address) as sub, aio.Client(broker.address) as pub:
+            await sub.subscribe("k/")
+            await sub.whoami()
+            await pub.publish_many(sent)
+            ex = exporter()
+            ex.add([await sub.receive()])       # one read as an object first
+            asked, controls = None, []
+            while ex.pending_msgs < len(sent):
+                if asked is None and ex.pending_msgs > 1000:
+                    asked = asyncio.ensure_future(sub.whoami())
+                controls += await asyncio.wait_for(sub.receive_into(ex, 64), 10)
+            creds = await asyncio.wait_for(asked, 10)
+            return ex.take(1 << 30)[0], controls, creds
+
+    frames, controls, creds = asyncio.run(main())
+    assert controls == [] and creds.pid == os.getpid()
+    expected = exporter()
+    expected.add([Message(k, p) for k, p in sent])
+    assert frames == expected.take(1 << 30)[0]

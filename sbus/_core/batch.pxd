@@ -26,6 +26,13 @@ cdef class Outbox:
                      const char *tail, size_t tlen) noexcept
 
 
+cdef class Sink:
+    # A C consumer of received messages (Inbox.receive): put() gets each
+    # plain message's bytes in place, with no Python object made for it.
+    cdef int put(self, const char *key, size_t klen,
+                  const char *payload, size_t plen) except -1
+
+
 cdef class Inbox:
     cdef char *area             # slots of max_message + 1 bytes, mapped lazily
     cdef size_t area_size
@@ -38,6 +45,7 @@ cdef class Inbox:
     cdef object control_type
     cdef bytes last_key         # reused when the next message has the same key
     cdef readonly int irregular  # control messages and errors in the last batch
+    cdef readonly int taken     # messages the last batch gave to its Sink
 
     cdef object make(self, object cls, const char *key, size_t klen,
                      const char *payload, size_t plen)

@@ -1,7 +1,7 @@
 """NATS wire frames for `sbus bridge` (see natswire.pyx): the surface sbus.bridge uses."""
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .batch import Outbox
+from .batch import Outbox, Sink
 
 # (reason, key or None, payload size, detail, subject) of one described drop
 DropRecord = Tuple[str, Optional[bytes], int, str, str]
@@ -27,7 +27,7 @@ class Importer:
     def take(self) -> List[Tuple[Outbox, int]]: ...
     def recycle(self, box: Outbox) -> None: ...
 
-class Exporter:
+class Exporter(Sink):
     max_pending: int
     drop_newest: bool
     max_payload: int

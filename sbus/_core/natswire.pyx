@@ -23,7 +23,7 @@ from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memchr, memcmp, memcpy, memmove
 
-from .batch cimport Outbox
+from .batch cimport Outbox, Sink
 from .protocol cimport KEY_OK, check_rest
 
 
@@ -500,10 +500,13 @@ cdef struct Entry:
     size_t payload
 
 
-cdef class Exporter:
-    """Local bus -> NATS: ``add()`` each receive_many list, ``take()`` frames."""
+cdef class Exporter(Sink):
+    """Local bus -> NATS: a Sink for sbus.aio's receive_into (or ``add()`` a
+    receive_many list); ``take()`` frames."""
 
     cdef object mapper              # key -> (subject, Sbus-Key value) or None
+    cdef bytes last_key             # the key of the last message, and its mapping:
+    cdef object last_mapped         # a run of one key makes no object per message
     cdef object message_type
     cdef dict cache                 # key -> (b"HPUB subject hlen ", header block, size extra)
     cdef Py_ssize_t cache_size
@@ -569,44 +572,52 @@ cdef class Exporter:
 
     def add(self, list batch):
         """Pack the messages of a receive_many list (control messages are
-        skipped), dropping at the chosen end past max_pending."""
+        skipped), as put() packs each."""
         cdef Py_ssize_t i, n = PyList_GET_SIZE(batch)
-        cdef object item, key, payload, m
-        cdef const char *k
-        cdef size_t plen, size
+        cdef object item, key, payload
         for i in range(n):
             item = <object>PyList_GET_ITEM(batch, i)
             if type(item) is not self.message_type:
                 continue
             key = <object>PyTuple_GET_ITEM(item, 0)
             payload = <object>PyTuple_GET_ITEM(item, 1)
-            k = PyBytes_AS_STRING(key)
-            plen = PyBytes_GET_SIZE(payload)
-            if PyBytes_GET_SIZE(key) and k[0] == b'!':
-                self.counts_[OUT_PRIVATE] += 1
-                continue
-            m = self.mapped(key)
-            if m is None:
-                self.drop(key, plen, "the subject would be longer than NATS accepts")
-                continue
-            if plen > self.max_payload:
-                self.drop(key, plen, "larger than NATS's max_payload")
-                continue
-            size = plen + <size_t>(<tuple>m)[2]
-            if self.pending_bytes + size > self.max_pending:
-                if self.drop_newest or size > self.max_pending:
-                    self.counts_[OUT_FULL] += 1
-                    continue
-                while self.tail > self.head and self.pending_bytes + size > self.max_pending:
-                    self.frames_head += self.entries[self.head].frame
-                    self.pending_bytes -= self.entries[self.head].size
-                    self.head += 1
-                    self.counts_[OUT_FULL] += 1
-            self.append(<bytes>(<tuple>m)[0], <bytes>(<tuple>m)[1], payload, size)
+            self.put(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key),
+                      PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload))
 
-    cdef int append(self, bytes head, bytes hdr, bytes payload, size_t size) except -1:
+    cdef int put(self, const char *key, size_t klen,
+                  const char *payload, size_t plen) except -1:
+        """Pack one message's HPUB frame, dropping at the chosen end past max_pending."""
+        cdef object m
+        cdef size_t size
+        if klen and key[0] == b'!':
+            self.counts_[OUT_PRIVATE] += 1
+            return 0
+        if (self.last_key is not None and <size_t>PyBytes_GET_SIZE(self.last_key) == klen
+                and memcmp(PyBytes_AS_STRING(self.last_key), key, klen) == 0):
+            m = self.last_mapped
+        else:
+            self.last_key = key[:klen]
+            m = self.last_mapped = self.mapped(self.last_key)
+        if m is None:
+            return self.drop(key[:klen], plen, "the subject would be longer than NATS accepts")
+        if plen > self.max_payload:
+            return self.drop(key[:klen], plen, "larger than NATS's max_payload")
+        size = plen + <size_t>(<tuple>m)[2]
+        if self.pending_bytes + size > self.max_pending:
+            if self.drop_newest or size > self.max_pending:
+                self.counts_[OUT_FULL] += 1
+                return 0
+            while self.tail > self.head and self.pending_bytes + size > self.max_pending:
+                self.frames_head += self.entries[self.head].frame
+                self.pending_bytes -= self.entries[self.head].size
+                self.head += 1
+                self.counts_[OUT_FULL] += 1
+        return self.append(<bytes>(<tuple>m)[0], <bytes>(<tuple>m)[1], payload, plen, size)
+
+    cdef int append(self, bytes head, bytes hdr, const char *payload, size_t plen,
+                    size_t size) except -1:
         cdef char digits[24]
-        cdef size_t plen = PyBytes_GET_SIZE(payload), hlen = PyBytes_GET_SIZE(hdr)
+        cdef size_t hlen = PyBytes_GET_SIZE(hdr)
         cdef size_t total = hlen + plen, v = total
         cdef int nd = 0, j
         cdef size_t frame, start
@@ -635,7 +646,7 @@ cdef class Exporter:
         buf_append(&self.frames, digits + 24 - nd, nd)
         buf_append(&self.frames, b"\r\n", 2)
         buf_append(&self.frames, PyBytes_AS_STRING(hdr), hlen)
-        buf_append(&self.frames, PyBytes_AS_STRING(payload), plen)
+        buf_append(&self.frames, payload, plen)
         buf_append(&self.frames, b"\r\n", 2)
         if self.tail == self.entries_cap:
             if self.head > 0:

@@ -268,7 +268,7 @@ class Bridge:
     async def _read_local_fast(self) -> None:
         bus, ex = self.bus, self._exporter
         while True:
-            ex.add(await bus.receive_many(_BATCH))
+            await bus.receive_into(ex, _BATCH)
             if ex.drops_pending:
                 self._log_drops("out", ex)
             if ex.pending_msgs and self.connected:
