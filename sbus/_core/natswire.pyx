@@ -9,9 +9,10 @@
 # INFO, -ERR, +OK, messages of other subscriptions) is handed back whole
 # and in order for nats-py's own parser.
 #
-# Exporter packs HPUB frames for a batch of local messages (a
-# receive_many list) into one buffer, bounded like the reference queue;
-# take() hands a run of whole frames to nats-py's writer as one bytes.
+# Exporter, a batch.Sink, packs the HPUB frame of each local message
+# sbus.aio's receive_into reads (or of a receive_many list) into one
+# buffer, bounded like the reference queue; take() hands a run of whole
+# frames to nats-py's writer as one bytes.
 #
 # sbus.bridge.wire is the seam between these and nats-py.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE

@@ -13,7 +13,8 @@ sendmmsg for many, by publish_many).
 Both directions have a fast path (the default) that does the per-message
 work in C, sbus._core.natswire, hooked into nats-py as sbus.bridge.wire
 describes: NATS frames are parsed and packed for sendmmsg one socket read
-at a time, and HPUB frames for a receive_many batch are written at once.
+at a time, and local messages are read (sbus.aio receive_into) straight
+into HPUB frames that are written a run at a time.
 The code below with nats-py's public API is the reference path
 (``--no-fast-path``, or a nats-py without the seam); the tests hold the
 two to the same results.
