@@ -1,16 +1,22 @@
 #!/usr/bin/env python3
 """Host to host through NATS: two sbusd brokers, one nats-server, two `sbus bridge`.
 
-    bench/bench_bridge.py [--count N] [--payload BYTES] [--rate R] [--seconds S] [--json PATH]
+    bench/bench_bridge.py [--count N] [--payload BYTES] [--rate R] [--repeat N]
+                          [--paths fast,reference] [--json PATH]
 
 Rows, all with --payload-byte messages (default 64) and loss checked:
 
 - ``bridge_rate``: msgs/s from host A's publisher (publish_many) to a
-  subscriber on host B, first message to last at B;
+  subscriber on host B, first message to last at B; beside it the CPU time
+  per message of each bridge, nats-server and both brokers over that window;
 - ``bridge_latency``: p50/p99 from A's publish to B's receive at a fixed
   --rate msgs/s (CLOCK_MONOTONIC stamps; every process is on this machine);
 - ``nats_rate``: plain nats-py publisher -> nats-py subscriber over the same
   nats-server, in the same run, for scale.
+
+``--paths`` (default ``fast,reference``) measures the bridges' C fast path
+and ``--no-fast-path`` interleaved in one run: each repeat starts the pair of
+bridges of each path in turn; rows of the reference path end ``_reference``.
 
 Every publisher and subscriber is its own process (``--worker``). Prints a
 table on stdout, progress on stderr, and writes JSON (default
@@ -163,6 +169,15 @@ class Processes:
         self.procs.append(p)
         return p
 
+    def stop(self, p):
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
     def stop_all(self):
         for p in reversed(self.procs):
             if p.poll() is None:
@@ -198,13 +213,46 @@ def logged(path, event):
         return False
 
 
-def pair(sub_argv, pub_argv, procs, timeout):
-    """Start the subscriber, wait for it, run the publisher; the subscriber's report."""
+def cpu_seconds(pid):
+    """utime + stime of a running process, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pair(sub_argv, pub_argv, procs, timeout, watch=None):
+    """Start the subscriber, wait for it, run the publisher; the subscriber's
+    report, with ``cpu_s``: CPU seconds each process of ``watch`` (name -> Popen)
+    used meanwhile."""
+    watch = watch or {}
     sub = procs.start(sub_argv, stdout=subprocess.PIPE)
     assert sub.stdout.readline().strip() == b"ready"
+    before = {name: cpu_seconds(p.pid) for name, p in watch.items()}
     subprocess.run(pub_argv, check=True, stdout=subprocess.DEVNULL, timeout=timeout)
     out, _ = sub.communicate(timeout=timeout)
-    return json.loads(out.splitlines()[-1])
+    report = json.loads(out.splitlines()[-1])
+    report["cpu_s"] = {name: cpu_seconds(p.pid) - before[name] for name, p in watch.items()}
+    return report
+
+
+def start_bridges(procs, work, hosts, url, path):
+    """Bridge a exports bench/, bridge b imports it; once both are connected,
+    {"bridge_a": Popen, "bridge_b": Popen}."""
+    started, logs = {}, {}
+    # a's broker blocks the publisher rather than discard when bridge a falls
+    # behind (--local-flood block): the rate row is lossless by design.
+    for name, side in (("a", ["--export", "bench/", "--local-flood", "block"]),
+                       ("b", ["--import", "sbus.bench.>"])):
+        logs[name] = work / f"bridge-{name}-{path}-{len(procs.procs)}.log"
+        extra = ["--no-fast-path"] if path == "reference" else []
+        started["bridge_" + name] = procs.start(
+            [str(BIN / "sbus"), "-a", hosts[name], "bridge", "--nats", url, *side, *extra,
+             "--max-pending", str(256 << 20), "--stats-interval", "60",
+             "--log-format", "json", "--log-file", str(logs[name])],
+            stdout=subprocess.DEVNULL)
+    for name in logs:
+        wait_for(lambda: logged(logs[name], "bridge_connected"), 30, f"bridge {name}")
+    return started
 
 
 def run(args):
@@ -218,35 +266,36 @@ def run(args):
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(lambda: listening(port), 15, "nats-server")
         url = f"nats://127.0.0.1:{port}"
-        hosts = {}
+        nats_server = procs.procs[0]
+        hosts, brokers = {}, {}
         for name in ("a", "b"):
             address = str(work / f"{name}.socket")
             sbusd = procs.start([str(BIN / "sbusd"), "-f", "-a", address, "--log-level", "off"],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
             sbusd.stdout.read()         # closed once it listens
             hosts[name] = address
-        logs = {}
-        # a's broker blocks the publisher rather than discard when bridge a falls
-        # behind (--local-flood block): the rate row is lossless by design.
-        for name, side in (("a", ["--export", "bench/", "--local-flood", "block"]),
-                           ("b", ["--import", "sbus.bench.>"])):
-            logs[name] = work / f"bridge-{name}.log"
-            procs.start([str(BIN / "sbus"), "-a", hosts[name], "bridge", "--nats", url, *side,
-                         "--max-pending", str(256 << 20), "--stats-interval", "60",
-                         "--log-format", "json", "--log-file", str(logs[name])],
-                        stdout=subprocess.DEVNULL)
-        for name in logs:
-            wait_for(lambda: logged(logs[name], "bridge_connected"), 30, f"bridge {name}")
+            brokers["sbusd_" + name] = sbusd
+        paths = args.paths.split(",")
+        bridges = None
         common = ["--payload", str(args.payload)]
         for rep in range(args.repeat):
-            say(f"repeat {rep + 1}/{args.repeat}: bridge_rate")
-            r = pair(me + ["--worker", "sbus_sub", "--address", hosts["b"], "--count",
-                           str(args.count), "--seconds", "120"],
-                     me + ["--worker", "sbus_pub", "--address", hosts["a"], "--count",
-                           str(args.count), "--rate", "0", *common], procs, 300)
-            results.setdefault("bridge_rate", []).append(
-                {"received": r["received"], "sent": args.count,
-                 "rate": r["received"] / r["seconds"] if r["seconds"] else 0})
+            for path in paths:
+                suffix = "" if path == "fast" else "_" + path
+                if bridges is None or len(paths) > 1:
+                    for p in (bridges or {}).values():
+                        procs.stop(p)
+                    bridges = start_bridges(procs, work, hosts, url, path)
+                say(f"repeat {rep + 1}/{args.repeat}: bridge_rate{suffix}")
+                r = pair(me + ["--worker", "sbus_sub", "--address", hosts["b"], "--count",
+                               str(args.count), "--seconds", "120"],
+                         me + ["--worker", "sbus_pub", "--address", hosts["a"], "--count",
+                               str(args.count), "--rate", "0", *common], procs, 300,
+                         watch={**bridges, "nats_server": nats_server, **brokers})
+                results.setdefault("bridge_rate" + suffix, []).append(
+                    {"received": r["received"], "sent": args.count,
+                     "rate": r["received"] / r["seconds"] if r["seconds"] else 0,
+                     "cpu_us_per_msg": {name: round(sec * 1e6 / max(r["received"], 1), 2)
+                                        for name, sec in r["cpu_s"].items()}})
             say(f"repeat {rep + 1}/{args.repeat}: nats_rate")
             r = pair(me + ["--worker", "nats_sub", "--address", url, "--count", str(args.count),
                            "--seconds", "120"],
@@ -255,17 +304,23 @@ def run(args):
             results.setdefault("nats_rate", []).append(
                 {"received": r["received"], "sent": args.count,
                  "rate": r["received"] / r["seconds"] if r["seconds"] else 0})
-        say("bridge_latency")
-        n = int(args.rate * args.latency_seconds)
-        r = pair(me + ["--worker", "sbus_sub", "--address", hosts["b"], "--count", str(n),
-                       "--seconds", str(args.latency_seconds + 30)],
-                 me + ["--worker", "sbus_pub", "--address", hosts["a"], "--count", str(n),
-                       "--rate", str(args.rate), *common], procs, 300)
-        lat = sorted(r["latency_ns"])
-        results["bridge_latency"] = [{
-            "received": r["received"], "sent": n, "rate": args.rate,
-            "p50_us": lat[len(lat) // 2] / 1000 if lat else None,
-            "p99_us": lat[int(len(lat) * 0.99)] / 1000 if lat else None}]
+        for path in paths:
+            suffix = "" if path == "fast" else "_" + path
+            if len(paths) > 1:
+                for p in bridges.values():
+                    procs.stop(p)
+                bridges = start_bridges(procs, work, hosts, url, path)
+            say(f"bridge_latency{suffix}")
+            n = int(args.rate * args.latency_seconds)
+            r = pair(me + ["--worker", "sbus_sub", "--address", hosts["b"], "--count", str(n),
+                           "--seconds", str(args.latency_seconds + 30)],
+                     me + ["--worker", "sbus_pub", "--address", hosts["a"], "--count", str(n),
+                           "--rate", str(args.rate), *common], procs, 300)
+            lat = sorted(r["latency_ns"])
+            results["bridge_latency" + suffix] = [{
+                "received": r["received"], "sent": n, "rate": args.rate,
+                "p50_us": lat[len(lat) // 2] / 1000 if lat else None,
+                "p99_us": lat[int(len(lat) * 0.99)] / 1000 if lat else None}]
     finally:
         procs.stop_all()
     return results
@@ -273,19 +328,26 @@ def run(args):
 
 def table(results, payload, load):
     med = lambda rows, f: statistics.median(r[f] for r in rows)     # noqa: E731
-    br, nr = results["bridge_rate"], results["nats_rate"]
-    lost_b = sum(r["sent"] - r["received"] for r in br)
+    nr = results["nats_rate"]
     lost_n = sum(r["sent"] - r["received"] for r in nr)
-    lat = results["bridge_latency"][0]
-    ratio = med(br, "rate") / med(nr, "rate") if med(nr, "rate") else 0
-    return "\n".join([
-        f"{payload}-byte messages; load average {load}",
-        f"bridge A->B      {med(br, 'rate'):>10,.0f} msg/s   lost {lost_b}",
-        f"plain nats-py    {med(nr, 'rate'):>10,.0f} msg/s   lost {lost_n}",
-        f"ratio            {ratio:>10.2f}",
-        f"latency @{lat['rate']:,}/s  p50 {lat['p50_us']:.0f} us  p99 {lat['p99_us']:.0f} us"
-        f"   lost {lat['sent'] - lat['received']}",
-    ])
+    lines = [f"{payload}-byte messages; load average {load}",
+             f"plain nats-py         {med(nr, 'rate'):>10,.0f} msg/s   lost {lost_n}"]
+    for suffix in ("", "_reference"):
+        br = results.get("bridge_rate" + suffix)
+        if not br:
+            continue
+        name = "bridge A->B" + (" (ref)" if suffix else "")
+        lost_b = sum(r["sent"] - r["received"] for r in br)
+        ratio = med(br, "rate") / med(nr, "rate") if med(nr, "rate") else 0
+        cpu = {k: statistics.median(r["cpu_us_per_msg"][k] for r in br)
+               for k in br[0]["cpu_us_per_msg"]}
+        lat = results["bridge_latency" + suffix][0]
+        lines += [
+            f"{name:<21} {med(br, 'rate'):>10,.0f} msg/s   lost {lost_b}   ratio {ratio:.2f}",
+            "    CPU us/msg  " + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()),
+            f"    latency @{lat['rate']:,}/s  p50 {lat['p50_us']:.0f} us"
+            f"  p99 {lat['p99_us']:.0f} us   lost {lat['sent'] - lat['received']}"]
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -294,6 +356,8 @@ def main(argv=None):
     ap.add_argument("--payload", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rate", type=int, default=1000)
+    ap.add_argument("--paths", default="fast,reference",
+                    help="bridge paths to measure, interleaved: fast, reference or both")
     ap.add_argument("--latency-seconds", type=float, default=5.0)
     ap.add_argument("--json", help="where to write the figures")
     ap.add_argument("--worker", help=argparse.SUPPRESS)

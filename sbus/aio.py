@@ -32,7 +32,7 @@ import time
 from typing import Any, Deque, Iterable, List, Optional, Tuple, Union
 
 from . import reconnect as _reconnect
-from ._core.batch import Inbox, Outbox, check_pattern
+from ._core.batch import Inbox, Outbox, Sink, check_pattern
 from ._core.batch import pack_publish as _pack_publish
 from ._core.batch import send_publish as _send_publish
 from .client import (
@@ -49,6 +49,7 @@ from .client import (
     parse_stats,
 )
 from .errors import (
+    BacklogFullError,
     BatchInterruptedError,
     BusClosedError,
     MessageRefusedError,
@@ -106,6 +107,7 @@ class Client:
         # a receive() should raise at that point.
         self._inbox: Deque[Union[Received, BaseException]] = collections.deque()
         self._receivers: List[asyncio.Future] = []
+        self._sink_waiters = 0      # of the receivers, those in receive_into
         # One (key, future, request) per query() whose request was sent, in
         # request order (the broker answers in order); cancelled ones still
         # own a reply.
@@ -305,9 +307,15 @@ class Client:
 
     def _on_timer(self) -> None:
         self._flush_timer = None
-        if len(self._out) and not self._send_lock.locked():
-            task = self._loop.create_task(self._flush_quietly())
-            task.add_done_callback(_retrieve)
+        if not len(self._out):
+            return
+        if self._send_lock.locked():
+            # The holder may never send what was packed meanwhile (a query's
+            # request, publish_packed's own box): look again later.
+            self._arm_timer()
+            return
+        task = self._loop.create_task(self._flush_quietly())
+        task.add_done_callback(_retrieve)
 
     async def _flush_quietly(self) -> None:
         # an error here is raised again by the next call that sends
@@ -326,16 +334,17 @@ class Client:
         async with self._send_lock:
             await self._drain(0)
 
-    async def _drain(self, done: int) -> None:
-        """sendmmsg the outbox, waiting for writability; ``done``: messages of
-        this batch sent before it (for BatchInterruptedError)."""
-        out = self._out
+    async def _drain(self, done: int, out: Optional[Outbox] = None) -> None:
+        """sendmmsg the outbox (or ``out``), waiting for writability; ``done``:
+        messages of this batch sent before it (for BatchInterruptedError)."""
+        if out is None:
+            out = self._out
         while len(out):
             if not self._live and not self._delivering:
                 if self._closed or self._policy is None:
                     out.clear()
                     raise self._gone()
-                self._lost_outbox()
+                self._lost_outbox(out)
                 return
             before = out.head
             try:
@@ -356,10 +365,27 @@ class Client:
                 self._lost(exc)
                 return
 
-    def _lost_outbox(self) -> None:
-        """Keep what the outbox still owes, in front of the backlog."""
-        unsent = [p for p in self._out.unsent() if not self._session.covers(p)]
-        self._out.clear()
+    def _keep_outbox(self, out: Outbox, done: int) -> None:
+        """The broker is away: what ``out`` holds goes behind the backlog, in
+        order, within max_backlog. BacklogFullError at the first packet that
+        does not fit (``index`` and ``sent``: ``done`` plus the packets kept
+        before it; it and the rest are not kept)."""
+        try:
+            for i, packet in enumerate(out.unsent()):
+                if not self._session.covers(packet):
+                    self._backlog.add(packet)
+        except BacklogFullError as exc:
+            exc.index = exc.sent = done + i
+            raise
+        finally:
+            out.clear()
+
+    def _lost_outbox(self, out: Optional[Outbox] = None) -> None:
+        """Keep what the outbox (or ``out``) still owes, in front of the backlog."""
+        if out is None:
+            out = self._out
+        unsent = [p for p in out.unsent() if not self._session.covers(p)]
+        out.clear()
         for packet in reversed(unsent):
             self._backlog.packets.appendleft(packet)
             self._backlog.nbytes += len(packet)
@@ -415,11 +441,34 @@ class Client:
                     exc.sent = exc.index
                     raise
                 if not self._live and self._policy is not None:
-                    self._lost_outbox()
+                    self._keep_outbox(out, packed - len(out))
                 else:
                     await self._drain(packed - len(out))
                 if out.exhausted:
                     return packed
+
+    async def publish_packed(self, box: Outbox, flags: int = 0) -> int:
+        """Send the packets of ``box``, an Outbox packed elsewhere (by
+        sbus._core.natswire, straight from NATS frames), in order and as
+        :meth:`publish_many` sends its own: waiting while the socket is
+        full; kept for the new connection when the broker is away (with
+        ``reconnect``; BacklogFullError, as for publish_many, for what does
+        not fit). Returns how many were sent or kept; the box is empty
+        afterwards."""
+        if self._closed:
+            box.clear()
+            raise self._gone()
+        await self.flush()
+        count = len(box)
+        async with self._send_lock:
+            self._out_flags = flags
+            if not self._live and self._policy is not None:
+                self._keep_outbox(box, 0)
+                return count
+            await self._drain(0, box)
+            if len(box):    # owed when the connection broke: before what is kept since
+                self._lost_outbox(box)
+        return count
 
     async def send_cmsg(self, key: Text, payload: Optional[Text] = None, flags: int = 0) -> None:
         await self.send_packet(pack_control(key, payload), flags)
@@ -461,6 +510,37 @@ class Client:
             out.append(inbox.popleft())
         return out
 
+    async def receive_into(self, sink: Sink, max: int = 64) -> List[Received]:
+        """As :meth:`receive_many`, but the messages go to ``sink``, a C
+        consumer (sbus._core.batch.Sink, such as the bridge's
+        natswire.Exporter), with no Python object made for each. Waits for
+        at least one packet; returns the control messages among them
+        (usually none). Messages already read as objects (by receive(), or
+        queued behind a control message) reach it by ``sink.add()``, in order."""
+        while True:
+            if self._inbox:
+                items = await self.receive_many(max)
+                sink.add([m for m in items if type(m) is Message])
+                return [m for m in items if type(m) is not Message]
+            if self._closed or (self._eof and self._policy is None):
+                raise self._gone()
+            if not self._reading and self._bus is not None:
+                if self._read_until_empty(max, sink):
+                    return []
+                if self._inbox:
+                    continue
+            fut = self._loop.create_future()
+            self._receivers.append(fut)
+            self._sink_waiters += 1
+            self._start_reading()
+            try:
+                await fut
+            finally:
+                self._sink_waiters -= 1
+                if fut in self._receivers:
+                    self._receivers.remove(fut)
+                self._update_reading()
+
     def __aiter__(self) -> "Client":
         return self
 
@@ -485,10 +565,20 @@ class Client:
 
     def _update_reading(self) -> None:
         """Read only while someone waits: an unread socket is the broker's back-pressure."""
-        if not self._receivers and not any(not f.done() for _, f, _ in self._queries):
+        if not self._receivers and not self._querying():
             self._stop_reading()
 
+    def _querying(self) -> bool:
+        return any(not f.done() for _, f, _ in self._queries)
+
     def _on_readable(self) -> None:
+        if self._sink_waiters == len(self._receivers) > 0 and not self._querying():
+            # Only receive_into waits: it reads into its sink itself.
+            for fut in self._receivers:
+                if not fut.done():
+                    fut.set_result(None)
+            self._stop_reading()
+            return
         self._read_until_empty()
         if self._inbox:
             for fut in self._receivers:
@@ -496,21 +586,25 @@ class Client:
                     fut.set_result(None)
         self._update_reading()
 
-    def _read_until_empty(self, limit: int = 64) -> None:
-        """recvmmsg until EAGAIN (or the queue is long); replies go to their queries."""
+    def _read_until_empty(self, limit: int = 64, sink: Optional[Sink] = None) -> int:
+        """recvmmsg until EAGAIN (or the queue is long); replies go to their
+        queries. With a ``sink``, plain messages go to it until something is
+        queued (so nothing overtakes what is); returns how many it took."""
         inbox = self._inbox
-        while self._bus is not None and len(inbox) < _INBOX_HIGH:
+        taken = 0
+        while self._bus is not None and len(inbox) < _INBOX_HIGH and taken < _INBOX_HIGH:
             try:
-                batch = self._in.receive(self._fd, limit)
+                batch = self._in.receive(self._fd, limit, 0, sink)
             except BlockingIOError:
-                return
+                return taken
             except OSError as exc:
                 if exc.errno in _GONE and self._policy is not None:
                     self._lost(exc)
-                    return
+                    return taken
                 inbox.append(exc)
                 self._fail(BusClosedError(f"the connection failed: {exc}"))
-                return
+                return taken
+            taken += self._in.taken
             if not self._in.irregular:
                 inbox.extend(batch)
                 continue
@@ -524,9 +618,12 @@ class Client:
                     else:
                         inbox.append(item)
                         self._fail(item)
-                    return
+                    return taken
                 else:
                     inbox.append(item)
+            if sink is not None and inbox:
+                return taken
+        return taken
 
     def _answer(self, reply: ControlMessage) -> bool:
         """Hand a control message to the oldest query with its key, if there is one."""

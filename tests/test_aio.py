@@ -229,6 +229,45 @@ def test_back_pressure_when_the_socket_is_full():
     assert received[-1] == b"MSG bp\0still usable"
 
 
+def test_buffered_messages_go_out_after_another_call_held_the_send_lock():
+    """A buffered message packed while publish_packed waits for a full socket
+    (holding the send lock) is sent once the socket drains: its flush timer
+    looks again instead of giving up."""
+    from sbus._core.batch import Outbox
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    payload = b"x" * 8192
+
+    async def main():
+        client = aio.Client(f"/dev/fd/{ours.detach()}", buffered=True, flush_delay=0.001)
+        sent = 0
+        while True:     # fill the socket: nobody reads the other end yet
+            box = Outbox(MAX_MESSAGE)
+            while box.add_publish("bp", payload):
+                sent += 1
+            holder = asyncio.ensure_future(client.publish_packed(box))
+            await asyncio.sleep(0)
+            if not holder.done():
+                break
+        await client.publish("late", b"buffered")
+        await asyncio.sleep(0.05)       # its flush timer fires while the lock is held
+        theirs.setblocking(False)
+        received = []
+        deadline = asyncio.get_running_loop().time() + TIMEOUT
+        while b"MSG late\0buffered" not in received[-1:]:
+            assert asyncio.get_running_loop().time() < deadline, "the buffered message stalled"
+            try:
+                received.append(theirs.recv(MAX_MESSAGE))
+            except BlockingIOError:
+                await asyncio.sleep(0.001)
+        await holder
+        client.close()
+        return sent, received
+
+    sent, received = run(main())
+    theirs.close()
+    assert len(received) == sent + 1
+
+
 def test_the_broker_closing_ends_iteration_and_fails_calls(start_broker, backend):
     b = start_broker(backend=backend)
 

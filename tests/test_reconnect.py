@@ -257,3 +257,61 @@ def test_asyncio_full_backlog_raises_and_reconnect_off_fails_at_once(start_broke
         keeping.close()
 
     arun(main())
+
+
+def test_asyncio_batches_published_while_away_keep_their_order(start_broker):
+    """publish_many and publish_packed while the broker is away queue behind
+    what was published before them, as publish() does."""
+    from sbus._core.batch import Outbox
+    from sbus.client import MAX_MESSAGE
+    address, crash, start = restartable(start_broker)
+
+    async def main():
+        bus = aio.Client(address, reconnect=Reconnect(initial_delay=0.3, max_delay=0.3,
+                                                      give_up_after=TIMEOUT))
+        await bus.subscribe("o/")
+        await bus.whoami()
+        crash()
+        await asyncio.sleep(0.05)
+        await bus.publish("o/1", b"a")
+        await bus.publish("o/2", b"b")
+        assert not bus.connected
+        await bus.publish_many([("o/3", b"c"), ("o/4", b"d")])
+        box = Outbox(MAX_MESSAGE)
+        box.add_publish("o/5", b"e")
+        box.add_publish("o/6", b"f")
+        assert await bus.publish_packed(box) == 2
+        await bus.publish("o/7", b"g")
+        start()
+        got = [await asyncio.wait_for(bus.receive(), TIMEOUT) for _ in range(7)]
+        bus.close()
+        return got
+
+    got = arun(main())
+    assert got == [Message(b"o/%d" % i, bytes([c])) for i, c in zip(range(1, 8), b"abcdefg")]
+
+
+def test_asyncio_batches_published_while_away_respect_the_backlog_bound(start_broker):
+    from sbus._core.batch import Outbox
+    from sbus.client import MAX_MESSAGE
+    address, crash, start = restartable(start_broker)
+
+    async def main():
+        bus = aio.Client(address, reconnect=Reconnect(initial_delay=0.5, max_backlog=2000))
+        await bus.whoami()
+        crash()
+        await asyncio.sleep(0.05)
+        await bus.publish("k/0", b"x" * 100)
+        with pytest.raises(BacklogFullError) as many:
+            await bus.publish_many([(f"k/{i}", b"x" * 100) for i in range(100)])
+        assert 0 < many.value.sent < 100
+        assert bus.backlog <= 2000
+        box = Outbox(MAX_MESSAGE)
+        box.add_publish("k/more", b"x" * 100)
+        with pytest.raises(BacklogFullError) as packed:
+            await bus.publish_packed(box)
+        assert packed.value.sent == 0 and len(box) == 0
+        assert bus.backlog <= 2000
+        bus.close()
+
+    arun(main())

@@ -20,8 +20,17 @@ cdef class Outbox:
 
     cpdef bint add_publish(self, object key, object payload) except -1
     cpdef bint add_packet(self, bytes packet) except -1
+    cdef int pack_message(self, const char *key, size_t klen,
+                          const char *payload, size_t plen) noexcept
     cdef int _append(self, const char *head, size_t hlen, const char *key, size_t klen,
                      const char *tail, size_t tlen) noexcept
+
+
+cdef class Sink:
+    # A C consumer of received messages (Inbox.receive): put() gets each
+    # plain message's bytes in place, with no Python object made for it.
+    cdef int put(self, const char *key, size_t klen,
+                  const char *payload, size_t plen) except -1
 
 
 cdef class Inbox:
@@ -36,6 +45,7 @@ cdef class Inbox:
     cdef object control_type
     cdef bytes last_key         # reused when the next message has the same key
     cdef readonly int irregular  # control messages and errors in the last batch
+    cdef readonly int taken     # messages the last batch gave to its Sink
 
     cdef object make(self, object cls, const char *key, size_t klen,
                      const char *payload, size_t plen)

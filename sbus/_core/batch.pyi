@@ -1,5 +1,5 @@
 """Batched client I/O (see batch.pyx): the surface sbus.client and sbus.aio use."""
-from typing import Any, Iterator, List, Tuple, Union
+from typing import Any, Iterator, List, Optional, Tuple, Union
 
 Text = Union[str, bytes, bytearray, memoryview]
 
@@ -26,10 +26,16 @@ class Outbox:
     def pack_many(self, items: Iterator[Tuple[Text, Text]], base: int) -> int: ...
     def send(self, fd: int, flags: int = 0) -> int: ...
 
+class Sink:
+    """Subclassed in Cython (its put() is C); add() takes message objects."""
+    def add(self, messages: List[Tuple[bytes, bytes]]) -> None: ...
+
 class Inbox:
     slots: int
     max_message: int
     irregular: int
+    taken: int
     def __init__(self, max_message: int, message_type: type, control_type: type,
                  slots: int = 64) -> None: ...
-    def receive(self, fd: int, limit: int, flags: int = 0) -> List[Any]: ...
+    def receive(self, fd: int, limit: int, flags: int = 0,
+                sink: Optional[Sink] = None) -> List[Any]: ...

@@ -255,6 +255,25 @@ cdef class Outbox:
         self.used += size
         return True
 
+    cdef int pack_message(self, const char *key, size_t klen,
+                          const char *payload, size_t plen) noexcept:
+        """Pack ``MSG key\\0payload`` from C bytes already checked by the
+        caller (sbus._core.natswire); 0 when the box is full."""
+        cdef size_t size = 5 + klen + plen
+        cdef char *at
+        if self.count == self.slots or self.used + size > self.cap:
+            return 0
+        at = self.buf + self.used
+        memcpy(at, b"MSG ", 4)
+        memcpy(at + 4, key, klen)
+        at[4 + klen] = 0
+        memcpy(at + 5 + klen, payload, plen)
+        self.iov[self.count].iov_base = at
+        self.iov[self.count].iov_len = size
+        self.count += 1
+        self.used += size
+        return 1
+
     cpdef bint add_packet(self, bytes packet) except -1:
         """Pack a packet already built and checked; False if the box is full."""
         return self._append(PyBytes_AS_STRING(packet), PyBytes_GET_SIZE(packet), NULL, 0, NULL, 0)
@@ -322,6 +341,22 @@ cdef class Outbox:
         return sent
 
 
+cdef class Sink:
+    """Receives plain messages in C (see Inbox.receive); subclassed in Cython."""
+
+    cdef int put(self, const char *key, size_t klen,
+                  const char *payload, size_t plen) except -1:
+        raise NotImplementedError("a Sink subclass implements put()")
+
+    def add(self, list messages):
+        """Messages already made as objects ((key, payload) tuples of bytes),
+        each as put() takes it."""
+        cdef bytes key, payload
+        for key, payload in messages:
+            self.put(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key),
+                      PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload))
+
+
 cdef class Inbox:
     """Up to 64 packets per recvmmsg, each slot max_message + 1 bytes (one
     more than the limit, so an oversized packet shows even without
@@ -361,7 +396,7 @@ cdef class Inbox:
         free(self.iov)
         free(self.hdrs)
 
-    def receive(self, int fd, int limit, int flags=0):
+    def receive(self, int fd, int limit, int flags=0, Sink sink=None):
         """recvmmsg up to ``limit`` packets (waiting for the first unless the
         socket or ``flags`` say MSG_DONTWAIT) and parse them, in order.
 
@@ -370,7 +405,11 @@ cdef class Inbox:
         the end of the connection is a BusClosedError (always last).
         ``irregular`` counts the control messages and exceptions, so a caller
         finding it 0 can take the list as plain messages. OSError as
-        recvmmsg(2) reports it (BlockingIOError: nothing to read)."""
+        recvmmsg(2) reports it (BlockingIOError: nothing to read).
+
+        With a ``sink``, the plain messages before the first irregular packet
+        go to ``sink.put()`` instead (``taken`` counts them), and the list
+        holds the rest, from that packet on, so the order is kept."""
         cdef int n, i
         cdef size_t size, klen
         cdef const char *p
@@ -395,6 +434,7 @@ cdef class Inbox:
             raise_errno("recvmmsg")
         out = []
         message_type = self.message_type
+        self.taken = 0
         for i in range(n):
             size = self.hdrs[i].msg_len
             p = <const char *>self.iov[i].iov_base
@@ -418,7 +458,11 @@ cdef class Inbox:
                     irregular += 1
                     continue
                 klen = nul - (p + 4)
-                out.append(self.make(message_type, p + 4, klen, nul + 1, size - 5 - klen))
+                if sink is not None and not irregular:
+                    sink.put(p + 4, klen, nul + 1, size - 5 - klen)
+                    self.taken += 1
+                else:
+                    out.append(self.make(message_type, p + 4, klen, nul + 1, size - 5 - klen))
             elif size >= 5 and memcmp(p, b"CMSG ", 5) == 0:
                 nul = <const char *>memchr(p + 5, 0, size - 5)
                 if nul == NULL:

@@ -49,6 +49,9 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
                         "(and counts) what overflows its queue, or blocks the publishers "
                         "(default: the broker's default, discard)")
     p.add_argument("--name", default="sbus-bridge", help="the client name NATS shows")
+    p.add_argument("--no-fast-path", dest="fast_path", action="store_false",
+                   help="use nats-py's public API for every message (the reference the "
+                        "default C fast path is tested against; slower)")
     auth = p.add_argument_group("NATS authentication and TLS (as nats-py takes them)")
     auth.add_argument("--creds", metavar="FILE", help="a user credentials file (JWT and NKey)")
     auth.add_argument("--token", help="an authentication token")
@@ -73,7 +76,7 @@ def settings_of(args: argparse.Namespace, address: str):
         subject_prefix=args.subject_prefix, max_pending=args.max_pending, drop=args.drop,
         max_message=args.max_message, stats_key=args.stats_key,
         stats_interval=args.stats_interval, reconnect_wait=args.reconnect_wait, name=args.name,
-        local_flood=args.local_flood,
+        local_flood=args.local_flood, fast_path=args.fast_path,
         creds=args.creds, token=args.token, user=args.user, password=args.password,
         tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
 

@@ -10,6 +10,15 @@ NATS -> local: one NATS subscription per --import subject; each message is
 mapped to its key, checked, and queued; a writer task publishes the queue (one
 sendmmsg for many, by publish_many).
 
+Both directions have a fast path (the default) that does the per-message
+work in C, sbus._core.natswire, hooked into nats-py as sbus.bridge.wire
+describes: NATS frames are parsed and packed for sendmmsg one socket read
+at a time, and local messages are read (sbus.aio receive_into) straight
+into HPUB frames that are written a run at a time.
+The code below with nats-py's public API is the reference path
+(``--no-fast-path``, or a nats-py without the seam); the tests hold the
+two to the same results.
+
 Echo is off on both sides (``CMSG echo/off`` on sbus, ``no_echo`` on NATS):
 what the bridge publishes never comes back to it, so two bridges through
 one NATS carry each message at most once and never back to its origin.
@@ -27,10 +36,11 @@ from typing import Deque, List, Optional, Tuple
 from .. import __version__
 from .. import logschema as schema
 from ..aio import Client as BusClient
-from ..client import MAX_MESSAGE, ControlMessage, pack_subscribe
+from .._core import natswire
+from ..client import MAX_MESSAGE, ControlMessage, Message, pack_subscribe
 from ..errors import BacklogFullError, BusClosedError, KeyRefusedError, MessageRefusedError
 from ..reconnect import Reconnect
-from . import mapping
+from . import mapping, wire
 from .counters import Counters
 from .defaults import (DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY,
                        DROP_NEWEST, DROP_OLDEST)
@@ -50,6 +60,8 @@ ERROR_LOG_INTERVAL = 10.0
 # How many key -> (subject, header) and header -> key mappings are cached.
 _CACHE_SIZE = 4096
 _BATCH = 256
+# Bytes of HPUB frames handed to nats-py's writer at once on the fast path.
+_WRITE_BYTES = 1 << 20
 # Back-off of the first NATS connection (nats-py reconnects on its own after).
 _CONNECT_DELAY = (0.1, 5.0)
 
@@ -76,6 +88,7 @@ class Settings:
     tls_ca: Optional[str] = None
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
+    fast_path: bool = True      # False: nats-py's public API for every message
 
 
 class SettingsError(ValueError):
@@ -159,6 +172,10 @@ class Bridge:
         self._inbound: List[Tuple[bytes, bytes]] = []
         self._inbound_bytes = 0
         self._inbound_ready = asyncio.Event()
+        # The fast path's C halves (None on the reference path); see _choose_path.
+        self._importer: Optional[natswire.Importer] = None
+        self._exporter: Optional[natswire.Exporter] = None
+        self.path = ""
 
     # -- the local side --------------------------------------------------------
 
@@ -179,19 +196,46 @@ class Bridge:
             await self.bus.subscribe(pattern)
         await self.bus.whoami()     # answered in order: the SUBs are in place
 
+    def _map_out(self, key: bytes) -> Optional[Tuple[str, str]]:
+        """(subject, Sbus-Key value) of a key; None if NATS would refuse the subject."""
+        subject = mapping.key_to_subject(key, self.settings.subject_prefix)
+        if len(subject) > MAX_SUBJECT:
+            return None
+        return subject, mapping.encode_header(key)
+
     def _mapped_out(self, key: bytes) -> Optional[Tuple[str, dict]]:
         hit = self._out_cache.get(key)
         if hit is None:
             if len(self._out_cache) >= _CACHE_SIZE:
                 self._out_cache.clear()
-            subject = mapping.key_to_subject(key, self.settings.subject_prefix)
-            if len(subject) > MAX_SUBJECT:
+            m = self._map_out(key)
+            if m is None:
                 return None
-            hit = self._out_cache[key] = (subject, {mapping.HEADER: mapping.encode_header(key)})
+            hit = self._out_cache[key] = (m[0], {mapping.HEADER: m[1]})
         return hit
+
+    def _choose_path(self) -> str:
+        """Set up the fast path unless told not to or nats-py lacks the seam;
+        which path, and why, for the bridge_start record."""
+        s = self.settings
+        if not s.fast_path:
+            return "reference (--no-fast-path)"
+        import nats.aio.client
+        why = wire.missing(nats.aio.client.Client())
+        if why:
+            return f"reference ({why})"
+        self._importer = natswire.Importer(s.subject_prefix, s.max_message, s.max_pending)
+        self._exporter = natswire.Exporter(self._map_out, Message, s.max_pending,
+                                           s.drop == DROP_NEWEST, cache_size=_CACHE_SIZE)
+        return "fast"
+
+    def _pending_msgs(self) -> int:
+        return self._exporter.pending_msgs if self._exporter else len(self._queue)
 
     async def _read_local(self) -> None:
         """Local bus -> the pending queue. Awaits only the local socket."""
+        if self._exporter is not None:
+            return await self._read_local_fast()
         bus, queue, c = self.bus, self._queue, self.counters
         limit, newest = self.settings.max_pending, self.settings.drop == DROP_NEWEST
         mapped = self._mapped_out
@@ -222,8 +266,32 @@ class Bridge:
             if queue and self.connected:
                 self._wake.set()
 
+    async def _read_local_fast(self) -> None:
+        bus, ex = self.bus, self._exporter
+        while True:
+            await bus.receive_into(ex, _BATCH)
+            if ex.drops_pending:
+                self._log_drops("out", ex)
+            if ex.pending_msgs and self.connected:
+                self._wake.set()
+
+    async def _forward_fast(self) -> None:
+        """The exporter's frames -> nats-py's writer, one run at a time, while connected."""
+        ex, c = self._exporter, self.counters
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            nc = self._nc
+            while ex.pending_msgs and self.connected and nc.is_connected:
+                frames, count, payload_bytes = ex.take(_WRITE_BYTES)
+                await wire.write(nc, frames, count, payload_bytes)
+                c.out_forwarded += count
+                c.out_forwarded_bytes += payload_bytes
+
     async def _forward(self) -> None:
         """The pending queue -> NATS, while connected."""
+        if self._exporter is not None:
+            return await self._forward_fast()
         from nats.errors import (ConnectionClosedError, ConnectionReconnectingError,
                                  MaxPayloadError, OutboundBufferLimitError)
         queue, c = self._queue, self.counters
@@ -265,12 +333,16 @@ class Bridge:
         return mapping.subject_to_key(msg.subject, self.settings.subject_prefix)
 
     async def _on_nats(self, msg) -> None:
-        c = self.counters
         payload = msg.data
         try:
             key = self._key_of(msg)
         except mapping.UnmappableError as exc:
             return self._dropped("in", "unmappable", None, len(payload), str(exc), msg.subject)
+        if self._importer is not None:
+            # On the fast path only what nats-py delivered before the
+            # subscription was handed to the importer comes here.
+            self._importer.push(key, payload, msg.subject)
+            return self._on_import_read()
         if key[:1] == b"!":
             return self._dropped("in", "private", key, len(payload), "", msg.subject)
         if 5 + len(key) + len(payload) > self.settings.max_message:
@@ -287,8 +359,40 @@ class Bridge:
         if len(self._inbound) == 1:
             self._inbound_ready.set()
 
+    def _on_import_read(self) -> None:
+        """After each NATS read on the fast path: wake the writer, log drops."""
+        imp = self._importer
+        if imp.pending_msgs:
+            self._inbound_ready.set()
+        if imp.drops_pending:
+            self._log_drops("in", imp)
+
+    async def _write_local_fast(self) -> None:
+        """The importer's Outboxes -> the local bus, one sendmmsg(2) each."""
+        imp, c = self._importer, self.counters
+        while True:
+            await self._inbound_ready.wait()
+            self._inbound_ready.clear()
+            for box, payload_bytes in imp.take():
+                count = len(box)
+                try:
+                    await self.bus.publish_packed(box)
+                except (BacklogFullError, BusClosedError) as exc:
+                    # The broker is away and the backlog full (or the bus closed).
+                    sent = getattr(exc, "sent", 0)
+                    c.in_forwarded += sent
+                    c.in_dropped_local += count - sent
+                    self._log_drop("in", "local", None, 0,
+                                   f"{count - sent} messages: {exc}", "")
+                else:
+                    c.in_forwarded += count
+                    c.in_forwarded_bytes += payload_bytes
+                imp.recycle(box)
+
     async def _write_local(self) -> None:
         """Mapped NATS messages -> the local bus, many per sendmmsg(2)."""
+        if self._importer is not None:
+            return await self._write_local_fast()
         c = self.counters
         while True:
             await self._inbound_ready.wait()
@@ -322,6 +426,17 @@ class Bridge:
         """Count one dropped message; log it unless too many were logged lately."""
         name = f"{direction}_dropped_{reason}"
         setattr(self.counters, name, getattr(self.counters, name) + 1)
+        self._log_drop(direction, reason, key, size, detail, subject)
+
+    def _log_drops(self, direction: str, source) -> None:
+        """Log the drops a natswire Importer/Exporter counted (and described)."""
+        records, undescribed = source.take_drops()
+        for reason, key, size, detail, subject in records:
+            self._log_drop(direction, reason, key, size, detail, subject)
+        self._suppressed += undescribed
+
+    def _log_drop(self, direction: str, reason: str, key: Optional[bytes], size: int,
+                  detail: str, subject: str) -> None:
         if self._logged_drops >= DROP_LOG_LIMIT:
             self._suppressed += 1
             return
@@ -355,17 +470,24 @@ class Bridge:
             # Made before connecting, so the error callback can lengthen its
             # wait between attempts while the first connection fails too.
             nc = self._nc = nats.aio.client.Client()
+            if self._importer is not None:
+                wire.install(nc, self._importer, self._on_import_read)
             try:
                 await nc.connect(**options)
                 break
             except Exception as exc:        # nats-py raises several kinds; all mean "later"
                 self.log.warning(schema.BRIDGE_DISCONNECTED, server=self._seeds(),
-                                 error=f"connect failed: {exc!r}", pending_msgs=len(self._queue))
+                                 error=f"connect failed: {exc!r}",
+                                 pending_msgs=self._pending_msgs())
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _CONNECT_DELAY[1])
         for subject in s.imports:
-            await nc.subscribe(subject, cb=self._on_nats, pending_msgs_limit=-1,
-                               pending_bytes_limit=256 << 20)
+            sub = await nc.subscribe(subject, cb=self._on_nats, pending_msgs_limit=-1,
+                                     pending_bytes_limit=256 << 20)
+            if self._importer is not None:
+                # From here its frames go to the importer; anything nats-py
+                # parsed before still reaches _on_nats, which hands it over.
+                self._importer.add_sid(sub._id)
         await self._connected()
 
     async def _connected(self) -> None:
@@ -378,11 +500,14 @@ class Bridge:
         if not self.connected:
             return
         self.counters.nats_connects += 1
+        if self._exporter is not None:
+            self._exporter.max_payload = nc.max_payload
         nc.options["reconnect_time_wait"] = self.settings.reconnect_wait
         url = nc.connected_url
         self.server = f"{url.hostname}:{url.port}" if url else ""
         self.log.info(schema.BRIDGE_CONNECTED, server=self.server,
-                      nats_connects=self.counters.nats_connects, pending_msgs=len(self._queue))
+                      nats_connects=self.counters.nats_connects,
+                      pending_msgs=self._pending_msgs())
         self._wake.set()
 
     async def _on_disconnected(self) -> None:
@@ -391,7 +516,7 @@ class Bridge:
             self.counters.nats_disconnects += 1
             self.log.warning(schema.BRIDGE_DISCONNECTED, server=self.server,
                              error="connection lost; reconnecting",
-                             pending_msgs=len(self._queue))
+                             pending_msgs=self._pending_msgs())
 
     async def _on_reconnected(self) -> None:
         await self._connected()
@@ -415,7 +540,7 @@ class Bridge:
         if text != self._last_error or now - self._last_error_at >= ERROR_LOG_INTERVAL:
             self._last_error, self._last_error_at = text, now
             self.log.warning(schema.BRIDGE_DISCONNECTED, server=self.server or self._seeds(),
-                             error=text, pending_msgs=len(self._queue))
+                             error=text, pending_msgs=self._pending_msgs())
 
     async def _on_closed(self) -> None:
         self.connected = False
@@ -427,17 +552,26 @@ class Bridge:
         """On stop: give what is pending a moment to leave, both ways."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while ((self._queue and self.connected) or self._inbound) and loop.time() < deadline:
+        while ((self._pending_msgs() and self.connected) or self._inbound or
+               (self._importer is not None and self._importer.pending_msgs)) \
+                and loop.time() < deadline:
             await asyncio.sleep(0.01)
 
     # -- state -----------------------------------------------------------------
 
     def state(self) -> dict:
+        fast = self._exporter is not None
         out = {"connected": self.connected, "server": self.server,
-               "pending_msgs": len(self._queue), "pending_bytes": self.pending_bytes,
+               "pending_msgs": self._pending_msgs(),
+               "pending_bytes": self._exporter.pending_bytes if fast else self.pending_bytes,
                "max_pending": self.settings.max_pending}
-        out.update(self.counters.as_dict())
+        out.update(self._counts())
         return out
+
+    def _counts(self) -> dict:
+        if self._exporter is None:
+            return self.counters.as_dict()
+        return self.counters.as_dict(self._exporter.counts(), self._importer.counts())
 
     async def _report(self) -> None:
         key = self.settings.stats_key
@@ -455,8 +589,9 @@ class Bridge:
     async def run(self, stop: asyncio.Event) -> str:
         """Bridge until ``stop`` is set; the reason it stopped."""
         s = self.settings
+        self.path = self._choose_path()
         await self._open_bus()
-        self.log.info(schema.BRIDGE_START, version=__version__, address=s.address,
+        self.log.info(schema.BRIDGE_START, version=__version__, path=self.path, address=s.address,
                       nats=self._seeds(), exports=" ".join(s.exports),
                       imports=" ".join(s.imports), subject_prefix=s.subject_prefix,
                       max_pending=s.max_pending, drop=s.drop, stats_key=s.stats_key)
@@ -492,4 +627,4 @@ class Bridge:
     def stopped(self, reason: str) -> None:
         self.log.info(schema.BRIDGE_STOP, reason=reason,
                       uptime_s=round(time.monotonic() - self._started, 3),
-                      **self.counters.as_dict())
+                      **self._counts())
