@@ -67,6 +67,7 @@ cdef enum:
     OUTBOX_MIN_BYTES = 1 << 18
     INBOX_SLOTS = 64
     KEEP_MAPPED = 1 << 16       # slot bytes kept resident after a large packet
+    POLL_MAX_MS = 1 << 30       # a longer timeout waits in several polls
 
 
 cdef inline bytes as_bytes(object text):
@@ -467,10 +468,14 @@ cdef class Inbox:
                 with nogil:
                     n = recvmmsg(fd, self.hdrs, limit, flags | MSG_WAITFORONE, NULL)
             else:
-                left = deadline - now()
+                left = (deadline - now()) * 1000 + 0.999   # ms, rounded up
+                if left > POLL_MAX_MS:
+                    left = POLL_MAX_MS
                 with nogil:
-                    ready = poll(&pfd, 1, <int>(left * 1000 + 0.999) if left > 0 else 0)
+                    ready = poll(&pfd, 1, <int>left if left >= 1 else 0)
                 if ready == 0:
+                    if now() < deadline:
+                        continue    # a timeout longer than one poll takes
                     raise TimeoutError(f"no message within {timeout:g} s")
                 # readable, or an error that recvmmsg reports (EOF reads 0 bytes)
                 n = recvmmsg(fd, self.hdrs, limit, flags | MSG_DONTWAIT, NULL) if ready > 0 else -1
