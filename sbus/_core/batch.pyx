@@ -41,25 +41,43 @@ cdef extern from "<sys/mman.h>" nogil:
 
 
 cdef extern from "Python.h":
-    # am_send (3.10+) lets `await` take a result without a StopIteration;
-    # Cython has no special method for the slot, so AsyncMessages sets it.
-    ctypedef enum PySendResult:
-        PYGEN_RETURN
-        PYGEN_ERROR
-    ctypedef PySendResult (*sendfunc)(PyObject *, PyObject *, PyObject **)
-    ctypedef struct PyAsyncMethods:
-        sendfunc am_send
-
     # A tuple subclass is built as tuple_subtype_new builds one: tp_alloc
     # with two items, then the items set in place (one allocation, no args tuple).
     ctypedef struct PyTypeObject_ "PyTypeObject":
         PyObject *(*tp_alloc)(PyTypeObject_ *, Py_ssize_t) except NULL
-        PyAsyncMethods *tp_as_async
     void PyTuple_SET_ITEM(object t, Py_ssize_t i, object v)
     # A Message holds two bytes objects and can be in no reference cycle.
     void PyObject_GC_UnTrack(object o)
     bint PyExceptionInstance_Check(object o)
     void PyErr_SetString(object type, const char *message)
+
+
+cdef extern from *:
+    """
+    /* am_send (3.10+) lets `await` take a result without a StopIteration;
+       Cython has no special method for the slot, so AsyncMessages sets it.
+       Before 3.10 the slot does not exist and __next__ serves instead. */
+    #if PY_VERSION_HEX >= 0x030A0000
+    typedef PySendResult sbus_send_result;
+    #else
+    typedef __Pyx_PySendResult sbus_send_result;   /* Cython's stand-in */
+    #endif
+    typedef sbus_send_result (*sbus_sendfunc)(PyObject *, PyObject *, PyObject **);
+    static int sbus_set_am_send(PyTypeObject *type, sbus_sendfunc send) {
+    #if PY_VERSION_HEX >= 0x030A0000
+        if (type->tp_as_async != NULL) {
+            type->tp_as_async->am_send = send;
+            return 1;
+        }
+    #endif
+        return 0;
+    }
+    """
+    ctypedef enum sbus_send_result:
+        PYGEN_RETURN
+        PYGEN_ERROR
+    ctypedef sbus_send_result (*sbus_sendfunc)(PyObject *, PyObject *, PyObject **)
+    int sbus_set_am_send(PyTypeObject_ *type, sbus_sendfunc send)
 
 
 cdef enum:
@@ -596,8 +614,8 @@ cdef class AsyncMessages:
         return value
 
 
-cdef PySendResult async_messages_send(PyObject *self, PyObject *arg,
-                                      PyObject **result) noexcept:
+cdef sbus_send_result async_messages_send(PyObject *self, PyObject *arg,
+                                          PyObject **result) noexcept:
     cdef AsyncMessages it = <AsyncMessages>self
     cdef object value = it.value
     if value is None:
@@ -610,5 +628,4 @@ cdef PySendResult async_messages_send(PyObject *self, PyObject *arg,
     return PYGEN_RETURN
 
 
-if (<PyTypeObject_ *>AsyncMessages).tp_as_async != NULL:
-    (<PyTypeObject_ *>AsyncMessages).tp_as_async.am_send = async_messages_send
+sbus_set_am_send(<PyTypeObject_ *>AsyncMessages, async_messages_send)
