@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import socket
+import sys
 import threading
 import time
 
 import pytest
 
 from sbus import BusClosedError, Client, MessageTooLargeError, ProtocolError, aio
+from sbus._core import batch
 from sbus.client import ControlMessage, Message
 
 from test_client_batch import far_end_packets, feed, feed_aio
@@ -141,6 +143,22 @@ def test_async_for_returns_what_receive_returns_errors_included():
     assert arun(received()) == expected
     assert arun(iterated()) == expected
     assert arun(batches()) == expected
+
+
+def test_the_awaitable_has_its_am_send_slot_where_python_has_one():
+    assert batch.AM_SEND == (sys.version_info >= (3, 10))
+
+
+def test_the_awaitable_without_am_send_returns_the_same_through_stop_iteration():
+    async def main():
+        async with feed_aio([b"MSG k\0a", b"MSG k\0b"]) as c:
+            assert await c.receive_many(1) == [Message(b"k", b"a")]
+            awaitable = c.__aiter__().__anext__()
+            with pytest.raises(StopIteration) as stop:
+                awaitable.__await__().__next__()   # how Python 3.9 and 3.12+ take it
+            return stop.value.value
+
+    assert arun(main()) == Message(b"k", b"b")
 
 
 def test_an_unawaited_anext_keeps_its_message_first():

@@ -35,6 +35,8 @@ class Inbox:
     def receive(self, fd: int, limit: int, flags: int = 0,
                 timeout: float = -1.0) -> List[Any]: ...
 
+AM_SEND: bool
+
 def take(queue: Deque[Any], limit: int) -> List[Any]: ...
 
 class Messages:

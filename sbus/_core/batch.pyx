@@ -628,4 +628,5 @@ cdef sbus_send_result async_messages_send(PyObject *self, PyObject *arg,
     return PYGEN_RETURN
 
 
-sbus_set_am_send(<PyTypeObject_ *>AsyncMessages, async_messages_send)
+# Whether AsyncMessages has its am_send slot (Python 3.10+).
+AM_SEND = bool(sbus_set_am_send(<PyTypeObject_ *>AsyncMessages, async_messages_send))
