@@ -468,10 +468,14 @@ class Client:
         self._out.send(self._fd)
         deadline = time.monotonic() + self._policy.confirm_timeout
         while True:
-            for item in self._in.receive(self._fd, 64, 0, max(0.0, deadline - time.monotonic())):
+            batch = self._in.receive(self._fd, 64, 0, max(0.0, deadline - time.monotonic()))
+            for i, item in enumerate(batch):
                 if isinstance(item, BaseException):
                     raise item
                 if type(item) is ControlMessage and item.key == WHOAMI:
+                    # What came after the reply is queued too; an end of the
+                    # connection is left for the next read to find again.
+                    self._inbox.extend(m for m in batch[i + 1:] if type(m) is not BusClosedError)
                     return
                 self._inbox.append(item)
 
@@ -702,7 +706,7 @@ class Client:
             if len(self._out):
                 self.flush()
             batch = self._read(max, flags, timeout)
-            if not self._in.irregular:
+            if not self._in.irregular and not inbox:
                 return batch    # only messages, in order: no need to queue them
             self._queue(batch)
         if inbox and isinstance(inbox[0], BaseException):
@@ -743,7 +747,12 @@ class Client:
         """Queue a batch, late replies to abandoned queries left out."""
         if self._in.irregular and self._abandoned:
             batch = [m for m in batch if not (type(m) is ControlMessage and self._late(m.key))]
-        self._inbox.extend(batch)
+        if self._inbox:
+            # After a reconnect, _read returns the first of the messages that
+            # arrived while the replay was confirmed; the rest are queued.
+            self._inbox.extendleft(reversed(batch))
+        else:
+            self._inbox.extend(batch)
 
     def _late(self, key: bytes) -> bool:
         if self._abandoned.get(key):

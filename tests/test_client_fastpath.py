@@ -16,6 +16,7 @@ import pytest
 from sbus import BusClosedError, Client, MessageTooLargeError, ProtocolError, aio
 from sbus._core import batch
 from sbus.client import ControlMessage, Message
+from sbus.reconnect import Reconnect
 
 from test_client_batch import far_end_packets, feed, feed_aio
 
@@ -238,3 +239,66 @@ def test_control_replies_reach_their_waiters_while_async_for_drains_a_burst(brok
     assert [m.key for m in got] == [b"burst/%d" % i for i in range(n)]
     assert all(type(m) is Message for m in got)
     assert len({c.text for c in creds}) == 1 and isinstance(stats, dict)
+
+
+# -- after a reconnect -------------------------------------------------------------
+
+class ScriptedBroker:
+    """A listening unix socket whose first connection is closed at once and
+    whose second gets ``script`` once the replayed session's whoami has come
+    (then it accepts no more):
+    messages sent before the whoami reply arrive while the client confirms
+    its reconnect, and are queued by it."""
+
+    def __init__(self, path, script):
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(path)
+        self.listener.listen(2)
+        self.script = script
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self):
+        first, _ = self.listener.accept()
+        first.recv(100)                     # the client's SUB
+        first.close()
+        second, _ = self.listener.accept()
+        self.listener.close()               # a third connect is refused
+        while not second.recv(100).startswith(b"CMSG !/cred/whoami"):
+            pass
+        for packet in self.script:
+            second.send(packet)
+        self.done.wait(TIMEOUT)     # open until the client is done: no second reconnect
+        second.close()
+
+    def close(self):
+        self.done.set()
+        self.thread.join(TIMEOUT)
+        self.listener.close()
+
+
+@pytest.mark.parametrize("how", ["receive_many", "iteration"])
+def test_messages_queued_during_a_reconnect_keep_their_order(tmp_path, how):
+    before = [b"MSG k\0%d" % i for i in range(5)]       # arrive before the whoami reply
+    after = [b"MSG k\0%d" % i for i in range(5, 8)]
+    broker = ScriptedBroker(str(tmp_path / "s"),
+                            before + [b"CMSG !/cred/whoami\0!/cred/0/0/1"] + after)
+    try:
+        # a lost message would leave iteration waiting: the scripted broker
+        # hangs up after TIMEOUT, and the client then gives up
+        policy = Reconnect(give_up_after=TIMEOUT, confirm_timeout=1.0)
+        with Client(str(tmp_path / "s"), reconnect=policy) as c:
+            c.subscribe("k")
+            got = []
+            if how == "receive_many":
+                while len(got) < 8:
+                    got.extend(c.receive_many(3, timeout=TIMEOUT))
+            else:
+                for message in c:
+                    got.append(message)
+                    if len(got) == 8:
+                        break
+    finally:
+        broker.close()
+    assert [m.payload for m in got] == [b"%d" % i for i in range(8)]
