@@ -473,8 +473,9 @@ cdef class Inbox:
         return out
 
     cdef int wait(self, int fd, int limit, int flags, double timeout) except? -2:
-        """recvmmsg once at least one packet is there; -1 with errno set as
-        recvmmsg leaves it. A non-blocking socket fails EAGAIN at once."""
+        """recvmmsg once at least one packet is there (with a timeout, poll(2)
+        waits for it); -1 with errno set as recvmmsg or poll left it. Without
+        a timeout, a non-blocking socket fails EAGAIN at once."""
         cdef int n, ready
         cdef pollfd pfd
         cdef double deadline = now() + timeout if timeout >= 0 else -1.0
