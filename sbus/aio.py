@@ -29,10 +29,11 @@ import asyncio
 import collections
 import errno
 import time
-from typing import Any, Deque, Iterable, List, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Deque, Iterable, List, Optional, Tuple, Union
 
 from . import reconnect as _reconnect
-from ._core.batch import Inbox, Outbox, Sink, check_pattern
+from ._core.batch import AsyncMessages, Inbox, Outbox, Sink, check_pattern
+from ._core.batch import take as _take
 from ._core.batch import pack_publish as _pack_publish
 from ._core.batch import send_publish as _send_publish
 from .client import (
@@ -501,14 +502,12 @@ class Client:
     async def receive_many(self, max: int = 64) -> List[Received]:
         """Up to ``max`` messages: at least one, as many as are queued or
         readable at once. An error ends the list and is raised by the next call."""
-        first = await self.receive()
-        out = [first]
         inbox = self._inbox
-        if not inbox and not self._reading and self._bus is not None:
-            self._read_until_empty(max)
-        while inbox and len(out) < max and not isinstance(inbox[0], BaseException):
-            out.append(inbox.popleft())
-        return out
+        if not inbox or isinstance(inbox[0], BaseException):
+            inbox.appendleft(await self.receive())  # waits, or raises the error
+        if len(inbox) < max and not self._reading and self._bus is not None:
+            self._read_until_empty()
+        return _take(inbox, max)
 
     async def receive_into(self, sink: Sink, max: int = 64) -> List[Received]:
         """As :meth:`receive_many`, but the messages go to ``sink``, a C
@@ -541,10 +540,25 @@ class Client:
                     self._receivers.remove(fut)
                 self._update_reading()
 
-    def __aiter__(self) -> "Client":
-        return self
+    async def batches(self, max: int = 64) -> AsyncIterator[List[Received]]:
+        """:meth:`receive_many` until the broker closes the connection:
+        ``async for batch in bus.batches()``."""
+        while True:
+            try:
+                batch = await self.receive_many(max)
+            except BusClosedError:
+                return
+            yield batch
+
+    def __aiter__(self) -> AsyncIterator[Received]:
+        """``async for``: a queued message is returned without a coroutine or
+        future (see :class:`sbus._core.batch.AsyncMessages`); the rest goes
+        through :meth:`__anext__`."""
+        return AsyncMessages(self._inbox, Message, self.__anext__)
 
     async def __anext__(self) -> Received:
+        """The next message, as :meth:`receive` returns it; StopAsyncIteration
+        once the broker has closed the connection."""
         inbox = self._inbox
         if inbox and type(inbox[0]) is Message:
             return inbox.popleft()
@@ -594,7 +608,7 @@ class Client:
         taken = 0
         while self._bus is not None and len(inbox) < _INBOX_HIGH and taken < _INBOX_HIGH:
             try:
-                batch = self._in.receive(self._fd, limit, 0, sink)
+                batch = self._in.receive(self._fd, limit, 0, -1.0, sink)
             except BlockingIOError:
                 return taken
             except OSError as exc:

@@ -19,14 +19,14 @@ from __future__ import annotations
 import collections
 import errno
 import json
-import select
 import socket
 import time
 from typing import Any, Deque, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 from . import address as _address
 from . import reconnect as _reconnect
-from ._core.batch import Inbox, Outbox, check_pattern
+from ._core.batch import Inbox, Messages, Outbox, check_pattern
+from ._core.batch import take as _take
 from ._core.batch import pack_publish as _pack_publish
 from ._core.batch import send_publish as _send_publish
 from .errors import (
@@ -468,11 +468,14 @@ class Client:
         self._out.send(self._fd)
         deadline = time.monotonic() + self._policy.confirm_timeout
         while True:
-            self._wait_readable(max(0.0, deadline - time.monotonic()))
-            for item in self._in.receive(self._fd, 64):
+            batch = self._in.receive(self._fd, 64, 0, max(0.0, deadline - time.monotonic()))
+            for i, item in enumerate(batch):
                 if isinstance(item, BaseException):
                     raise item
                 if type(item) is ControlMessage and item.key == WHOAMI:
+                    # What came after the reply is queued too; an end of the
+                    # connection is left for the next read to find again.
+                    self._inbox.extend(m for m in batch[i + 1:] if type(m) is not BusClosedError)
                     return
                 self._inbox.append(item)
 
@@ -698,48 +701,58 @@ class Client:
         """
         if flags & socket.MSG_PEEK:
             raise ValueError("receive_many does not peek; use receive(MSG_PEEK)")
-        if not self._inbox:
+        inbox = self._inbox
+        if not inbox:
             if len(self._out):
                 self.flush()
-            self._fill(max, flags, timeout)
-        out: List[Union[Message, ControlMessage]] = []
-        inbox = self._inbox
-        while inbox and len(out) < max:
-            item = inbox[0]
-            if isinstance(item, BaseException):
-                if not out:
-                    inbox.popleft()
-                    raise item
-                break
-            out.append(inbox.popleft())
-        return out
+            batch = self._read(max, flags, timeout)
+            if not self._in.irregular and not inbox:
+                return batch    # only messages, in order: no need to queue them
+            self._queue(batch)
+        if inbox and isinstance(inbox[0], BaseException):
+            raise inbox.popleft()
+        return _take(inbox, max)
 
-    def __iter__(self) -> Iterator[Union[Message, ControlMessage]]:
-        """Receive messages until the broker closes the connection, reading
-        them in batches (a message read and not yet yielded stays queued)."""
-        inbox = self._inbox
-        popleft = inbox.popleft
+    def batches(self, max: int = 64) -> Iterator[List[Union[Message, ControlMessage]]]:
+        """:meth:`receive_many` until the broker closes the connection: lists
+        of up to ``max`` messages, as they arrive."""
         while True:
-            while inbox:
-                item = popleft()
-                if type(item) is not Message and isinstance(item, BaseException):
-                    if isinstance(item, BusClosedError):
-                        return
-                    raise item
-                yield item
-            if len(self._out):
-                self.flush()
             try:
-                self._fill(self._in.slots, 0, None)
+                yield self.receive_many(max)
             except BusClosedError:
                 return
 
+    def __iter__(self) -> Iterator[Union[Message, ControlMessage]]:
+        """Receive messages until the broker closes the connection, reading
+        them in batches (a message read and not yet yielded stays queued).
+        The iterator (:class:`sbus._core.batch.Messages`) takes them from the
+        queue in C; a queued error is raised in its turn."""
+        return Messages(self._inbox, self._refill)
+
+    def _refill(self) -> bool:
+        """One batch into the queue for iteration; False once the broker closed."""
+        if len(self._out):
+            self.flush()
+        try:
+            self._fill(self._in.slots, 0, None)
+        except BusClosedError:
+            return False
+        return True
+
     def _fill(self, limit: int, flags: int, timeout: Optional[float]) -> None:
-        """One recvmmsg into the queue, late replies to abandoned queries left out."""
-        batch = self._read(limit, flags, timeout)
+        """One recvmmsg into the queue."""
+        self._queue(self._read(limit, flags, timeout))
+
+    def _queue(self, batch: List[Any]) -> None:
+        """Queue a batch, late replies to abandoned queries left out."""
         if self._in.irregular and self._abandoned:
             batch = [m for m in batch if not (type(m) is ControlMessage and self._late(m.key))]
-        self._inbox.extend(batch)
+        if self._inbox:
+            # After a reconnect, _read returns the first of the messages that
+            # arrived while the replay was confirmed; the rest are queued.
+            self._inbox.extendleft(reversed(batch))
+        else:
+            self._inbox.extend(batch)
 
     def _late(self, key: bytes) -> bool:
         if self._abandoned.get(key):
@@ -765,10 +778,9 @@ class Client:
                 self._reconnect(wait=True, deadline=deadline)
                 if self._inbox:     # queued while the replay was confirmed
                     return [self._inbox.popleft()]
-            if deadline is not None:
-                self._wait_readable(max(0.0, deadline - time.monotonic()))
             try:
-                batch = self._in.receive(self._fd, limit, flags)
+                batch = self._in.receive(self._fd, limit, flags, -1.0 if deadline is None
+                                         else max(0.0, deadline - time.monotonic()))
             except OSError as exc:
                 if exc.errno not in _GONE or self._closed:
                     raise
@@ -781,12 +793,6 @@ class Client:
                 if not batch:
                     continue
             return batch
-
-    def _wait_readable(self, timeout: float) -> None:
-        poller = select.poll()
-        poller.register(self._fd, select.POLLIN)
-        if not poller.poll(max(0, int(timeout * 1000 + 0.999))):
-            raise TimeoutError(f"no message within {timeout} s")
 
     def _forget(self, key: bytes) -> None:
         left = self._abandoned[key] - 1

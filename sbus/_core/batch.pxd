@@ -50,3 +50,20 @@ cdef class Inbox:
     cdef object make(self, object cls, const char *key, size_t klen,
                      const char *payload, size_t plen)
     cdef void release(self, int i) noexcept
+    cdef int wait(self, int fd, int limit, int flags, double timeout) except? -2
+
+
+cdef class Messages:
+    cdef object queue
+    cdef object popleft         # queue.popleft, bound once
+    cdef object refill          # reads one batch into the queue; False at the end
+
+
+cdef class AsyncMessages:
+    cdef object queue
+    cdef object popleft         # queue.popleft, bound once
+    cdef object message_type
+    cdef object slow            # the coroutine function for everything but a queued message
+    cdef object value           # the message the pending awaitable returns
+
+    cdef object ready(self)

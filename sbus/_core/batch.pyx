@@ -5,6 +5,8 @@
 # the unsent tail owed, so the caller can wait and call send() again without
 # reordering anything. Inbox takes up to `slots` packets with one recvmmsg
 # and builds the Message/ControlMessage tuples straight from the C buffer.
+# take() and AsyncMessages hand queued messages on without a Python-level
+# loop or a coroutine per message.
 # The checks here are the broker's own (protocol.pxd), so a packet the
 # client lets through is one the broker accepts.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -16,9 +18,9 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memchr, memcmp, memcpy, memset
 
 from .includes.sys cimport (
-    MADV_DONTNEED, MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, MSG_NOSIGNAL, MSG_TRUNC,
-    MSG_DONTWAIT, PROT_READ, PROT_WRITE, iovec, madvise, mmap, mmsghdr, msghdr, munmap, recvmmsg,
-    sendmmsg,
+    CLOCK_MONOTONIC, MADV_DONTNEED, MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, MSG_NOSIGNAL,
+    MSG_TRUNC, MSG_DONTWAIT, POLLIN, PROT_READ, PROT_WRITE, clock_gettime, iovec, madvise, mmap,
+    mmsghdr, msghdr, munmap, poll, pollfd, recvmmsg, sendmmsg, timespec,
 )
 from .protocol cimport KEY_OK, CredForm, check_rest, is_cred_key, parse_cred_form
 
@@ -44,6 +46,38 @@ cdef extern from "Python.h":
     ctypedef struct PyTypeObject_ "PyTypeObject":
         PyObject *(*tp_alloc)(PyTypeObject_ *, Py_ssize_t) except NULL
     void PyTuple_SET_ITEM(object t, Py_ssize_t i, object v)
+    # A Message holds two bytes objects and can be in no reference cycle.
+    void PyObject_GC_UnTrack(object o)
+    bint PyExceptionInstance_Check(object o)
+    void PyErr_SetString(object type, const char *message)
+
+
+cdef extern from *:
+    """
+    /* am_send (3.10+) lets `await` take a result without a StopIteration;
+       Cython has no special method for the slot, so AsyncMessages sets it.
+       Before 3.10 the slot does not exist and __next__ serves instead. */
+    #if PY_VERSION_HEX >= 0x030A0000
+    typedef PySendResult sbus_send_result;
+    #else
+    typedef __Pyx_PySendResult sbus_send_result;   /* Cython's stand-in */
+    #endif
+    typedef sbus_send_result (*sbus_sendfunc)(PyObject *, PyObject *, PyObject **);
+    static int sbus_set_am_send(PyTypeObject *type, sbus_sendfunc send) {
+    #if PY_VERSION_HEX >= 0x030A0000
+        if (type->tp_as_async != NULL) {
+            type->tp_as_async->am_send = send;
+            return 1;
+        }
+    #endif
+        return 0;
+    }
+    """
+    ctypedef enum sbus_send_result:
+        PYGEN_RETURN
+        PYGEN_ERROR
+    ctypedef sbus_send_result (*sbus_sendfunc)(PyObject *, PyObject *, PyObject **)
+    int sbus_set_am_send(PyTypeObject_ *type, sbus_sendfunc send)
 
 
 cdef enum:
@@ -51,6 +85,7 @@ cdef enum:
     OUTBOX_MIN_BYTES = 1 << 18
     INBOX_SLOTS = 64
     KEEP_MAPPED = 1 << 16       # slot bytes kept resident after a large packet
+    POLL_MAX_MS = 1 << 30       # a longer timeout waits in several polls
 
 
 cdef inline bytes as_bytes(object text):
@@ -60,6 +95,12 @@ cdef inline bytes as_bytes(object text):
     if isinstance(text, str):
         return (<str>text).encode("utf-8", "surrogateescape")
     return bytes(text)
+
+
+cdef inline double now() noexcept:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
 cdef int raise_errno(str what) except -1:
@@ -396,16 +437,18 @@ cdef class Inbox:
         free(self.iov)
         free(self.hdrs)
 
-    def receive(self, int fd, int limit, int flags=0, Sink sink=None):
-        """recvmmsg up to ``limit`` packets (waiting for the first unless the
-        socket or ``flags`` say MSG_DONTWAIT) and parse them, in order.
+    def receive(self, int fd, int limit, int flags=0, double timeout=-1.0, Sink sink=None):
+        """recvmmsg up to ``limit`` packets (waiting for the first, at most
+        ``timeout`` seconds if it is not negative, unless the socket or
+        ``flags`` say MSG_DONTWAIT) and parse them, in order.
 
         Returns a list of Message and ControlMessage objects, in which an
         oversized or malformed packet is the exception that reports it, and
         the end of the connection is a BusClosedError (always last).
         ``irregular`` counts the control messages and exceptions, so a caller
         finding it 0 can take the list as plain messages. OSError as
-        recvmmsg(2) reports it (BlockingIOError: nothing to read).
+        recvmmsg(2) reports it (BlockingIOError: nothing to read);
+        TimeoutError when ``timeout`` passes first.
 
         With a ``sink``, the plain messages before the first irregular packet
         go to ``sink.put()`` instead (``taken`` counts them), and the list
@@ -415,21 +458,15 @@ cdef class Inbox:
         cdef const char *p
         cdef const char *nul
         cdef int irregular = 0
-        cdef size_t kept
         if limit > self.slots:
             limit = self.slots
         if limit < 1:
             limit = 1
-        # What is there already is taken with the GIL held; only a wait releases it.
-        # A non-blocking socket fails EAGAIN again in the second call.
+        # What is there already is taken with the GIL held; only a wait
+        # releases it (and a poll(2) is made only when there is a timeout).
         n = recvmmsg(fd, self.hdrs, limit, flags | MSG_DONTWAIT, NULL)
         if n < 0 and errno == EAGAIN and not flags & MSG_DONTWAIT:
-            while True:
-                with nogil:
-                    n = recvmmsg(fd, self.hdrs, limit, flags | MSG_WAITFORONE, NULL)
-                if n >= 0 or errno != EINTR:
-                    break
-                PyErr_CheckSignals()
+            n = self.wait(fd, limit, flags, timeout)
         if n < 0:
             raise_errno("recvmmsg")
         out = []
@@ -479,6 +516,38 @@ cdef class Inbox:
         self.irregular = irregular
         return out
 
+    cdef int wait(self, int fd, int limit, int flags, double timeout) except? -2:
+        """recvmmsg once at least one packet is there (with a timeout, poll(2)
+        waits for it); -1 with errno set as recvmmsg or poll left it. Without
+        a timeout, a non-blocking socket fails EAGAIN at once."""
+        cdef int n, ready
+        cdef pollfd pfd
+        cdef double deadline = now() + timeout if timeout >= 0 else -1.0
+        cdef double left
+        pfd.fd = fd
+        pfd.events = POLLIN
+        while True:
+            if deadline < 0:
+                with nogil:
+                    n = recvmmsg(fd, self.hdrs, limit, flags | MSG_WAITFORONE, NULL)
+            else:
+                left = (deadline - now()) * 1000 + 0.999   # ms, rounded up
+                if left > POLL_MAX_MS:
+                    left = POLL_MAX_MS
+                with nogil:
+                    ready = poll(&pfd, 1, <int>left if left >= 1 else 0)
+                if ready == 0:
+                    if now() < deadline:
+                        continue    # a timeout longer than one poll takes
+                    raise TimeoutError(f"no message within {timeout:g} s")
+                # readable, or an error that recvmmsg reports (EOF reads 0 bytes)
+                n = recvmmsg(fd, self.hdrs, limit, flags | MSG_DONTWAIT, NULL) if ready > 0 else -1
+                if n < 0 and errno == EAGAIN:
+                    continue    # taken by another reader of the socket
+            if n >= 0 or errno != EINTR:
+                return n
+            PyErr_CheckSignals()
+
     cdef object make(self, object cls, const char *key, size_t klen,
                             const char *payload, size_t plen):
         """cls(key, payload) for a two-field NamedTuple; a key equal to the
@@ -494,6 +563,7 @@ cdef class Inbox:
         PyTuple_SET_ITEM(t, 0, k)
         Py_INCREF(payload_obj)
         PyTuple_SET_ITEM(t, 1, payload_obj)
+        PyObject_GC_UnTrack(t)  # else a long queue is traversed by every young-generation collection
         return t
 
     cdef void release(self, int i) noexcept:
@@ -509,3 +579,99 @@ cdef class Inbox:
         length = <size_t>(self.area + (i + 1) * self.slot_size - start) // page * page
         if length:
             madvise(start, length, MADV_DONTNEED)
+
+
+def take(object queue, Py_ssize_t limit):
+    """Pop up to ``limit`` items from the front of the deque ``queue``,
+    stopping before an exception (the caller raises it in its turn)."""
+    cdef list out = []
+    popleft = queue.popleft
+    while limit > 0 and len(queue) and not PyExceptionInstance_Check(queue[0]):
+        out.append(popleft())
+        limit -= 1
+    return out
+
+
+cdef class Messages:
+    """``for message in client``: the client's queue, refilled by
+    ``refill()`` (one batch read; False once the broker has closed the
+    connection) whenever it is empty. A queued exception is raised in its
+    turn, and a BusClosedError ends the iteration."""
+
+    def __cinit__(self, object queue, object refill):
+        self.queue = queue
+        self.popleft = queue.popleft
+        self.refill = refill
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while not len(self.queue):
+            if not self.refill():
+                raise StopIteration
+        item = self.popleft()
+        if PyExceptionInstance_Check(item):
+            if isinstance(item, BusClosedError):
+                raise StopIteration
+            raise item
+        return item
+
+
+cdef class AsyncMessages:
+    """``async for`` over a client's queue. A queued message (of exactly
+    ``message_type``) comes from an awaitable that completes at once: this
+    object, whose am_send returns the message (no coroutine, future or
+    StopIteration per message). Anything else (an empty queue, a control
+    message, an error) is left to ``slow()``, the client's own coroutine."""
+
+    def __cinit__(self, object queue, object message_type, object slow):
+        self.queue = queue
+        self.popleft = queue.popleft
+        self.message_type = message_type
+        self.slow = slow
+
+    def __aiter__(self):
+        return self
+
+    def __anext__(self):
+        if self.value is not None:
+            # an earlier __anext__() was never awaited: its message stays first
+            raise RuntimeError("anext(): the previous message was not awaited")
+        queue = self.queue
+        if len(queue) and type(queue[0]) is self.message_type:
+            self.value = self.popleft()
+            return self
+        return self.slow()
+
+    def __await__(self):
+        return self
+
+    def __next__(self):
+        # for an interpreter that does not use am_send
+        value = self.ready()
+        raise StopIteration(value)
+
+    cdef object ready(self):
+        value, self.value = self.value, None
+        if value is None:
+            raise RuntimeError("cannot reuse an already awaited __anext__()")
+        return value
+
+
+cdef sbus_send_result async_messages_send(PyObject *self, PyObject *arg,
+                                          PyObject **result) noexcept:
+    cdef AsyncMessages it = <AsyncMessages>self
+    cdef object value = it.value
+    if value is None:
+        PyErr_SetString(RuntimeError, b"cannot reuse an already awaited __anext__()")
+        result[0] = NULL
+        return PYGEN_ERROR
+    it.value = None
+    Py_INCREF(value)
+    result[0] = <PyObject *>value
+    return PYGEN_RETURN
+
+
+# Whether AsyncMessages has its am_send slot (Python 3.10+).
+AM_SEND = bool(sbus_set_am_send(<PyTypeObject_ *>AsyncMessages, async_messages_send))

@@ -128,3 +128,15 @@ cdef extern from "<sys/mman.h>" nogil:
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
     int munmap(void *addr, size_t length)
     int madvise(void *addr, size_t length, int advice)
+
+
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+
+    enum:
+        POLLIN
+
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
