@@ -5,11 +5,12 @@
     OUT/<table>/date=YYYY-MM-DD/*.parquet          the reported tables, one partition a day
     OUT/malformed/file_id=ID/*.parquet             malformed lines, per input file
     OUT/csv/<table>/date=YYYY-MM-DD/part-*.csv     only with --csv
-    OUT/_partials/partial=P/date=D/file_id=ID/     per input file and day: mergeable state
+    OUT/_partials/date=D/file_id=ID/*.parquet      per input file and day: its records,
+                                                   message records summed per key and fanout
     OUT/_manifest.json                             the input files read, and their days
 
-A day's table is always rebuilt from the partials of every known file that
-covers that day, so reading a new file never loses what older ones said
+A day's table is always rebuilt from the stored rows of every known file
+that covers that day, so reading a new file never loses what older ones said
 about the same day.  Files are known by the checksum of their content
 (decompressed, for ``.gz`` and ``.bz2``): a file already read is skipped
 wherever it now lives (a rotated log renamed or compressed), and a file
@@ -43,8 +44,7 @@ MALFORMED = "malformed"
 CSV = "csv"
 DAY = "date"
 FILE = "file_id"
-KIND = "partial"
-FORMAT = 1
+FORMAT = 2  # 1 kept one partial per table group under _partials/partial=P/
 
 _CHUNK = 1 << 20
 _DECOMPRESS = {".gz": gzip.open, ".bz2": bz2.open}
