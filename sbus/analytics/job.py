@@ -400,27 +400,28 @@ def read_stored(spark: SparkSession, store: Store) -> DataFrame:
 
 
 def rebuild_days(spark: SparkSession, store: Store, days: set) -> None:
-    """Rewrite each table's partitions of ``days`` from every file's partials of those days."""
+    """Rewrite each table's partitions of ``days`` from every file's stored rows of those days."""
     if not days:
         return
     day_list = sorted(days)
     stored = read_stored(spark, store).where(F.col(DAY).isin(day_list)).persist()
+    states = {}
+    for p in PARTIAL_SET:  # cached only where several tables share it
+        shared = sum(t.partial is p for t in TABLES) > 1
+        states[p.name] = state(p, stored, [DAY]).persist() if shared else state(p, stored, [DAY])
 
-    def rebuild(p: Partial) -> None:
-        merged = state(p, stored, [DAY]).persist()
-        try:
-            for t in (t for t in TABLES if t.partial is p):
-                for day in day_list:
-                    store.delete(t.name, f"{DAY}={day.isoformat()}")
-                (t.finish(merged, [DAY]).coalesce(1)
-                 .sortWithinPartitions(DAY, *tf.order_columns(t.order))
-                 .write.mode("append").partitionBy(DAY).parquet(store.path(t.name)))
-        finally:
-            merged.unpersist()
+    def rebuild(t: Table) -> None:
+        for day in day_list:
+            store.delete(t.name, f"{DAY}={day.isoformat()}")
+        (t.finish(states[t.partial.name], [DAY]).coalesce(1)
+         .sortWithinPartitions(DAY, *tf.order_columns(t.order))
+         .write.mode("append").partitionBy(DAY).parquet(store.path(t.name)))
 
     try:
-        _concurrently(rebuild, PARTIAL_SET)
+        _concurrently(rebuild, TABLES)
     finally:
+        for df in states.values():
+            df.unpersist()
         stored.unpersist()
 
 
