@@ -274,7 +274,7 @@ def _summed_messages(stored: DataFrame, by: Sequence[str]) -> DataFrame:
     return tf.message_merge(stored.where(F.col("event") == logschema.MESSAGE), by)
 
 
-def state(partial: Partial, stored: DataFrame, by: Sequence[str]) -> DataFrame:
+def _state(partial: Partial, stored: DataFrame, by: Sequence[str]) -> DataFrame:
     """``partial``'s state per ``by`` group from ``_stored()`` rows."""
     if partial.summed:
         return partial.summed(stored, by)
@@ -316,7 +316,7 @@ def run(spark: SparkSession, paths: Sequence[str], out: str, *, show: int = 20,
 
 
 def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tuple[dict, set]:
-    """Read the plan's new files once, write their partials, rebuild the days they touch."""
+    """Read the plan's new files once, store their rows, rebuild the days they touch."""
     frame = _compact_frame(spark, plan.new)
     try:
         counts = frame.groupBy(FILE, DAY, STATUS, "schema").agg(
@@ -358,7 +358,7 @@ def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tupl
 
 @contextmanager
 def small_jobs(spark: SparkSession):
-    """Settings for jobs over partials and tables, which are small by design:
+    """Settings for jobs over the stored rows and tables, which are small by design:
     one shuffle partition and no adaptive re-planning, whose fixed costs
     would dominate.  The session's own settings come back afterwards.
     """
@@ -377,7 +377,7 @@ def small_jobs(spark: SparkSession):
 
 
 def _drop_file(store: Store, entry: dict) -> None:
-    """Remove what a replaced file contributed: its partials and malformed lines."""
+    """Remove what a replaced file contributed: its stored rows and malformed lines."""
     for day in entry["days"]:
         store.delete(PARTIALS, f"{DAY}={day}", f"{FILE}={entry['id']}")
     store.delete(MALFORMED, f"{FILE}={entry['id']}")
@@ -407,8 +407,9 @@ def rebuild_days(spark: SparkSession, store: Store, days: set) -> None:
     stored = read_stored(spark, store).where(F.col(DAY).isin(day_list)).persist()
     states = {}
     for p in PARTIAL_SET:  # cached only where several tables share it
-        shared = sum(t.partial is p for t in TABLES) > 1
-        states[p.name] = state(p, stored, [DAY]).persist() if shared else state(p, stored, [DAY])
+        states[p.name] = _state(p, stored, [DAY])
+        if sum(t.partial is p for t in TABLES) > 1:
+            states[p.name].persist()
 
     def rebuild(t: Table) -> None:
         for day in day_list:
@@ -449,10 +450,10 @@ def read_table(spark: SparkSession, out: str, name: str, days: Sequence | None =
         stored = read_stored(spark, store)
         if days is not None:
             stored = stored.where(F.col(DAY).isin(list(days)))
-        return tf.ordered(table.finish(state(table.partial, stored, []), []), table.order)
+        return tf.ordered(table.finish(_state(table.partial, stored, []), []), table.order)
     df = _read_table(spark, store, name)
     if df is None:
-        return table.finish(state(table.partial, read_stored(spark, store), [DAY]), [DAY])
+        return table.finish(_state(table.partial, read_stored(spark, store), [DAY]), [DAY])
     if days is not None:
         df = df.where(F.col(DAY).isin(list(days)))
     return df.orderBy(DAY, *tf.order_columns(table.order))

@@ -3,10 +3,10 @@
 Each table is built in three steps so that it can be kept incrementally:
 
 * a *partial* (``*_partial(events, by)``) aggregates records into a small,
-  mergeable state, grouped by the extra columns ``by`` (the job uses the day
-  and the input file);
+  mergeable state, grouped by the extra columns ``by`` (the job uses the day);
 * a *merge* (``*_merge(partials, by)``) combines partials into the state of
-  their union, grouped by ``by`` (the day; nothing for all days at once);
+  their union, grouped by ``by`` (the job merges the message sums it keeps
+  per file and day this way);
 * a *finish* (``*_table(merged, by)``) turns the state into the reported
   table, one per ``by`` group.
 
