@@ -26,7 +26,8 @@ runs, when the JVM has compiled the code both share and each query's own
 generated code is cached.  ``baseline_s``, ``baseline_jvm_cpu_s`` and
 ``cpu_ratio`` (CPU seconds, which a busy machine distorts less) compare those;
 the first runs are reported as ``baseline_cold_s`` and ``job_cold_s``
-(``cold_ratio``), what a job in a fresh process pays.  The session's
+(``cold_ratio``): the baseline's first run also compiles the parser's code,
+which the job's first run, coming after it, then finds ready.  The session's
 start-up is reported apart as ``session_start_s``.  The input
 is left uncompressed: a .gz file cannot be split, so it would be parsed by
 one core whatever the master.
