@@ -213,7 +213,10 @@ def _compact_frame(spark: SparkSession, idents: Sequence[Identity]) -> DataFrame
             ids[spelling] = ident.id
     file_id = F.element_at(F.create_map(*[F.lit(x) for kv in ids.items() for x in kv]),
                            F.col(SOURCE))
-    return _compact(parse(read_lines(spark, [i.uri for i in idents])), file_id).persist()
+    # One partition after the aggregation (its map side has made it small):
+    # what is derived from it then needs no shuffle.
+    compact = _compact(parse(read_lines(spark, [i.uri for i in idents])), file_id)
+    return compact.coalesce(1).persist()
 
 
 def _compact(parsed: DataFrame, file_id) -> DataFrame:
@@ -404,7 +407,9 @@ def rebuild_days(spark: SparkSession, store: Store, days: set) -> None:
     if not days:
         return
     day_list = sorted(days)
-    stored = read_stored(spark, store).where(F.col(DAY).isin(day_list)).persist()
+    # One partition: every aggregation and window below then needs no shuffle,
+    # so each table is one stage (these rows are few by design).
+    stored = read_stored(spark, store).where(F.col(DAY).isin(day_list)).coalesce(1).persist()
     states = {}
     for p in PARTIAL_SET:  # cached only where several tables share it
         states[p.name] = _state(p, stored, [DAY])
