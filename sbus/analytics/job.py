@@ -329,8 +329,10 @@ def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tupl
                                f"read: {[i.uri for i in plan.new]}")
         summary = _line_counts(counts)
         summary["malformed_examples"] = []
+        stored = _stored(frame)
+        _SCHEMAS.setdefault("stored", stored.schema)  # analysed already: spares a second
         with small_jobs(spark):
-            (_stored(frame).coalesce(1).write.mode("overwrite")
+            (stored.write.mode("overwrite")
              .option("partitionOverwriteMode", "dynamic").partitionBy(DAY, FILE)
              .parquet(store.path(PARTIALS)))
             if summary["malformed"]:
