@@ -23,6 +23,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import reduce
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -34,7 +35,7 @@ from pyspark.sql import types as T
 from sbus import logschema
 from sbus.analytics import transforms as tf
 from sbus.analytics.dataset import (CSV, DAY, FILE, MALFORMED, PARTIALS, Identity,
-                                    Manifest, Store, list_inputs, path_spellings)
+                                    Manifest, Store, list_inputs)
 from sbus.analytics.schema import CORRUPT_COLUMN, record_schema
 
 OK, BAD, BLANK = "ok", "malformed", "blank"
@@ -145,11 +146,12 @@ def read_lines(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
 
 def parse(lines: DataFrame) -> DataFrame:
     """Parse the ``value`` column into the record columns plus ``_status``
-    (ok, malformed or blank) and ``_source``.
+    (ok, malformed or blank), keeping ``lines``' own columns (``_source``).
     """
     options = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT_COLUMN}
     rec = F.from_json("value", record_schema(corrupt_column=True), options).alias("r")
-    parsed = lines.select("value", SOURCE, rec).select("value", SOURCE, "r.*")
+    kept = lines.columns  # value, _source and whatever else the caller gave
+    parsed = lines.select(*kept, rec).select(*kept, "r.*")
     # A type clash only matters for the events the schema defines: other
     # events may reuse a name with another type (accept_paused's `clients` is
     # a number), and from_json still fills in their event and timestamp.
@@ -205,18 +207,15 @@ def _examples(parsed: DataFrame, n: int) -> list:
 
 def _compact_frame(spark: SparkSession, idents: Sequence[Identity]) -> DataFrame:
     """The one pass over the new files: their lines parsed and compacted
-    (``_compact``), cached.  Each line carries its file's short id, not its path.
+    (``_compact``), cached.  Each file is read on its own, so its lines carry
+    its short id as a constant instead of a path to look up line by line.
     """
-    ids = {}
-    for ident in idents:  # Spark may spell a path differently from how it listed it
-        for spelling in path_spellings(spark, ident.uri):
-            ids[spelling] = ident.id
-    file_id = F.element_at(F.create_map(*[F.lit(x) for kv in ids.items() for x in kv]),
-                           F.col(SOURCE))
+    files = [spark.read.text(i.uri).select("value", F.lit(i.uri).alias(SOURCE),
+                                           F.lit(i.id).alias(FILE)) for i in idents]
+    lines = reduce(lambda a, b: a.union(b), files)
     # One partition after the aggregation (its map side has made it small):
     # what is derived from it then needs no shuffle.
-    compact = _compact(parse(read_lines(spark, [i.uri for i in idents])), file_id)
-    return compact.coalesce(1).persist()
+    return _compact(parse(lines), F.col(FILE)).coalesce(1).persist()
 
 
 def _compact(parsed: DataFrame, file_id) -> DataFrame:
@@ -324,9 +323,6 @@ def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tupl
     try:
         counts = frame.groupBy(FILE, DAY, STATUS, "schema").agg(
             F.sum(COUNT).alias("n")).collect()  # also fills the cache
-        if any(r[FILE] is None for r in counts):
-            raise RuntimeError("lines from a file the job did not list; "
-                               f"read: {[i.uri for i in plan.new]}")
         summary = _line_counts(counts)
         summary["malformed_examples"] = []
         stored = _stored(frame)
