@@ -13,8 +13,8 @@ Prints one JSON line, a human summary on stderr, and writes the JSON to
 bench/results/analytics-<UTC time>.json.
 
 ``seconds`` is the job's wall time (list and checksum the input, read and
-parse it once, write the partials and the day tables, update the manifest),
-``baseline_s`` the baseline's, ``ratio`` their quotient (the target is at
+parse it once, write what the dataset keeps of it and the day tables, update
+the manifest), ``baseline_s`` the baseline's, ``ratio`` their quotient (the target is at
 most 2); ``rerun_s`` is a second run over the same file, which must find
 nothing new.  ``jvm_cpu_s`` is the CPU the JVM used for the job and
 ``load_avg`` the machine's 1-minute load before and after: on a shared

@@ -55,18 +55,6 @@ def same_file(a: str, b: str) -> bool:
     return _norm(a) == _norm(b)
 
 
-def path_spellings(spark: SparkSession, uri: str) -> set:
-    """The ways Spark may write a listed file's path (``file:///x`` is listed,
-    ``file:/x`` is what ``_metadata.file_path`` says), to match it exactly.
-    """
-    path = spark.sparkContext._jvm.org.apache.hadoop.fs.Path(uri)
-    spellings = {uri, path.toString(), path.toUri().toString()}
-    u = urlparse(uri)
-    if u.scheme in ("", "file"):
-        spellings.add("file:" + u.path)
-    return spellings
-
-
 def _norm(uri: str) -> tuple:
     u = urlparse(uri)
     return (u.scheme or "file", u.netloc, unquote(u.path))
