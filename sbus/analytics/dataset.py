@@ -5,11 +5,12 @@
     OUT/<table>/date=YYYY-MM-DD/*.parquet          the reported tables, one partition a day
     OUT/malformed/file_id=ID/*.parquet             malformed lines, per input file
     OUT/csv/<table>/date=YYYY-MM-DD/part-*.csv     only with --csv
-    OUT/_partials/partial=P/date=D/file_id=ID/     per input file and day: mergeable state
+    OUT/_partials/date=D/file_id=ID/*.parquet      per input file and day: its records,
+                                                   message records summed per key and fanout
     OUT/_manifest.json                             the input files read, and their days
 
-A day's table is always rebuilt from the partials of every known file that
-covers that day, so reading a new file never loses what older ones said
+A day's table is always rebuilt from the stored rows of every known file
+that covers that day, so reading a new file never loses what older ones said
 about the same day.  Files are known by the checksum of their content
 (decompressed, for ``.gz`` and ``.bz2``): a file already read is skipped
 wherever it now lives (a rotated log renamed or compressed), and a file
@@ -43,8 +44,7 @@ MALFORMED = "malformed"
 CSV = "csv"
 DAY = "date"
 FILE = "file_id"
-KIND = "partial"
-FORMAT = 1
+FORMAT = 2  # 1 kept one partial per table group under _partials/partial=P/
 
 _CHUNK = 1 << 20
 _DECOMPRESS = {".gz": gzip.open, ".bz2": bz2.open}
@@ -53,18 +53,6 @@ _DECOMPRESS = {".gz": gzip.open, ".bz2": bz2.open}
 def same_file(a: str, b: str) -> bool:
     """Whether two spellings of a Hadoop path (``file:/x``, ``file:///x``) name one file."""
     return _norm(a) == _norm(b)
-
-
-def path_spellings(spark: SparkSession, uri: str) -> set:
-    """The ways Spark may write a listed file's path (``file:///x`` is listed,
-    ``file:/x`` is what ``_metadata.file_path`` says), to match it exactly.
-    """
-    path = spark.sparkContext._jvm.org.apache.hadoop.fs.Path(uri)
-    spellings = {uri, path.toString(), path.toUri().toString()}
-    u = urlparse(uri)
-    if u.scheme in ("", "file"):
-        spellings.add("file:" + u.path)
-    return spellings
 
 
 def _norm(uri: str) -> tuple:

@@ -10,9 +10,11 @@ schema, so one bad line costs one count, never the job: a line is
 type.  Blank lines are skipped.  A record belongs to the UTC day of its
 timestamp.
 
-Speed: the new files are parsed once into a cached frame of just the
-columns the tables use; each partial is one aggregation over that cache, and
-the tables are derived from the (small) partials, several from the same one.
+Speed: the new files are read and parsed once, in one aggregation that
+sums the message records (nearly all of a busy log) and keeps every other
+record once; what it leaves is small.  It is stored per file and day, and
+each table of a day is finished from the stored rows of every file that
+covers it.  Those small jobs run with small-input settings (``small_jobs``).
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ import datetime as dt
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import contextmanager
 from functools import reduce
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from pyspark.errors import AnalysisException
@@ -31,8 +34,8 @@ from pyspark.sql import types as T
 
 from sbus import logschema
 from sbus.analytics import transforms as tf
-from sbus.analytics.dataset import (CSV, DAY, FILE, KIND, MALFORMED, PARTIALS, Identity,
-                                    Manifest, Store, list_inputs, path_spellings)
+from sbus.analytics.dataset import (CSV, DAY, FILE, MALFORMED, PARTIALS, Identity,
+                                    Manifest, Store, list_inputs)
 from sbus.analytics.schema import CORRUPT_COLUMN, record_schema
 
 OK, BAD, BLANK = "ok", "malformed", "blank"
@@ -43,10 +46,14 @@ BUCKET = "1 minute"  # of the time-series tables
 
 @dataclass(frozen=True)
 class Partial:
-    """Mergeable state kept per input file and day (see ``transforms``)."""
+    """The state several tables are finished from (see ``transforms``).
+
+    ``build`` makes it from records; ``summed``, if set, from the stored
+    rows (see ``_compact``), whose message records are summed already.
+    """
     name: str
     build: Callable[[DataFrame, Sequence[str]], DataFrame]
-    merge: Callable[[DataFrame, Sequence[str]], DataFrame]
+    summed: Callable[[DataFrame, Sequence[str]], DataFrame] | None = None
 
 
 @dataclass(frozen=True)
@@ -58,15 +65,13 @@ class Table:
     about: str
 
 
-EVENTS = Partial("events", tf.event_partial, tf.event_merge)
-MESSAGES = Partial("messages", tf.message_partial, tf.message_merge)
-CLIENTS = Partial("clients", tf.client_partial, tf.client_merge)
-STATS = Partial("throughput", lambda e, by: tf.throughput_partial(e, BUCKET, by),
-                tf.throughput_merge)
-DISCONNECTS = Partial("disconnects", tf.disconnect_partial, tf.disconnect_merge)
-FLOODS = Partial("floods", tf.flood_partial, tf.flood_merge)
-SUBSCRIPTIONS = Partial("subscriptions", lambda e, by: tf.subscription_partial(e, BUCKET, by),
-                        tf.subscription_merge)
+EVENTS = Partial("events", tf.event_partial, lambda c, by: _summed_events(c, by))
+MESSAGES = Partial("messages", tf.message_partial, lambda c, by: _summed_messages(c, by))
+CLIENTS = Partial("clients", tf.client_partial)
+STATS = Partial("throughput", lambda e, by: tf.throughput_partial(e, BUCKET, by))
+DISCONNECTS = Partial("disconnects", tf.disconnect_partial)
+FLOODS = Partial("floods", tf.flood_partial)
+SUBSCRIPTIONS = Partial("subscriptions", lambda e, by: tf.subscription_partial(e, BUCKET, by))
 PARTIAL_SET = (EVENTS, MESSAGES, CLIENTS, STATS, DISCONNECTS, FLOODS, SUBSCRIPTIONS)
 
 TABLES: tuple[Table, ...] = (
@@ -141,11 +146,12 @@ def read_lines(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
 
 def parse(lines: DataFrame) -> DataFrame:
     """Parse the ``value`` column into the record columns plus ``_status``
-    (ok, malformed or blank) and ``_source``.
+    (ok, malformed or blank), keeping ``lines``' own columns (``_source``).
     """
     options = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT_COLUMN}
     rec = F.from_json("value", record_schema(corrupt_column=True), options).alias("r")
-    parsed = lines.select("value", SOURCE, rec).select("value", SOURCE, "r.*")
+    kept = lines.columns  # value, _source and whatever else the caller gave
+    parsed = lines.select(*kept, rec).select(*kept, "r.*")
     # A type clash only matters for the events the schema defines: other
     # events may reuse a name with another type (accept_paused's `clients` is
     # a number), and from_json still fills in their event and timestamp.
@@ -199,27 +205,82 @@ def _examples(parsed: DataFrame, n: int) -> list:
     return [{"source": r[SOURCE], "line": r["value"][:200]} for r in bad.collect()]
 
 
-def _parsed_frame(spark: SparkSession, idents: Sequence[Identity]) -> DataFrame:
-    """The new files parsed, cut down to what the partials read, and cached: the
-    one pass over the input.  Each line carries its file's short id, not its
-    path; the raw line and path are kept only where the line is malformed.
+def _compact_frame(spark: SparkSession, idents: Sequence[Identity]) -> DataFrame:
+    """The one pass over the new files: their lines parsed and compacted
+    (``_compact``), cached.  Each file is read on its own, so its lines carry
+    its short id as a constant instead of a path to look up line by line.
     """
-    parsed = parse(read_lines(spark, [i.uri for i in idents]))
-    ids = {}
-    for ident in idents:  # Spark may spell a path differently from how it listed it
-        for spelling in path_spellings(spark, ident.uri):
-            ids[spelling] = ident.id
-    file_id = F.element_at(F.create_map(*[F.lit(x) for kv in ids.items() for x in kv]),
-                           F.col(SOURCE))
+    files = [spark.read.text(i.uri).select("value", F.lit(i.uri).alias(SOURCE),
+                                           F.lit(i.id).alias(FILE)) for i in idents]
+    lines = reduce(lambda a, b: a.union(b), files)
+    # One partition after the aggregation (its map side has made it small):
+    # what is derived from it then needs no shuffle.
+    return _compact(parse(lines), F.col(FILE)).coalesce(1).persist()
+
+
+def _compact(parsed: DataFrame, file_id) -> DataFrame:
+    """``parse()``'s lines reduced as they are read, to what the tables need.
+
+    Message records (nearly every line of a busy log) are summed per (file,
+    day, key, fanout) with the message partial's own sums; every other line
+    is kept once per distinct content with ``_n``, the number of lines it
+    stands for, so ``_records()`` gives back each of them exactly.  Only the
+    columns the tables read are kept, and the raw line and path only where
+    it is malformed.  One hash aggregation over the parsed lines costs little
+    more than parsing them; caching every parsed line instead cost several times it.
+    """
     bad = F.col(STATUS) == BAD
-    # Sorted by event, each cached batch holds few events, so a partial that
-    # reads one event skips the other batches by their min/max statistics
-    # instead of scanning every message record.
-    return parsed.select(
+    summed = (F.col(STATUS) == OK) & (F.col("event") == logschema.MESSAGE)
+    # Few grouping keys (the rest packed in a struct) keep the generated code
+    # small enough for the JVM to compile it.
+    rest = [c for c in tf.COLUMNS if c not in _MESSAGE_KEYS]
+    compact = parsed.groupBy(
         file_id.alias(FILE), STATUS, "schema", F.to_date("timestamp").alias(DAY),
-        F.when(bad, F.col("value")).alias("value"), F.when(bad, F.col(SOURCE)).alias(SOURCE),
-        *tf.COLUMNS,
-    ).sortWithinPartitions("event").persist()
+        *_MESSAGE_KEYS, F.when(~summed, F.struct(*rest)).alias("_rec"),
+        F.when(bad, F.struct("value", SOURCE)).alias("_bad"),
+    ).agg(F.count(F.lit(1)).alias(COUNT), *tf.message_sums())
+    return compact.select(FILE, STATUS, "schema", DAY, *_MESSAGE_KEYS, "_rec.*", "_bad.*",
+                          COUNT, *tf.MESSAGE_SUMS)
+
+
+_MESSAGE_KEYS = ("event", "key", "fanout")
+COUNT = "_n"
+
+
+def _stored(compact: DataFrame) -> DataFrame:
+    """What the dataset keeps of ``_compact()``'s rows: the well-formed records."""
+    return compact.where(F.col(STATUS) == OK).select(
+        DAY, FILE, *_MESSAGE_KEYS, *(c for c in tf.COLUMNS if c not in _MESSAGE_KEYS),
+        COUNT, *tf.MESSAGE_SUMS)
+
+
+def _expanded(compact: DataFrame) -> DataFrame:
+    """Each row of ``compact`` repeated ``_n`` times: one per line again."""
+    return compact.withColumn(
+        "_line", F.explode(F.array_repeat(F.lit(True), F.col(COUNT).cast("int")))).drop("_line")
+
+
+def _records(stored: DataFrame) -> DataFrame:
+    """The records ``_stored()`` did not sum, one row per line."""
+    return _expanded(stored.where(F.col("event") != logschema.MESSAGE)).select(
+        DAY, FILE, *tf.COLUMNS)
+
+
+def _summed_events(stored: DataFrame, by: Sequence[str]) -> DataFrame:
+    """The events partial from ``_stored()`` rows: their line counts summed."""
+    return stored.groupBy(*by, "event").agg(F.sum(COUNT).alias("records"))
+
+
+def _summed_messages(stored: DataFrame, by: Sequence[str]) -> DataFrame:
+    """The message partial from ``_stored()`` rows: its message rows are partials already."""
+    return tf.message_merge(stored.where(F.col("event") == logschema.MESSAGE), by)
+
+
+def _state(partial: Partial, stored: DataFrame, by: Sequence[str]) -> DataFrame:
+    """``partial``'s state per ``by`` group from ``_stored()`` rows."""
+    if partial.summed:
+        return partial.summed(stored, by)
+    return partial.build(_records(stored), by)
 
 
 def run(spark: SparkSession, paths: Sequence[str], out: str, *, show: int = 20,
@@ -257,32 +318,26 @@ def run(spark: SparkSession, paths: Sequence[str], out: str, *, show: int = 20,
 
 
 def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tuple[dict, set]:
-    """Read the plan's new files once, write their partials, rebuild the days they touch."""
-    frame = _parsed_frame(spark, plan.new)
+    """Read the plan's new files once, store their rows, rebuild the days they touch."""
+    frame = _compact_frame(spark, plan.new)
     try:
         counts = frame.groupBy(FILE, DAY, STATUS, "schema").agg(
-            F.count(F.lit(1)).alias("n")).collect()  # also fills the cache
-        if any(r[FILE] is None for r in counts):
-            raise RuntimeError("lines from a file the job did not list; "
-                               f"read: {[i.uri for i in plan.new]}")
+            F.sum(COUNT).alias("n")).collect()  # also fills the cache
         summary = _line_counts(counts)
-        events = frame.where(F.col(STATUS) == OK)
-        if counts:
-            # Every partial in one job and one write (they are small): a
-            # write per partial costs more in scheduling than in work.
-            every = [p.build(events, [DAY, FILE]).withColumn(KIND, F.lit(p.name))
-                     for p in PARTIAL_SET]
-            (reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), every)
-             .coalesce(1).write.mode("overwrite").option("partitionOverwriteMode", "dynamic")
-             .partitionBy(KIND, DAY, FILE).parquet(store.path(PARTIALS)))
         summary["malformed_examples"] = []
-        if summary["malformed"]:
-            bad = frame.where(F.col(STATUS) == BAD).select(
-                FILE, F.col(SOURCE).alias("source"), F.col("value").alias("line"))
-            (bad.coalesce(1).write.mode("overwrite")
-             .option("partitionOverwriteMode", "dynamic").partitionBy(FILE)
-             .parquet(store.path(MALFORMED)))
-            summary["malformed_examples"] = _examples(frame, 5)
+        stored = _stored(frame)
+        _SCHEMAS.setdefault("stored", stored.schema)  # analysed already: spares a second
+        with small_jobs(spark):
+            (stored.write.mode("overwrite")
+             .option("partitionOverwriteMode", "dynamic").partitionBy(DAY, FILE)
+             .parquet(store.path(PARTIALS)))
+            if summary["malformed"]:
+                bad = _expanded(frame.where(F.col(STATUS) == BAD)).select(
+                    FILE, F.col(SOURCE).alias("source"), F.col("value").alias("line"))
+                (bad.coalesce(1).write.mode("overwrite")
+                 .option("partitionOverwriteMode", "dynamic").partitionBy(FILE)
+                 .parquet(store.path(MALFORMED)))
+                summary["malformed_examples"] = _examples(frame, 5)
     finally:
         frame.unpersist()
 
@@ -297,66 +352,81 @@ def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tupl
             days.update(dt.date.fromisoformat(d) for d in old["days"])
         manifest.record(ident, {**_line_counts(mine), "days": [d.isoformat() for d in file_days]},
                         replaces)
-    rebuild_days(spark, store, days)
+    with small_jobs(spark):
+        rebuild_days(spark, store, days)
     return summary, days
 
 
+@contextmanager
+def small_jobs(spark: SparkSession):
+    """Settings for jobs over the stored rows and tables, which are small by design:
+    one shuffle partition and no adaptive re-planning, whose fixed costs
+    would dominate.  The session's own settings come back afterwards.
+    """
+    settings = {"spark.sql.shuffle.partitions": "1", "spark.sql.adaptive.enabled": "false"}
+    saved = {k: spark.conf.get(k, None) for k in settings}
+    for k, v in settings.items():
+        spark.conf.set(k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)
+
+
 def _drop_file(store: Store, entry: dict) -> None:
-    """Remove what a replaced file contributed: its partials and malformed lines."""
-    for p in PARTIAL_SET:
-        for day in entry["days"]:
-            store.delete(PARTIALS, f"{KIND}={p.name}", f"{DAY}={day}", f"{FILE}={entry['id']}")
+    """Remove what a replaced file contributed: its stored rows and malformed lines."""
+    for day in entry["days"]:
+        store.delete(PARTIALS, f"{DAY}={day}", f"{FILE}={entry['id']}")
     store.delete(MALFORMED, f"{FILE}={entry['id']}")
 
 
-def partial_schema(spark: SparkSession, partial: Partial) -> T.StructType:
-    """The stored columns of a partial (derived from the code, not inferred from files)."""
-    if partial.name not in _SCHEMAS:  # analysing a plan costs a good part of a second
-        empty = spark.createDataFrame([], record_schema(corrupt_column=False)).select(
-            F.to_date("timestamp").alias(DAY), F.lit("").alias(FILE), *tf.COLUMNS)
-        _SCHEMAS[partial.name] = partial.build(empty, [DAY, FILE]).schema
-    return _SCHEMAS[partial.name]
+def stored_schema(spark: SparkSession) -> T.StructType:
+    """The columns of the stored rows (derived from the code, not inferred from files)."""
+    if "stored" not in _SCHEMAS:  # analysing a plan costs a good part of a second
+        lines = spark.createDataFrame([], f"value string, {SOURCE} string")
+        _SCHEMAS["stored"] = _stored(_compact(parse(lines), F.lit(""))).schema
+    return _SCHEMAS["stored"]
 
 
 _SCHEMAS: dict = {}
 
 
-def _stored_schema(spark: SparkSession) -> T.StructType:
-    """All partials share one directory; its schema is the union of theirs."""
-    fields = {KIND: T.StructField(KIND, T.StringType())}
-    for p in PARTIAL_SET:
-        for f in partial_schema(spark, p).fields:
-            fields.setdefault(f.name, f)
-    return T.StructType(list(fields.values()))
-
-
-def read_partial(spark: SparkSession, store: Store, partial: Partial) -> DataFrame:
-    """A partial's rows for every file and day: its columns, ``date`` and ``file_id``."""
-    columns = partial_schema(spark, partial).fieldNames()
-    stored = store.read_parquet(_stored_schema(spark), PARTIALS)
-    return stored.where(F.col(KIND) == partial.name).select(*columns)
+def read_stored(spark: SparkSession, store: Store) -> DataFrame:
+    """The stored rows of every file and day (``_stored()``)."""
+    return store.read_parquet(stored_schema(spark), PARTIALS)
 
 
 def rebuild_days(spark: SparkSession, store: Store, days: set) -> None:
-    """Rewrite each table's partitions of ``days`` from every file's partials of those days."""
+    """Rewrite each table's partitions of ``days`` from every file's stored rows of those days."""
     if not days:
         return
     day_list = sorted(days)
+    # One partition: every aggregation and window below then needs no shuffle,
+    # so each table is one stage (these rows are few by design).
+    stored = read_stored(spark, store).where(F.col(DAY).isin(day_list)).coalesce(1).persist()
+    states = {}
+    for p in PARTIAL_SET:  # cached only where several tables share it
+        states[p.name] = _state(p, stored, [DAY])
+        if sum(t.partial is p for t in TABLES) > 1:
+            states[p.name].persist()
 
-    def rebuild(p: Partial) -> None:
-        merged = p.merge(read_partial(spark, store, p).where(F.col(DAY).isin(day_list)),
-                         [DAY]).persist()
-        try:
-            for t in (t for t in TABLES if t.partial is p):
-                for day in day_list:
-                    store.delete(t.name, f"{DAY}={day.isoformat()}")
-                (t.finish(merged, [DAY]).coalesce(1)
-                 .sortWithinPartitions(DAY, *tf.order_columns(t.order))
-                 .write.mode("append").partitionBy(DAY).parquet(store.path(t.name)))
-        finally:
-            merged.unpersist()
+    def rebuild(t: Table) -> None:
+        for day in day_list:
+            store.delete(t.name, f"{DAY}={day.isoformat()}")
+        (t.finish(states[t.partial.name], [DAY]).coalesce(1)
+         .sortWithinPartitions(DAY, *tf.order_columns(t.order))
+         .write.mode("append").partitionBy(DAY).parquet(store.path(t.name)))
 
-    _concurrently(rebuild, PARTIAL_SET)
+    try:
+        _concurrently(rebuild, TABLES)
+    finally:
+        for df in states.values():
+            df.unpersist()
+        stored.unpersist()
 
 
 def _concurrently(fn: Callable, items: Sequence) -> None:
@@ -380,20 +450,19 @@ def read_table(spark: SparkSession, out: str, name: str, days: Sequence | None =
     table = next(t for t in TABLES if t.name == name)
     store = Store(spark, out)
     if merged:
-        partials = read_partial(spark, store, table.partial)
+        stored = read_stored(spark, store)
         if days is not None:
-            partials = partials.where(F.col(DAY).isin(list(days)))
-        return tf.ordered(table.finish(table.partial.merge(partials, []), []), table.order)
-    df = _read_stored(spark, store, name)
+            stored = stored.where(F.col(DAY).isin(list(days)))
+        return tf.ordered(table.finish(_state(table.partial, stored, []), []), table.order)
+    df = _read_table(spark, store, name)
     if df is None:
-        empty = read_partial(spark, store, table.partial)
-        return table.finish(table.partial.merge(empty, [DAY]), [DAY])
+        return table.finish(_state(table.partial, read_stored(spark, store), [DAY]), [DAY])
     if days is not None:
         df = df.where(F.col(DAY).isin(list(days)))
     return df.orderBy(DAY, *tf.order_columns(table.order))
 
 
-def _read_stored(spark: SparkSession, store: Store, name: str) -> DataFrame | None:
+def _read_table(spark: SparkSession, store: Store, name: str) -> DataFrame | None:
     """A stored table, or None while it holds no rows: a day with no rows of a
     table (no floods, say) leaves a folder with no Parquet file to read."""
     if not store.exists(name):

@@ -3,10 +3,10 @@
 Each table is built in three steps so that it can be kept incrementally:
 
 * a *partial* (``*_partial(events, by)``) aggregates records into a small,
-  mergeable state, grouped by the extra columns ``by`` (the job uses the day
-  and the input file);
+  mergeable state, grouped by the extra columns ``by`` (the job uses the day);
 * a *merge* (``*_merge(partials, by)``) combines partials into the state of
-  their union, grouped by ``by`` (the day; nothing for all days at once);
+  their union, grouped by ``by`` (the job merges the message sums it keeps
+  per file and day this way);
 * a *finish* (``*_table(merged, by)``) turns the state into the reported
   table, one per ``by`` group.
 
@@ -129,33 +129,34 @@ def event_counts(events: DataFrame) -> DataFrame:
 
 # --- sampled messages: per-key traffic and fan-out ----------------------------------------
 
-_MESSAGE_SUMS = ("sampled", "messages", "bytes_in", "deliveries", "bytes_out")
+MESSAGE_SUMS = ("sampled", "messages", "bytes_in", "deliveries", "bytes_out")
+
+
+def message_sums() -> list:
+    """The message partial's aggregates: sampled records and sums weighted by 1/sample_rate."""
+    w = _sample_weight()
+    return [
+        F.count(F.lit(1)).alias("sampled"),
+        F.sum(w).alias("messages"),
+        F.sum(F.col("size") * w).alias("bytes_in"),
+        F.sum(F.col("fanout") * w).alias("deliveries"),
+        F.sum(F.col("size") * F.col("fanout") * w).alias("bytes_out"),
+    ]
 
 
 def message_partial(events: DataFrame, by: By = ()) -> DataFrame:
     """Sampled records and weighted sums per (key, fanout)."""
-    w = _sample_weight()
-    return (
-        _only(events, ls.MESSAGE)
-        .groupBy(*by, "key", "fanout")
-        .agg(
-            F.count(F.lit(1)).alias("sampled"),
-            F.sum(w).alias("messages"),
-            F.sum(F.col("size") * w).alias("bytes_in"),
-            F.sum(F.col("fanout") * w).alias("deliveries"),
-            F.sum(F.col("size") * F.col("fanout") * w).alias("bytes_out"),
-        )
-    )
+    return _only(events, ls.MESSAGE).groupBy(*by, "key", "fanout").agg(*message_sums())
 
 
 def message_merge(partials: DataFrame, by: By = ()) -> DataFrame:
-    return _sums(partials, [*by, "key", "fanout"], _MESSAGE_SUMS)
+    return _sums(partials, [*by, "key", "fanout"], MESSAGE_SUMS)
 
 
 def prefix_table(merged: DataFrame, depth: int | None, by: By = ()) -> DataFrame:
     prefix = F.col("key") if depth is None else key_prefix("key", depth)
     return _sums(merged.where(F.col("key").isNotNull()).withColumn("prefix", prefix),
-                 [*by, "prefix"], _MESSAGE_SUMS)
+                 [*by, "prefix"], MESSAGE_SUMS)
 
 
 PREFIX_ORDER = ("-messages", "prefix")
