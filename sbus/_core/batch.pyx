@@ -278,28 +278,16 @@ cdef class Outbox:
         cdef size_t size = 5 + klen + plen
         cdef char *kp = PyBytes_AS_STRING(k)
         cdef char *pp = PyBytes_AS_STRING(p)
-        cdef char *at
         if memchr(kp, 0, klen) != NULL or memchr(kp, b'!', klen) != NULL:
             check_key(kp, klen, False)
         if size > self.max_message:
             refuse_size(size, self.max_message)
-        if self.count == self.slots or self.used + size > self.cap:
-            return False
-        at = self.buf + self.used
-        memcpy(at, b"MSG ", 4)
-        memcpy(at + 4, kp, klen)
-        at[4 + klen] = 0
-        memcpy(at + 5 + klen, pp, plen)
-        self.iov[self.count].iov_base = at
-        self.iov[self.count].iov_len = size
-        self.count += 1
-        self.used += size
-        return True
+        return self.pack_message(kp, klen, pp, plen)
 
     cdef int pack_message(self, const char *key, size_t klen,
                           const char *payload, size_t plen) noexcept:
         """Pack ``MSG key\\0payload`` from C bytes already checked by the
-        caller (sbus._core.natswire); 0 when the box is full."""
+        caller (add_publish, sbus._core.natswire); 0 when the box is full."""
         cdef size_t size = 5 + klen + plen
         cdef char *at
         if self.count == self.slots or self.used + size > self.cap:
