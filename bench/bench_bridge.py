@@ -180,13 +180,7 @@ class Processes:
 
     def stop_all(self):
         for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            self.stop(p)
 
 
 def wait_for(predicate, timeout, what):

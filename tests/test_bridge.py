@@ -95,8 +95,7 @@ def publish_all(host, messages):
         bus.whoami(timeout=10)      # the broker took them all
 
 
-@pytest.fixture
-def pair(tmp_path, cleanup):
+def bridged_pair(tmp_path, cleanup):
     """One nats-server, hosts a and b, each bridged both ways for everything."""
     server = NatsServer(tmp_path)
     cleanup(server)
@@ -106,6 +105,11 @@ def pair(tmp_path, cleanup):
     ba.ready()
     bb.ready()
     return server, a, b, ba, bb
+
+
+@pytest.fixture
+def pair(tmp_path, cleanup):
+    return bridged_pair(tmp_path, cleanup)
 
 
 # -- the mapping ---------------------------------------------------------------
@@ -507,13 +511,7 @@ def test_authentication_is_passed_to_nats(tmp_path, cleanup, server_auth, bridge
 def test_local_broker_restart(tmp_path, cleanup):
     """The bridge rides out a restart of its own broker: subscriptions and
     echo/off are restored, and traffic resumes both ways."""
-    server = NatsServer(tmp_path)
-    cleanup(server)
-    a, b = start_host(tmp_path, "a", cleanup), start_host(tmp_path, "b", cleanup)
-    ba = start_bridge(tmp_path, cleanup, a, [server.url], "--export", "", "--import", "sbus.>")
-    bb = start_bridge(tmp_path, cleanup, b, [server.url], "--export", "", "--import", "sbus.>")
-    ba.ready()
-    bb.ready()
+    _, a, b, ba, bb = bridged_pair(tmp_path, cleanup)
     mark = ba.mark()
     a.stop()
     ba.wait_for("bridge_local_lost", since=mark)

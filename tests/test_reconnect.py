@@ -80,6 +80,17 @@ def test_sync_clients_ride_out_a_restart(start_broker, backend):
             sub.receive(timeout=0.2)
 
 
+def fill_backlog(pub, prefix):
+    """Publish ``prefix``N, N = 0, 1, ... while the broker is away, until the
+    backlog is full (BacklogFullError); how many it kept."""
+    kept = 0
+    with pytest.raises(BacklogFullError):
+        while True:
+            pub.publish(f"{prefix}{kept}", b"x" * 100)
+            kept += 1
+    return kept
+
+
 def take(c, n):
     got = []
     while len(got) < n:
@@ -95,11 +106,7 @@ def test_a_full_backlog_raises_and_keeps_what_it_holds(start_broker):
         sub.subscribe("f/")
         sub.whoami(timeout=TIMEOUT)
         crash()
-        kept = 0
-        with pytest.raises(BacklogFullError):
-            while True:
-                pub.publish(f"f/{kept}", b"x" * 100)
-                kept += 1
+        kept = fill_backlog(pub, "f/")
         assert 0 < pub.backlog <= bound
         assert kept == bound // len(b"MSG f/0\0" + b"x" * 100) or kept > 50
         with pytest.raises(BacklogFullError):
@@ -119,11 +126,7 @@ def test_a_full_backlog_does_not_stop_the_client_reconnecting(start_broker):
         sub.subscribe("g/")
         sub.whoami(timeout=TIMEOUT)
         crash()
-        kept = 0
-        with pytest.raises(BacklogFullError):
-            while True:
-                pub.publish(f"g/{kept}", b"x" * 100)
-                kept += 1
+        kept = fill_backlog(pub, "g/")
         start()
         with pytest.raises(TimeoutError):
             sub.receive(timeout=0.3)     # restores the subscription
