@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 from pathlib import Path
 
+from .procfs import end_process
 from .sbusd import BIN, SBUS
 from .waiting import read_records, wait_for_record, wait_until
 
@@ -66,16 +68,8 @@ class NatsServer:
             return False
 
     def stop(self, kill=False) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            if kill:
-                self.proc.kill()
-            else:
-                self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            end_process(self.proc, signal.SIGKILL if kill else signal.SIGTERM)
 
 
 class Bridge:
@@ -126,14 +120,7 @@ class Bridge:
         return self.proc.poll() is None
 
     def stop(self, timeout=10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return end_process(self.proc, timeout=timeout)
 
 
 __all__ = ["Bridge", "NatsServer", "free_port", "nats_server_path"]

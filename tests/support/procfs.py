@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 from .waiting import wait_until
 
@@ -58,3 +59,15 @@ def stop_process(pid: int) -> None:
     """SIGSTOP pid and wait until it really is stopped (kill returns before)."""
     os.kill(pid, signal.SIGSTOP)
     wait_until(lambda: state(pid) == "T", what=f"process {pid} to stop", interval=0.005)
+
+
+def end_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+    """Send ``sig`` to a running ``proc`` and wait, SIGKILL after ``timeout``; its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from .conn import Conn
+from .procfs import end_process
 from .waiting import read_records, wait_for_record
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -100,14 +101,7 @@ class Sbusd:
 
     def stop(self, sig=signal.SIGTERM, timeout=10.0) -> int:
         """Signal it and wait (SIGKILL after ``timeout``); its exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return end_process(self.proc, sig, timeout)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
