@@ -2,35 +2,38 @@
 """How long the analytics job takes on a large synthetic log, against a baseline.
 
     bench/bench_analytics.py [--lines 1000000] [--master local[2]] [--quick]
+                             [--rounds 4] [--no-fresh]
 
 Generates a synthetic log with tools/gen_synthetic_log.py (cached under
 $SBUS_BENCH_CACHE, default /tmp/sbus-bench, keyed by size, seed and the
 generator's source), runs the job on it into a fresh dataset, checks the
-per-event counts it wrote against the generator's own, then measures the
-baseline in the same session: read the file, parse every line with the
-declared schema, count the rows -- the least any job over this input does.
-Prints one JSON line, a human summary on stderr, and writes the JSON to
+per-event counts it wrote against the generator's own, and measures the
+baseline: read the file, parse every line with the declared schema, count
+the rows -- the least any job over this input does.  Prints one JSON line,
+a human summary on stderr, and writes the JSON to
 bench/results/analytics-<UTC time>.json.
 
 ``seconds`` is the job's wall time (list and checksum the input, read and
 parse it once, write what the dataset keeps of it and the day tables, update
-the manifest), ``baseline_s`` the baseline's, ``ratio`` their quotient (the target is at
-most 2); ``rerun_s`` is a second run over the same file, which must find
-nothing new.  ``jvm_cpu_s`` is the CPU the JVM used for the job and
-``load_avg`` the machine's 1-minute load before and after: on a shared
+the manifest), ``baseline_s`` the baseline's, ``ratio`` their quotient (the
+target is at most 2); ``rerun_s`` is a run over the same file again, which
+must find nothing new.  ``jvm_cpu_s`` is the CPU the JVM used for the job
+and ``load_avg`` the machine's 1-minute load before and after: on a shared
 machine the wall times stretch, the CPU time less so.
 
-Both are timed in the same state: each runs twice, in the order baseline,
-job (into a scratch dataset), baseline, job, and the figures are the second
-runs, when the JVM has compiled the code both share and each query's own
-generated code is cached.  ``baseline_s``, ``baseline_jvm_cpu_s`` and
-``cpu_ratio`` (CPU seconds, which a busy machine distorts less) compare those;
-the first runs are reported as ``baseline_cold_s`` and ``job_cold_s``
-(``cold_ratio``): the baseline's first run also compiles the parser's code,
-which the job's first run, coming after it, then finds ready.  The session's
-start-up is reported apart as ``session_start_s``.  The input
-is left uncompressed: a .gz file cannot be split, so it would be parsed by
-one core whatever the master.
+Both are timed in the same state, in one session: ``--rounds`` rounds of
+baseline then job (each job into a new dataset).  The first round is the
+cold one (``baseline_cold_s``, ``job_cold_s``, ``cold_ratio``: the job's
+first run finds the parser's code compiled by the baseline's); the headline
+figures are the medians of the other rounds, when the JVM has compiled what
+both run (``baseline_s``, ``seconds``, ``cpu_ratio`` from the CPU seconds,
+which a busy machine distorts less); every round is listed in ``job_runs_s``
+and ``baseline_runs_s``.  Unless ``--no-fresh``, each also runs once alone
+in a new JVM, as two spark-submit runs would (``baseline_fresh_s``,
+``job_fresh_s``, ``fresh_ratio``; start-up not counted).  The session's
+start-up is reported apart as ``session_start_s``.  The input is left
+uncompressed: a .gz file cannot be split, so it would be parsed by one core
+whatever the master.
 """
 from __future__ import annotations
 
@@ -77,58 +80,37 @@ def cached_log(lines: int, seed: int = SEED) -> tuple[Path, dict]:
     return log, info
 
 
-def run(lines: int = 1_000_000, master: str = "local[2]", seed: int = SEED) -> dict:
-    """Run the job and the baseline once on a ``lines``-line log; return (and save) the figures."""
-    from pyspark.sql import functions as F
-
+def run(lines: int = 1_000_000, master: str = "local[2]", seed: int = SEED,
+        rounds: int = 4, fresh: bool = True) -> dict:
+    """Time the job and the baseline on a ``lines``-line log; return (and save) the figures."""
     from sbus.analytics import job
-    from sbus.analytics.schema import CORRUPT_COLUMN, record_schema
 
     log, info = cached_log(lines, seed)
     out = tempfile.mkdtemp(prefix="sbus-analytics-bench-")
     load_before = os.getloadavg()[0]
     try:
         t0 = time.perf_counter()
-        spark = job.spark_session(master, app_name="sbus-bench", conf={
-            "spark.ui.enabled": "false",
-            # The parsed log is cached; 1 GiB (the default) would spill it to disk.
-            "spark.driver.memory": "3g",
-        })
-        spark.sparkContext.setLogLevel("ERROR")
-        jvm_pid = spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
-        options = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT_COLUMN}
-
-        def baseline() -> tuple[float, float, int]:
-            started, cpu_started = time.perf_counter(), _cpu_seconds(jvm_pid)
-            rows = (
-                spark.read.text(str(log))
-                .select(F.from_json("value", record_schema(corrupt_column=True), options)
-                        .alias("r"))
-                .where(F.col("r").isNotNull())  # the whole record: no field can be pruned
-                .count())
-            return time.perf_counter() - started, _cpu_seconds(jvm_pid) - cpu_started, rows
-
+        spark, jvm_pid = _session(master)
         t1 = time.perf_counter()
-        cold_s, _, _ = baseline()
+        base_runs, job_runs = [], []
+        for i in range(rounds):
+            base_runs.append(_timed(jvm_pid, lambda: _baseline(spark, log)))
+            dataset = os.path.join(out, f"run{i}")
+            job_runs.append(_timed(jvm_pid, lambda: job.run(
+                spark, [str(log)], dataset, show=0, echo=lambda _: None)))
+        summary = job_runs[-1][2]
         started = time.perf_counter()
-        job.run(spark, [str(log)], os.path.join(out, "cold"), show=0, echo=lambda _: None)
-        job_cold_s = time.perf_counter() - started
-        baseline_s, baseline_cpu, baseline_rows = baseline()
-        dataset = os.path.join(out, "warm")
-        cpu0 = _cpu_seconds(jvm_pid)
-        t2 = time.perf_counter()
-        summary = job.run(spark, [str(log)], dataset, show=0, echo=lambda _: None)
-        t3 = time.perf_counter()
-        cpu = _cpu_seconds(jvm_pid) - cpu0
         rerun = job.run(spark, [str(log)], dataset, show=0, echo=lambda _: None)
-        t4 = time.perf_counter()
+        rerun_s = time.perf_counter() - started
         counted = {}
         for r in job.read_table(spark, dataset, "events").collect():
             counted[r["event"]] = counted.get(r["event"], 0) + r["records"]
         spark.stop()
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    seconds = t3 - t2
+    warm_job, warm_base = job_runs[1:], base_runs[1:]
+    seconds, cpu = _median(r[0] for r in warm_job), _median(r[1] for r in warm_job)
+    baseline_s, baseline_cpu = _median(r[0] for r in warm_base), _median(r[1] for r in warm_base)
     result = {
         "lines": summary["lines"],
         "seconds": round(seconds, 2),
@@ -136,11 +118,13 @@ def run(lines: int = 1_000_000, master: str = "local[2]", seed: int = SEED) -> d
         "baseline_s": round(baseline_s, 2),
         "ratio": round(seconds / baseline_s, 2),
         "cpu_ratio": round(cpu / baseline_cpu, 2),
-        "baseline_cold_s": round(cold_s, 2),
-        "job_cold_s": round(job_cold_s, 2),
-        "cold_ratio": round(job_cold_s / cold_s, 2),
+        "job_runs_s": [round(r[0], 2) for r in job_runs],
+        "baseline_runs_s": [round(r[0], 2) for r in base_runs],
+        "baseline_cold_s": round(base_runs[0][0], 2),
+        "job_cold_s": round(job_runs[0][0], 2),
+        "cold_ratio": round(job_runs[0][0] / base_runs[0][0], 2),
         "baseline_jvm_cpu_s": round(baseline_cpu, 2),
-        "rerun_s": round(t4 - t3, 2),
+        "rerun_s": round(rerun_s, 2),
         "session_start_s": round(t1 - t0, 2),
         # CPU the JVM used for the job: unlike `seconds`, not inflated when
         # other processes compete for the cores.
@@ -149,19 +133,84 @@ def run(lines: int = 1_000_000, master: str = "local[2]", seed: int = SEED) -> d
         "malformed": summary["malformed"],
         "log_mb": round(log.stat().st_size / 1e6, 1),
         "checked": (counted == info["events"] and summary["malformed"] == info["malformed"]
-                    and baseline_rows > 0 and rerun["files_read"] == []),
+                    and all(r[2] > 0 for r in base_runs) and rerun["files_read"] == []),
         "master": master,
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "commit": _commit(),
         "when": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+    if fresh:
+        # Each alone in a new JVM, as two spark-submit runs would be.
+        base_fresh, job_fresh = _fresh("baseline", lines, master), _fresh("job", lines, master)
+        result.update(baseline_fresh_s=base_fresh, job_fresh_s=job_fresh,
+                      fresh_ratio=round(job_fresh / base_fresh, 2))
     if "generate_s" in info:
         result["generate_s"] = info["generate_s"]
     RESULTS.mkdir(exist_ok=True)
     name = f"analytics-{result['when'].replace(':', '')}.json"
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _session(master: str):
+    from sbus.analytics import job
+
+    spark = job.spark_session(master, app_name="sbus-bench", conf={
+        "spark.ui.enabled": "false",
+        "spark.driver.memory": "3g",
+    })
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark, spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
+
+
+def _baseline(spark, log: Path) -> int:
+    """Read the log, parse every line with the declared schema, count the rows."""
+    from pyspark.sql import functions as F
+
+    from sbus.analytics.schema import CORRUPT_COLUMN, record_schema
+
+    options = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT_COLUMN}
+    return (
+        spark.read.text(str(log))
+        .select(F.from_json("value", record_schema(corrupt_column=True), options).alias("r"))
+        .where(F.col("r").isNotNull())  # the whole record: no field can be pruned
+        .count())
+
+
+def _timed(jvm_pid: int, fn) -> tuple:
+    """(wall seconds, JVM CPU seconds, result) of ``fn()``."""
+    started, cpu_started = time.perf_counter(), _cpu_seconds(jvm_pid)
+    result = fn()
+    return time.perf_counter() - started, _cpu_seconds(jvm_pid) - cpu_started, result
+
+
+def _median(values) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _fresh(what: str, lines: int, master: str) -> float:
+    """Seconds of one first run of ``what`` in a new JVM (its start-up not counted)."""
+    r = subprocess.run([sys.executable, __file__, "--one", what, "--lines", str(lines),
+                        "--master", master], capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.splitlines()[-1])["seconds"]
+
+
+def _one(what: str, lines: int, master: str) -> dict:
+    from sbus.analytics import job
+
+    log, _ = cached_log(lines)
+    spark, jvm_pid = _session(master)
+    with tempfile.TemporaryDirectory(prefix="sbus-analytics-bench-") as out:
+        if what == "baseline":
+            seconds = _timed(jvm_pid, lambda: _baseline(spark, log))[0]
+        else:
+            seconds = _timed(jvm_pid, lambda: job.run(spark, [str(log)], out, show=0,
+                                                      echo=lambda _: None))[0]
+    spark.stop()
+    return {"what": what, "seconds": round(seconds, 2)}
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -183,14 +232,26 @@ def main(argv=None) -> int:
     p.add_argument("--lines", type=int, default=1_000_000)
     p.add_argument("--master", default="local[2]")
     p.add_argument("--quick", action="store_true", help="100,000 lines instead")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of baseline then job (>= 2)")
+    p.add_argument("--no-fresh", action="store_true", help="skip the runs in new JVMs")
+    p.add_argument("--one", choices=("baseline", "job"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    result = run(100_000 if a.quick else a.lines, a.master)
+    lines = 100_000 if a.quick else a.lines
+    if a.one:
+        print(json.dumps(_one(a.one, lines, a.master)))
+        return 0
+    if a.rounds < 2:
+        p.error("--rounds must be at least 2: the first round is the cold one")
+    result = run(lines, a.master, rounds=a.rounds, fresh=not a.no_fresh)
+    fresh = (f"; in new JVMs: job {result['job_fresh_s']} s, baseline "
+             f"{result['baseline_fresh_s']} s, ratio {result['fresh_ratio']}"
+             if "fresh_ratio" in result else "")
     print(f"analytics job: {result['lines']} lines in {result['seconds']} s on {a.master} "
           f"({result['lines_per_s']} lines/s, {result['jvm_cpu_s']} s of JVM CPU); "
           f"baseline (read + parse + count) {result['baseline_s']} s: ratio {result['ratio']} "
-          f"(target <= 2), CPU ratio {result['cpu_ratio']}; first runs: job "
-          f"{result['job_cold_s']} s, baseline {result['baseline_cold_s']} s; "
-          f"re-run {result['rerun_s']} s; session start "
+          f"(target <= 2), CPU ratio {result['cpu_ratio']} (medians of {a.rounds - 1} warm "
+          f"rounds); first round: job {result['job_cold_s']} s, baseline "
+          f"{result['baseline_cold_s']} s{fresh}; re-run {result['rerun_s']} s; session start "
           f"{result['session_start_s']} s; load {result['load_avg'][0]} -> "
           f"{result['load_avg'][1]} on {result['cpus']} CPUs",
           file=sys.stderr)

@@ -514,7 +514,10 @@ def test_analytics_extra_from_the_wheel(dist, dependency_wheels, tmp_path):
     pyspark = cached_wheel("pyspark", pyspark_version)
     spark_links = [pyspark.parent] if pyspark else []
     # py4j is small and a wheel on the index; PySpark only without pip's cache.
-    deps = dependency_wheels(ver, *runtime_requirements(), f"py4j=={installed_version('py4j')}")
+    others = [r for r in pyproject()["optional-dependencies"]["analytics"]
+              if not r.startswith("pyspark")]
+    deps = dependency_wheels(ver, *runtime_requirements(), *others,
+                             f"py4j=={installed_version('py4j')}")
     venv = make_venv(host_python(ver), tmp_path / "host")
     home = tmp_path / "home"
     home.mkdir()

@@ -89,17 +89,27 @@ class Store:
             stream.close()
 
     def write_text(self, text: str, *parts: str) -> None:
-        """Write via a temporary file and a rename, so a reader sees old or new, never half."""
+        self.write_bytes(text.encode(), *parts)
+
+    def write_bytes(self, data: bytes, *parts: str) -> None:
+        """Write via a hidden temporary file and a rename, so a reader sees old or new, never half."""
         final = self._Path(self.path(*parts))
         tmp = self._Path(self.path(*parts[:-1], f".{parts[-1]}.tmp"))
         out = self.fs.create(tmp, True)
         try:
-            out.write(bytearray(text.encode()))
+            out.write(bytearray(data))
         finally:
             out.close()
         self.fs.delete(final, False)
         if not self.fs.rename(tmp, final):
             raise OSError(f"could not rename {tmp} to {final}")
+
+    def list_files(self, *parts: str) -> list[str]:
+        """The names of the files in a folder (none if it does not exist)."""
+        if not self.exists(*parts):
+            return []
+        return [st.getPath().getName() for st in self.fs.listStatus(self._Path(self.path(*parts)))
+                if st.isFile()]
 
     def read_parquet(self, schema: T.StructType, *parts: str) -> DataFrame:
         """A Parquet directory read with a known schema; empty if it does not exist yet."""

@@ -33,6 +33,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from sbus import logschema
+from sbus.analytics import tablefiles
 from sbus.analytics import transforms as tf
 from sbus.analytics.dataset import (CSV, DAY, FILE, MALFORMED, PARTIALS, Identity,
                                     Manifest, Store, list_inputs)
@@ -276,11 +277,14 @@ def _summed_messages(stored: DataFrame, by: Sequence[str]) -> DataFrame:
     return tf.message_merge(stored.where(F.col("event") == logschema.MESSAGE), by)
 
 
-def _state(partial: Partial, stored: DataFrame, by: Sequence[str]) -> DataFrame:
-    """``partial``'s state per ``by`` group from ``_stored()`` rows."""
+def _state(partial: Partial, stored: DataFrame, by: Sequence[str],
+           records: DataFrame | None = None) -> DataFrame:
+    """``partial``'s state per ``by`` group from ``_stored()`` rows (and
+    ``records``, their ``_records()``, if the caller has them already).
+    """
     if partial.summed:
         return partial.summed(stored, by)
-    return partial.build(_records(stored), by)
+    return partial.build(_records(stored) if records is None else records, by)
 
 
 def run(spark: SparkSession, paths: Sequence[str], out: str, *, show: int = 20,
@@ -324,23 +328,28 @@ def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tupl
         counts = frame.groupBy(FILE, DAY, STATUS, "schema").agg(
             F.sum(COUNT).alias("n")).collect()  # also fills the cache
         summary = _line_counts(counts)
-        summary["malformed_examples"] = []
-        stored = _stored(frame)
-        _SCHEMAS.setdefault("stored", stored.schema)  # analysed already: spares a second
+        days = _record_files(store, manifest, plan, counts)
+        fresh = _stored(frame)
+        _SCHEMAS.setdefault("stored", fresh.schema)  # analysed already: spares a second
+        older = _read_partitions(spark, store, _older_partitions(manifest, plan, days))
+        rows = fresh if older is None else fresh.unionByName(older)
+        steps = [lambda: _write_partials(store, fresh), lambda: rebuild_days(spark, store, days, rows)]
+        if summary["malformed"]:
+            steps.append(lambda: _write_malformed(store, frame))
         with small_jobs(spark):
-            (stored.write.mode("overwrite")
-             .option("partitionOverwriteMode", "dynamic").partitionBy(DAY, FILE)
-             .parquet(store.path(PARTIALS)))
-            if summary["malformed"]:
-                bad = _expanded(frame.where(F.col(STATUS) == BAD)).select(
-                    FILE, F.col(SOURCE).alias("source"), F.col("value").alias("line"))
-                (bad.coalesce(1).write.mode("overwrite")
-                 .option("partitionOverwriteMode", "dynamic").partitionBy(FILE)
-                 .parquet(store.path(MALFORMED)))
-                summary["malformed_examples"] = _examples(frame, 5)
+            # The days are rebuilt from the new rows in memory while they are
+            # written: the small jobs of both then share the cores.
+            _concurrently(lambda step: step(), steps)
+            summary["malformed_examples"] = _examples(frame, 5) if summary["malformed"] else []
     finally:
         frame.unpersist()
+    return summary, days
 
+
+def _record_files(store: Store, manifest: Manifest, plan, counts) -> set:
+    """Enter the plan's new files in the manifest, drop what the files they
+    replace contributed, and return the days to rebuild.
+    """
     days = set()
     for ident in plan.new:
         mine = [r for r in counts if r[FILE] == ident.id]
@@ -352,9 +361,37 @@ def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tupl
             days.update(dt.date.fromisoformat(d) for d in old["days"])
         manifest.record(ident, {**_line_counts(mine), "days": [d.isoformat() for d in file_days]},
                         replaces)
-    with small_jobs(spark):
-        rebuild_days(spark, store, days)
-    return summary, days
+    return days
+
+
+def _older_partitions(manifest: Manifest, plan, days: set) -> list:
+    """(day, file id) of the stored rows of ``days`` that files read before hold."""
+    new = {i.id for i in plan.new}
+    wanted = {d.isoformat() for d in days}
+    return [(d, e["id"]) for e in manifest.active() if e["id"] not in new
+            for d in e["days"] if d in wanted]
+
+
+def _read_partitions(spark: SparkSession, store: Store, parts: Sequence) -> DataFrame | None:
+    """The stored rows of the given (day, file id) partitions, read without
+    listing the others (a dataset keeps every day it has seen)."""
+    paths = [store.path(PARTIALS, f"{DAY}={d}", f"{FILE}={i}") for d, i in parts]
+    if not paths:
+        return None
+    return (spark.read.schema(stored_schema(spark)).option("basePath", store.path(PARTIALS))
+            .parquet(*paths))
+
+
+def _write_partials(store: Store, rows: DataFrame) -> None:
+    (rows.write.mode("overwrite").option("partitionOverwriteMode", "dynamic")
+     .partitionBy(DAY, FILE).parquet(store.path(PARTIALS)))
+
+
+def _write_malformed(store: Store, frame: DataFrame) -> None:
+    bad = _expanded(frame.where(F.col(STATUS) == BAD)).select(
+        FILE, F.col(SOURCE).alias("source"), F.col("value").alias("line"))
+    (bad.coalesce(1).write.mode("overwrite").option("partitionOverwriteMode", "dynamic")
+     .partitionBy(FILE).parquet(store.path(MALFORMED)))
 
 
 @contextmanager
@@ -363,7 +400,14 @@ def small_jobs(spark: SparkSession):
     one shuffle partition and no adaptive re-planning, whose fixed costs
     would dominate.  The session's own settings come back afterwards.
     """
-    settings = {"spark.sql.shuffle.partitions": "1", "spark.sql.adaptive.enabled": "false"}
+    settings = {
+        "spark.sql.shuffle.partitions": "1", "spark.sql.adaptive.enabled": "false",
+        # Interpreted, not compiled: generating and compiling code for each of
+        # a run's ~20 small queries (some 130 classes, more than the codegen
+        # cache keeps, so a session compiles them again on every run) costs
+        # more than interpreting their few thousand rows.
+        "spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+    }
     saved = {k: spark.conf.get(k, None) for k in settings}
     for k, v in settings.items():
         spark.conf.set(k, v)
@@ -400,42 +444,42 @@ def read_stored(spark: SparkSession, store: Store) -> DataFrame:
     return store.read_parquet(stored_schema(spark), PARTIALS)
 
 
-def rebuild_days(spark: SparkSession, store: Store, days: set) -> None:
-    """Rewrite each table's partitions of ``days`` from every file's stored rows of those days."""
+def rebuild_days(spark: SparkSession, store: Store, days: set, rows: DataFrame) -> None:
+    """Rewrite each table's partitions of ``days`` from ``rows``: the stored
+    rows (``_stored()``) of every file that covers those days.
+    """
     if not days:
         return
     day_list = sorted(days)
-    # One partition: every aggregation and window below then needs no shuffle,
-    # so each table is one stage (these rows are few by design).
-    stored = read_stored(spark, store).where(F.col(DAY).isin(day_list)).coalesce(1).persist()
-    states = {}
-    for p in PARTIAL_SET:  # cached only where several tables share it
-        states[p.name] = _state(p, stored, [DAY])
-        if sum(t.partial is p for t in TABLES) > 1:
-            states[p.name].persist()
+    # One partition: every aggregation and window below then needs no shuffle
+    # (these rows are few by design).
+    stored = rows.where(F.col(DAY).isin(day_list)).coalesce(1).persist()
+    records = _records(stored).persist()  # five partials read them
+
+    def state(p: Partial) -> DataFrame:
+        df = _state(p, stored, [DAY], records)
+        return df.persist() if sum(t.partial is p for t in TABLES) > 1 else df  # shared: cached
+
+    states = dict(zip((p.name for p in PARTIAL_SET), _concurrently(state, PARTIAL_SET)))
 
     def rebuild(t: Table) -> None:
-        for day in day_list:
-            store.delete(t.name, f"{DAY}={day.isoformat()}")
-        (t.finish(states[t.partial.name], [DAY]).coalesce(1)
-         .sortWithinPartitions(DAY, *tf.order_columns(t.order))
-         .write.mode("append").partitionBy(DAY).parquet(store.path(t.name)))
+        table = t.finish(states[t.partial.name], [DAY]).coalesce(1).sortWithinPartitions(
+            DAY, *tf.order_columns(t.order))
+        tablefiles.write_days(store, t.name, tablefiles.collect_table(table), day_list)
 
     try:
         _concurrently(rebuild, TABLES)
     finally:
-        for df in states.values():
+        for df in (*states.values(), records, stored):
             df.unpersist()
-        stored.unpersist()
 
 
-def _concurrently(fn: Callable, items: Sequence) -> None:
+def _concurrently(fn: Callable, items: Sequence) -> list:
     """``fn`` over ``items`` from a few driver threads: the jobs are small, so
     planning and scheduling them one after another would leave the cores idle.
     """
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        for _ in pool.map(fn, items):
-            pass
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(fn, items))
 
 
 def read_table(spark: SparkSession, out: str, name: str, days: Sequence | None = None,
