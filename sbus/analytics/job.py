@@ -14,7 +14,9 @@ Speed: the new files are read and parsed once, in one aggregation that
 sums the message records (nearly all of a busy log) and keeps every other
 record once; what it leaves is small.  It is stored per file and day, and
 each table of a day is finished from the stored rows of every file that
-covers it.  Those small jobs run with small-input settings (``small_jobs``).
+covers it (from the new rows in memory while they are stored).  Those small
+jobs run with small-input settings (``small_jobs``), and the driver writes
+their results (``tablefiles``).
 """
 from __future__ import annotations
 
@@ -507,8 +509,9 @@ def read_table(spark: SparkSession, out: str, name: str, days: Sequence | None =
 
 
 def _read_table(spark: SparkSession, store: Store, name: str) -> DataFrame | None:
-    """A stored table, or None while it holds no rows: a day with no rows of a
-    table (no floods, say) leaves a folder with no Parquet file to read."""
+    """A stored table, or None while it holds no rows: in a dataset written
+    before the driver wrote the tables, a day with no rows of a table (no
+    floods, say) left a folder with no Parquet file to read."""
     if not store.exists(name):
         return None
     try:
