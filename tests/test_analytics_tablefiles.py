@@ -4,7 +4,7 @@ Every column type the tables use (and the nested ones a table could) goes
 through both ways of collecting a table -- Arrow batches from the JVM
 (PySpark 4) and ``collect()`` (PySpark 3.5) -- and must come back the same,
 also where the driver's zone keeps summer time.  Replacing a day must leave
-the others alone and never leave the day without a file.
+the others alone, and leave one file in its folder and nothing beside it.
 """
 from __future__ import annotations
 
@@ -103,6 +103,7 @@ def test_replacing_a_day_keeps_the_others_and_an_empty_day_keeps_its_schema(spar
                    if not p.name.startswith("."))
     assert len(files) == 1 and files[0].startswith("part-") and files[0].endswith(".parquet")
     assert sorted((tmp_path / "t1" / f"date={D2}").iterdir()) == day2  # untouched
+    assert sorted(p.name for p in (tmp_path / "t1").iterdir()) == [f"date={D1}", f"date={D2}"]
 
     back = spark.read.parquet(str(tmp_path / "t1"))
     assert dict(back.dtypes) == dict(df.dtypes)

@@ -104,12 +104,18 @@ class Store:
         if not self.fs.rename(tmp, final):
             raise OSError(f"could not rename {tmp} to {final}")
 
-    def list_files(self, *parts: str) -> list[str]:
-        """The names of the files in a folder (none if it does not exist)."""
-        if not self.exists(*parts):
-            return []
-        return [st.getPath().getName() for st in self.fs.listStatus(self._Path(self.path(*parts)))
-                if st.isFile()]
+    def replace(self, src: Sequence[str], dst: Sequence[str]) -> None:
+        """Put the folder ``src`` in the place of ``dst`` by renames: the old
+        ``dst`` is out of the way (hidden) for the instant between them."""
+        target = self._Path(self.path(*dst))
+        old = self._Path(self.path(*dst[:-1], f".{dst[-1]}.old"))
+        self.fs.delete(old, True)
+        if self.fs.exists(target) and not self.fs.rename(target, old):
+            raise OSError(f"could not rename {target} to {old}")
+        self.fs.mkdirs(target.getParent())
+        if not self.fs.rename(self._Path(self.path(*src)), target):
+            raise OSError(f"could not rename {self.path(*src)} to {target}")
+        self.fs.delete(old, True)
 
     def read_parquet(self, schema: T.StructType, *parts: str) -> DataFrame:
         """A Parquet directory read with a known schema; empty if it does not exist yet."""

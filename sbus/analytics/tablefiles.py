@@ -7,10 +7,10 @@ collected (``collect_table``) and its day partitions are written here with
 pyarrow, one file per table and day, through the dataset's ``Store`` (any
 file system Spark reads).  Spark reads them back like its own.
 
-A day's new file is complete (written to a hidden name and renamed) before
-the day's older files are removed, so a reader sees the day's old rows or
-its new ones, never none.  A day with no rows gets a file with no rows: its
-schema is still there to read.
+A day's new file is complete, in a hidden folder, before that folder is
+renamed into the day's place, so a reader sees the day's old rows or its
+new ones, never both (and none only between two renames).  A day with no
+rows gets a file with no rows: its schema is still there to read.
 """
 from __future__ import annotations
 
@@ -101,8 +101,8 @@ def write_days(store: Store, name: str, table: pa.Table, days: Sequence) -> None
         rows = rows.cast(pa.schema([f.with_nullable(True) for f in rows.schema]))
         buf = io.BytesIO()
         pq.write_table(rows, buf, compression="snappy")
-        folder = (name, f"{DAY}={day.isoformat()}")
-        old = store.list_files(*folder)
-        store.write_bytes(buf.getvalue(), *folder, f"part-{uuid.uuid4()}.parquet")
-        for path in old:
-            store.delete(*folder, path)
+        folder = f"{DAY}={day.isoformat()}"
+        new = f".{folder}.new"  # hidden from readers until renamed
+        store.delete(name, new)  # left by a run that died here
+        store.write_bytes(buf.getvalue(), name, new, f"part-{uuid.uuid4()}.parquet")
+        store.replace((name, new), (name, folder))
