@@ -9,7 +9,8 @@ $SBUS_BENCH_CACHE, default /tmp/sbus-bench, keyed by size, seed and the
 generator's source), runs the job on it into a fresh dataset, checks the
 per-event counts it wrote against the generator's own, and measures the
 baseline: read the file, parse every line with the declared schema, count
-the rows -- the least any job over this input does.  Prints one JSON line,
+the rows -- the least a job that reads the lines as text does (the JSON
+source's parse, below, is faster).  Prints one JSON line,
 a human summary on stderr, and writes the JSON to
 bench/results/analytics-<UTC time>.json.
 
