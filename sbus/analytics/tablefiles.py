@@ -34,7 +34,7 @@ _SCALARS = {
     T.StringType: pa.string(),
     T.BooleanType: pa.bool_(),
     T.DateType: pa.date32(),
-    # Collected as microseconds since the epoch (see collect_table).
+    # Collected as microseconds since the epoch (see collect_rows).
     T.TimestampType: pa.timestamp("us", tz="UTC"),
 }
 
