@@ -105,14 +105,13 @@ class Store:
             raise OSError(f"could not rename {tmp} to {final}")
 
     def replace(self, src: Sequence[str], dst: Sequence[str]) -> None:
-        """Put the folder ``src`` in the place of ``dst`` by renames: the old
-        ``dst`` is out of the way (hidden) for the instant between them."""
+        """Put the folder ``src`` in the place of ``dst`` (a sibling) by renames:
+        the old ``dst`` is out of the way (hidden) for the instant between them."""
         target = self._Path(self.path(*dst))
         old = self._Path(self.path(*dst[:-1], f".{dst[-1]}.old"))
         self.fs.delete(old, True)
         if self.fs.exists(target) and not self.fs.rename(target, old):
             raise OSError(f"could not rename {target} to {old}")
-        self.fs.mkdirs(target.getParent())
         if not self.fs.rename(self._Path(self.path(*src)), target):
             raise OSError(f"could not rename {self.path(*src)} to {target}")
         self.fs.delete(old, True)
