@@ -20,7 +20,10 @@ the manifest), ``baseline_s`` the baseline's, ``ratio`` their quotient (the
 target is at most 2); ``rerun_s`` is a run over the same file again, which
 must find nothing new.  ``jvm_cpu_s`` is the CPU the JVM used for the job
 and ``load_avg`` the machine's 1-minute load before and after: on a shared
-machine the wall times stretch, the CPU time less so.
+machine the wall times stretch, the CPU time less so.  ``job_jit_s`` and
+``baseline_jit_s`` (per round, and ``*_fresh_jit_s`` in new JVMs) are the
+seconds HotSpot's JIT compilers spent meanwhile, summed over their threads,
+which share the cores with the work: much of a short run's cost.
 
 Both are timed in the same state, in one session: ``--rounds`` rounds of
 baseline then job (each job into a new dataset).  The first round is the
@@ -53,6 +56,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -94,16 +98,16 @@ def run(lines: int = 1_000_000, master: str = "local[2]", seed: int = SEED,
     load_before = os.getloadavg()[0]
     try:
         t0 = time.perf_counter()
-        spark, jvm_pid = _session(master)
+        spark, jvm = _session(master)
         t1 = time.perf_counter()
         base_runs, job_runs, json_runs = [], [], []
         for i in range(rounds):
-            base_runs.append(_timed(jvm_pid, lambda: _baseline(spark, log)))
-            json_runs.append(_timed(jvm_pid, lambda: _json_baseline(spark, log)))
+            base_runs.append(_timed(jvm, lambda: _baseline(spark, log)))
+            json_runs.append(_timed(jvm, lambda: _json_baseline(spark, log)))
             dataset = os.path.join(out, f"run{i}")
-            job_runs.append(_timed(jvm_pid, lambda: job.run(
+            job_runs.append(_timed(jvm, lambda: job.run(
                 spark, [str(log)], dataset, show=0, echo=lambda _: None)))
-        summary = job_runs[-1][2]
+        summary = job_runs[-1].result
         started = time.perf_counter()
         rerun = job.run(spark, [str(log)], dataset, show=0, echo=lambda _: None)
         rerun_s = time.perf_counter() - started
@@ -114,21 +118,23 @@ def run(lines: int = 1_000_000, master: str = "local[2]", seed: int = SEED,
     finally:
         shutil.rmtree(out, ignore_errors=True)
     warm_job, warm_base = job_runs[1:], base_runs[1:]
-    seconds, cpu = _median(r[0] for r in warm_job), _median(r[1] for r in warm_job)
-    baseline_s, baseline_cpu = _median(r[0] for r in warm_base), _median(r[1] for r in warm_base)
+    seconds, cpu = _median(r.seconds for r in warm_job), _median(r.cpu for r in warm_job)
+    baseline_s, baseline_cpu = _median(r.seconds for r in warm_base), _median(r.cpu for r in warm_base)
     result = {
         "lines": summary["lines"],
         "seconds": round(seconds, 2),
         "lines_per_s": round(summary["lines"] / seconds),
         "baseline_s": round(baseline_s, 2),
         "ratio": round(seconds / baseline_s, 2),
-        "baseline_json_s": round(_median(r[0] for r in json_runs[1:]), 2),
+        "baseline_json_s": round(_median(r.seconds for r in json_runs[1:]), 2),
         "cpu_ratio": round(cpu / baseline_cpu, 2),
-        "job_runs_s": [round(r[0], 2) for r in job_runs],
-        "baseline_runs_s": [round(r[0], 2) for r in base_runs],
-        "baseline_cold_s": round(base_runs[0][0], 2),
-        "job_cold_s": round(job_runs[0][0], 2),
-        "cold_ratio": round(job_runs[0][0] / base_runs[0][0], 2),
+        "job_runs_s": [round(r.seconds, 2) for r in job_runs],
+        "baseline_runs_s": [round(r.seconds, 2) for r in base_runs],
+        "job_jit_s": [round(r.jit, 2) for r in job_runs],
+        "baseline_jit_s": [round(r.jit, 2) for r in base_runs],
+        "baseline_cold_s": round(base_runs[0].seconds, 2),
+        "job_cold_s": round(job_runs[0].seconds, 2),
+        "cold_ratio": round(job_runs[0].seconds / base_runs[0].seconds, 2),
         "baseline_jvm_cpu_s": round(baseline_cpu, 2),
         "rerun_s": round(rerun_s, 2),
         "session_start_s": round(t1 - t0, 2),
@@ -139,7 +145,7 @@ def run(lines: int = 1_000_000, master: str = "local[2]", seed: int = SEED,
         "malformed": summary["malformed"],
         "log_mb": round(log.stat().st_size / 1e6, 1),
         "checked": (counted == info["events"] and summary["malformed"] == info["malformed"]
-                    and all(r[2] > 0 for r in base_runs) and rerun["files_read"] == []),
+                    and all(r.result > 0 for r in base_runs) and rerun["files_read"] == []),
         "master": master,
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
@@ -149,8 +155,9 @@ def run(lines: int = 1_000_000, master: str = "local[2]", seed: int = SEED,
     if fresh:
         # Each alone in a new JVM, as two spark-submit runs would be.
         base_fresh, job_fresh = _fresh("baseline", lines, master), _fresh("job", lines, master)
-        result.update(baseline_fresh_s=base_fresh, job_fresh_s=job_fresh,
-                      fresh_ratio=round(job_fresh / base_fresh, 2))
+        result.update(baseline_fresh_s=base_fresh["seconds"], job_fresh_s=job_fresh["seconds"],
+                      fresh_ratio=round(job_fresh["seconds"] / base_fresh["seconds"], 2),
+                      baseline_fresh_jit_s=base_fresh["jit_s"], job_fresh_jit_s=job_fresh["jit_s"])
     if "generate_s" in info:
         result["generate_s"] = info["generate_s"]
     RESULTS.mkdir(exist_ok=True)
@@ -167,7 +174,23 @@ def _session(master: str):
         "spark.driver.memory": "3g",
     })
     spark.sparkContext.setLogLevel("ERROR")
-    return spark, spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
+    return spark, _Jvm(spark)
+
+
+class _Jvm:
+    """The session's JVM: the CPU it has used and the time its JIT compilers have."""
+
+    def __init__(self, spark):
+        jvm = spark.sparkContext._jvm
+        self.pid = jvm.java.lang.ProcessHandle.current().pid()
+        self._compiler = jvm.java.lang.management.ManagementFactory.getCompilationMXBean()
+
+    def cpu_s(self) -> float:
+        return _cpu_seconds(self.pid)
+
+    def jit_s(self) -> float:
+        # Summed over the compiler threads, which share the cores with the job.
+        return self._compiler.getTotalCompilationTime() / 1000
 
 
 def _baseline(spark, log: Path) -> int:
@@ -203,11 +226,18 @@ def _json_baseline(spark, log: Path) -> int:
     return df.where(every != 7).count()
 
 
-def _timed(jvm_pid: int, fn) -> tuple:
-    """(wall seconds, JVM CPU seconds, result) of ``fn()``."""
-    started, cpu_started = time.perf_counter(), _cpu_seconds(jvm_pid)
+class Timed(NamedTuple):
+    seconds: float  # wall
+    cpu: float  # the JVM's CPU seconds
+    jit: float  # seconds of JIT compiling in the JVM
+    result: object
+
+
+def _timed(jvm: "_Jvm", fn) -> Timed:
+    """``fn()``'s result and what it cost."""
+    started, cpu, jit = time.perf_counter(), jvm.cpu_s(), jvm.jit_s()
     result = fn()
-    return time.perf_counter() - started, _cpu_seconds(jvm_pid) - cpu_started, result
+    return Timed(time.perf_counter() - started, jvm.cpu_s() - cpu, jvm.jit_s() - jit, result)
 
 
 def _median(values) -> float:
@@ -216,26 +246,26 @@ def _median(values) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _fresh(what: str, lines: int, master: str) -> float:
-    """Seconds of one first run of ``what`` in a new JVM (its start-up not counted)."""
+def _fresh(what: str, lines: int, master: str) -> dict:
+    """Seconds (and JIT seconds) of one first run of ``what`` in a new JVM (its start-up not counted)."""
     r = subprocess.run([sys.executable, __file__, "--one", what, "--lines", str(lines),
                         "--master", master], capture_output=True, text=True, check=True)
-    return json.loads(r.stdout.splitlines()[-1])["seconds"]
+    return json.loads(r.stdout.splitlines()[-1])
 
 
 def _one(what: str, lines: int, master: str) -> dict:
     from sbus.analytics import job
 
     log, _ = cached_log(lines)
-    spark, jvm_pid = _session(master)
+    spark, jvm = _session(master)
     with tempfile.TemporaryDirectory(prefix="sbus-analytics-bench-") as out:
         if what == "baseline":
-            seconds = _timed(jvm_pid, lambda: _baseline(spark, log))[0]
+            timed = _timed(jvm, lambda: _baseline(spark, log))
         else:
-            seconds = _timed(jvm_pid, lambda: job.run(spark, [str(log)], out, show=0,
-                                                      echo=lambda _: None))[0]
+            timed = _timed(jvm, lambda: job.run(spark, [str(log)], out, show=0,
+                                                echo=lambda _: None))
     spark.stop()
-    return {"what": what, "seconds": round(seconds, 2)}
+    return {"what": what, "seconds": round(timed.seconds, 2), "jit_s": round(timed.jit, 2)}
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -269,7 +299,8 @@ def main(argv=None) -> int:
         p.error("--rounds must be at least 2: the first round is the cold one")
     result = run(lines, a.master, rounds=a.rounds, fresh=not a.no_fresh)
     fresh = (f"; in new JVMs: job {result['job_fresh_s']} s, baseline "
-             f"{result['baseline_fresh_s']} s, ratio {result['fresh_ratio']}"
+             f"{result['baseline_fresh_s']} s, ratio {result['fresh_ratio']} (JIT compiling "
+             f"{result['job_fresh_jit_s']} s against {result['baseline_fresh_jit_s']} s)"
              if "fresh_ratio" in result else "")
     print(f"analytics job: {result['lines']} lines in {result['seconds']} s on {a.master} "
           f"({result['lines_per_s']} lines/s, {result['jvm_cpu_s']} s of JVM CPU); "
