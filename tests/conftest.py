@@ -1,4 +1,4 @@
-"""Fixtures that start real ``sbusd`` processes (helpers live in tests/support)."""
+"""Shared fixtures: real ``sbusd`` processes (helpers live in tests/support) and a Spark session."""
 from __future__ import annotations
 
 import shutil
@@ -59,3 +59,32 @@ def open_broker(tmp_path):
         b.stop()
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local Spark session for every analytics test file."""
+    pytest.importorskip("pyspark", reason="needs the extra: pip install 'sbus[analytics]'")
+    from pyspark.sql import SparkSession
+
+    from sbus.analytics import spark_session
+
+    # A session something else started is not this fixture's to stop.
+    owned = SparkSession.getActiveSession() is None
+
+    session = spark_session("local[2]", app_name="sbus-tests", conf={
+        "spark.sql.shuffle.partitions": "2",
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.driver.memory": "1g",
+        # Tiny inputs: skip adaptive re-planning, whole-stage code generation and
+        # the JVM's optimising compiler, whose fixed costs dominate here and
+        # change no result.
+        "spark.sql.adaptive.enabled": "false",
+        "spark.sql.codegen.wholeStage": "false",
+        "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
+    })
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    if owned:
+        session.stop()

@@ -300,36 +300,6 @@ def expected_client_counters():
 # --- Spark ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
-def spark():
-    """One local session for every analytics test file (they import this fixture)."""
-    pytest.importorskip("pyspark", reason="needs the extra: pip install 'sbus[analytics]'")
-    from pyspark.sql import SparkSession
-
-    from sbus.analytics import spark_session
-
-    # Only the first file to ask owns the session; the others must not stop
-    # it under fixtures (cached DataFrames) that still hold on to it.
-    owned = SparkSession.getActiveSession() is None
-
-    session = spark_session("local[2]", app_name="sbus-tests", conf={
-        "spark.sql.shuffle.partitions": "2",
-        "spark.ui.enabled": "false",
-        "spark.ui.showConsoleProgress": "false",
-        "spark.driver.memory": "1g",
-        # Tiny inputs: skip adaptive re-planning, whole-stage code generation and
-        # the JVM's optimising compiler, whose fixed costs dominate here and
-        # change no result.
-        "spark.sql.adaptive.enabled": "false",
-        "spark.sql.codegen.wholeStage": "false",
-        "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
-    })
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    if owned:
-        session.stop()
-
-
-@pytest.fixture(scope="session")
 def log_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("logs") / "sbusd.log"
     path.write_text("\n".join(LINES) + "\n")

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from test_analytics import LINES, MALFORMED, expected_client_counters, sim_log, snapshot
-from test_analytics import spark  # noqa: F401  (the shared session fixture)
 
 pytestmark = [
     pytest.mark.spark,

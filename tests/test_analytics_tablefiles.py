@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from test_analytics import spark  # noqa: F401  (the shared session fixture)
 
 pytestmark = [
     pytest.mark.spark,
