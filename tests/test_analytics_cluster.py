@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from test_analytics import LINES, MALFORMED, ROOT, sim_log, snapshot, spark  # noqa: F401
+from test_analytics import LINES, MALFORMED, ROOT, sim_log, snapshot
 
 pytestmark = [
     pytest.mark.spark,
