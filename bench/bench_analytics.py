@@ -178,7 +178,7 @@ def _session(master: str):
 
 
 class _Jvm:
-    """The session's JVM: the CPU it has used and the time its JIT compilers have."""
+    """The session's JVM: the CPU it has used and the time its JIT compilers have spent."""
 
     def __init__(self, spark):
         jvm = spark.sparkContext._jvm
@@ -233,7 +233,7 @@ class Timed(NamedTuple):
     result: object
 
 
-def _timed(jvm: "_Jvm", fn) -> Timed:
+def _timed(jvm: _Jvm, fn) -> Timed:
     """``fn()``'s result and what it cost."""
     started, cpu, jit = time.perf_counter(), jvm.cpu_s(), jvm.jit_s()
     result = fn()

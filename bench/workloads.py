@@ -354,7 +354,9 @@ def run_analytics(args):
             probs.append("event counts differ from the generator's")
         note = (f"{data.get('lines')} lines in {data.get('seconds')} s, {data.get('jvm_cpu_s')} s JVM CPU, "
                 f"baseline {data.get('baseline_s')} s, ratio {data.get('ratio')} (target <= 2), "
-                f"CPU ratio {data.get('cpu_ratio')}, session start {data.get('session_start_s')} s, counts "
+                f"CPU ratio {data.get('cpu_ratio')}, in new JVMs {data.get('fresh_ratio')} (JIT "
+                f"{data.get('job_fresh_jit_s')} s vs {data.get('baseline_fresh_jit_s')} s), "
+                f"session start {data.get('session_start_s')} s, counts "
                 f"{'checked' if data.get('checked') else 'NOT checked'}")
         return [Row("analytics", "analytics job", None, "lines/s", sbus=data["lines_per_s"], problems=probs,
                     note=note, raw=data)]
