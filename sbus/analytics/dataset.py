@@ -44,6 +44,7 @@ MALFORMED = "malformed"
 CSV = "csv"
 DAY = "date"
 FILE = "file_id"
+COUNT = "_n"  # of a stored row: how many equal records it stands for
 FORMAT = 2  # 1 kept one partial per table group under _partials/partial=P/
 
 _CHUNK = 1 << 20

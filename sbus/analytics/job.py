@@ -14,9 +14,12 @@ Speed: the new files are read and parsed once, in one aggregation that
 sums the message records (nearly all of a busy log) and keeps every other
 record once; what it leaves is small.  It is stored per file and day, and
 each table of a day is finished from the stored rows of every file that
-covers it (from the new rows in memory while they are stored).  Those small
-jobs run with small-input settings (``small_jobs``), and the driver writes
-their results (``tablefiles``).
+covers it.  Up to ``DRIVER_ROWS`` of them (the usual case), the driver
+collects them once, writes the new ones and finishes the tables itself
+(``daytables``, ``tablefiles``): as ~20 small Spark queries, that step cost
+more than the pass over the log, mostly HotSpot compiling Spark's planner.
+Above it, Spark stores them and finishes the tables (``transforms``) with
+small-input settings (``small_jobs``).
 """
 from __future__ import annotations
 
@@ -29,22 +32,30 @@ from functools import reduce
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import pyarrow as pa
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from sbus import logschema
-from sbus.analytics import tablefiles
+from sbus.analytics import daytables, tablefiles
 from sbus.analytics import transforms as tf
-from sbus.analytics.dataset import (CSV, DAY, FILE, MALFORMED, PARTIALS, Identity,
+from sbus.analytics.daytables import Stored
+from sbus.analytics.dataset import (COUNT, CSV, DAY, FILE, MALFORMED, PARTIALS, Identity,
                                     Manifest, Store, list_inputs)
 from sbus.analytics.schema import CORRUPT_COLUMN, record_schema
 
 OK, BAD, BLANK = "ok", "malformed", "blank"
 STATUS = "_status"
 SOURCE = "_source"
-BUCKET = "1 minute"  # of the time-series tables
+BUCKET_S = 60  # seconds: the time-series tables' buckets
+BUCKET = f"{BUCKET_S} seconds"
+# The most stored rows (plus the connections their stats records list) whose
+# day tables are finished on the driver (``daytables``); more, and Spark
+# finishes them (``transforms``).  A busy day's log compacts to a few
+# thousand; this many take the driver about a second and some 200 MB.
+DRIVER_ROWS = 250_000
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,7 @@ class Table:
     finish: Callable[[DataFrame, Sequence[str]], DataFrame]
     order: tuple
     about: str
+    on_driver: Callable[[Stored], pa.Table]  # the same table per day, from stored rows
 
 
 EVENTS = Partial("events", tf.event_partial, lambda c, by: _summed_events(c, by))
@@ -78,29 +90,36 @@ SUBSCRIPTIONS = Partial("subscriptions", lambda e, by: tf.subscription_partial(e
 PARTIAL_SET = (EVENTS, MESSAGES, CLIENTS, STATS, DISCONNECTS, FLOODS, SUBSCRIPTIONS)
 
 TABLES: tuple[Table, ...] = (
-    Table("events", EVENTS, tf.event_table, tf.EVENT_ORDER, "records per event"),
+    Table("events", EVENTS, tf.event_table, tf.EVENT_ORDER, "records per event",
+          daytables.events),
     Table("traffic_by_prefix1", MESSAGES, lambda m, by: tf.prefix_table(m, 1, by),
-          tf.PREFIX_ORDER, "sampled traffic per first routing-key segment"),
+          tf.PREFIX_ORDER, "sampled traffic per first routing-key segment",
+          lambda s: daytables.prefix_traffic(s, 1)),
     Table("traffic_by_prefix2", MESSAGES, lambda m, by: tf.prefix_table(m, 2, by),
-          tf.PREFIX_ORDER, "sampled traffic per first two routing-key segments"),
+          tf.PREFIX_ORDER, "sampled traffic per first two routing-key segments",
+          lambda s: daytables.prefix_traffic(s, 2)),
     Table("traffic_by_key", MESSAGES, lambda m, by: tf.prefix_table(m, None, by),
-          tf.PREFIX_ORDER, "sampled traffic per routing key"),
+          tf.PREFIX_ORDER, "sampled traffic per routing key",
+          lambda s: daytables.prefix_traffic(s, None)),
     Table("client_traffic", CLIENTS, tf.client_table, tf.CLIENT_ORDER,
-          "per connection seen that day: identity, disconnect, latest counters"),
+          "per connection seen that day: identity, disconnect, latest counters",
+          daytables.client_traffic),
     Table("throughput", STATS, tf.throughput_table, tf.TIME_ORDER,
-          "per minute: traffic and drops"),
+          "per minute: traffic and drops", daytables.throughput),
     Table("disconnect_reasons", DISCONNECTS, tf.disconnect_table, tf.DISCONNECT_ORDER,
-          "disconnects per reason"),
+          "disconnects per reason", daytables.disconnect_reasons),
     Table("flood_actions", FLOODS, tf.flood_table, tf.FLOOD_ORDER,
-          "flood-control actions per connection"),
+          "flood-control actions per connection", daytables.flood_actions),
     Table("top_publishers", CLIENTS, lambda m, by: tf.publishers_table(m, 20, by),
-          tf.PUBLISHER_ORDER, "top 20 publishers by messages"),
+          tf.PUBLISHER_ORDER, "top 20 publishers by messages",
+          lambda s: daytables.top_publishers(s, 20)),
     Table("fanout", MESSAGES, tf.fanout_table, tf.FANOUT_ORDER,
-          "fan-out distribution of sampled messages"),
+          "fan-out distribution of sampled messages", daytables.fanout),
     Table("subscription_churn", SUBSCRIPTIONS, tf.churn_table, tf.TIME_ORDER,
-          "per minute: subscribes, unsubscribes, refusals"),
+          "per minute: subscribes, unsubscribes, refusals", daytables.subscription_churn),
     Table("pattern_churn", SUBSCRIPTIONS, tf.pattern_table, tf.PATTERN_ORDER,
-          "per pattern: subscribes, unsubscribes, distinct connections"),
+          "per pattern: subscribes, unsubscribes, distinct connections",
+          daytables.pattern_churn),
 )
 
 
@@ -247,7 +266,6 @@ def _compact(parsed: DataFrame, file_id) -> DataFrame:
 
 
 _MESSAGE_KEYS = ("event", "key", "fanout")
-COUNT = "_n"
 
 
 def _stored(compact: DataFrame) -> DataFrame:
@@ -328,14 +346,26 @@ def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tupl
     frame = _compact_frame(spark, plan.new)
     try:
         counts = frame.groupBy(FILE, DAY, STATUS, "schema").agg(
-            F.sum(COUNT).alias("n")).collect()  # also fills the cache
+            F.sum(COUNT).alias("n"), *_size_of()).collect()  # also fills the cache
         summary = _line_counts(counts)
         days = _record_files(store, manifest, plan, counts)
         fresh = _stored(frame)
         _SCHEMAS.setdefault("stored", fresh.schema)  # analysed already: spares a second
+        size = sum(r["rows"] + r["listed"] for r in counts if r[STATUS] == OK)
         older = _read_partitions(spark, store, _older_partitions(manifest, plan, days))
-        rows = fresh if older is None else fresh.unionByName(older)
-        steps = [lambda: _write_partials(store, fresh), lambda: rebuild_days(spark, store, days, rows)]
+        rows = fresh
+        if older is not None:
+            rows = fresh.unionByName(older)
+            size += _size(older)
+        if size <= DRIVER_ROWS:
+            # The usual case: the rows are collected once, and the driver
+            # writes the new ones and finishes the day tables from them all.
+            collected = tablefiles.collect_table(rows)
+            steps = [lambda: _write_partials_on_driver(store, collected, plan.new),
+                     lambda: finish_days(store, days, collected)]
+        else:
+            steps = [lambda: _write_partials(store, fresh),
+                     lambda: rebuild_days(spark, store, days, rows)]
         if summary["malformed"]:
             steps.append(lambda: _write_malformed(store, frame))
         with small_jobs(spark):
@@ -387,6 +417,14 @@ def _read_partitions(spark: SparkSession, store: Store, parts: Sequence) -> Data
 def _write_partials(store: Store, rows: DataFrame) -> None:
     (rows.write.mode("overwrite").option("partitionOverwriteMode", "dynamic")
      .partitionBy(DAY, FILE).parquet(store.path(PARTIALS)))
+
+
+def _write_partials_on_driver(store: Store, rows: pa.Table, new: Sequence[Identity]) -> None:
+    """``_write_partials`` for collected rows: the partitions of the ``new`` files."""
+    ids = {i.id for i in new}
+    parts = {(day, file) for day, file in zip(rows[DAY].to_pylist(), rows[FILE].to_pylist())
+             if file in ids}
+    tablefiles.write_partitions(store, PARTIALS, rows, [DAY, FILE], sorted(parts))
 
 
 def _write_malformed(store: Store, frame: DataFrame) -> None:
@@ -444,6 +482,27 @@ _SCHEMAS: dict = {}
 def read_stored(spark: SparkSession, store: Store) -> DataFrame:
     """The stored rows of every file and day (``_stored()``)."""
     return store.read_parquet(stored_schema(spark), PARTIALS)
+
+
+def _size_of() -> list:
+    """Aggregates of stored rows that measure them against ``DRIVER_ROWS``."""
+    listed = F.when(F.col("clients").isNotNull(), F.size("clients"))
+    return [F.count(F.lit(1)).alias("rows"),
+            F.coalesce(F.sum(listed), F.lit(0)).alias("listed")]
+
+
+def _size(stored: DataFrame) -> int:
+    r = stored.agg(*_size_of()).first()
+    return r["rows"] + r["listed"]
+
+
+def finish_days(store: Store, days: set, rows: pa.Table) -> None:
+    """``rebuild_days`` on the driver, from the collected stored rows of ``days``."""
+    day_list = sorted(days)
+    stored = Stored(rows, BUCKET_S)
+    tables = {t.name: t.on_driver(stored) for t in TABLES}
+    _concurrently(lambda t: tablefiles.write_days(store, t.name, tables[t.name], day_list),
+                  TABLES)
 
 
 def rebuild_days(spark: SparkSession, store: Store, days: set, rows: DataFrame) -> None:

@@ -5,10 +5,11 @@ own writer costs a job, a commit protocol and, on a fresh JVM, its warm-up
 for each of them: more than the tables' whole content.  So each table is
 collected (``collect_table``) and its day partitions are written here with
 pyarrow, one file per table and day, through the dataset's ``Store`` (any
-file system Spark reads).  Spark reads them back like its own.
+file system Spark reads).  Spark reads them back like its own.  A small
+run's stored rows are written the same way (``write_partitions``).
 
-A day's new file is complete, in a hidden folder, before that folder is
-renamed into the day's place, so a reader sees the day's old rows or its
+A partition's new file is complete, in a hidden folder, before that folder
+is renamed into the partition's place, so a reader sees its old rows or its
 new ones, never both (and none only between two renames).  A day with no
 rows gets a file with no rows: its schema is still there to read.
 """
@@ -95,14 +96,31 @@ def _plain(value):
 
 def write_days(store: Store, name: str, table: pa.Table, days: Sequence) -> None:
     """Replace ``store``'s ``name/date=D/`` for each of ``days`` with ``table``'s rows of D."""
-    for day in days:
-        rows = table.filter(pc.equal(table[DAY], pa.scalar(day, pa.date32()))).drop_columns([DAY])
+    write_partitions(store, name, table, [DAY], [(day,) for day in days])
+
+
+def write_partitions(store: Store, name: str, table: pa.Table, columns: Sequence[str],
+                     values: Sequence[tuple]) -> None:
+    """Replace ``store``'s ``name/c1=v1/c2=v2/`` for each tuple of ``values`` of
+    ``columns`` with ``table``'s rows that have them, less those columns, as
+    Spark lays out ``partitionBy(*columns)``.  Values are dates or strings.
+    """
+    for vals in values:
+        mask = None
+        for column, value in zip(columns, vals):
+            match = pc.equal(table[column], pa.scalar(value, table.schema.field(column).type))
+            mask = match if mask is None else pc.and_(mask, match)
+        rows = table.filter(mask).drop_columns(list(columns))
         # Every column nullable, as Spark writes them: files of one table agree.
         rows = rows.cast(pa.schema([f.with_nullable(True) for f in rows.schema]))
         buf = io.BytesIO()
         pq.write_table(rows, buf, compression="snappy")
-        folder = f"{DAY}={day.isoformat()}"
+        *parent, folder = [f"{c}={_text(v)}" for c, v in zip(columns, vals)]
         new = f".{folder}.new"  # hidden from readers until renamed
-        store.delete(name, new)  # left by a run that died here
-        store.write_bytes(buf.getvalue(), name, new, f"part-{uuid.uuid4()}.parquet")
-        store.replace((name, new), (name, folder))
+        store.delete(name, *parent, new)  # left by a run that died here
+        store.write_bytes(buf.getvalue(), name, *parent, new, f"part-{uuid.uuid4()}.parquet")
+        store.replace((name, *parent, new), (name, *parent, folder))
+
+
+def _text(value) -> str:
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)
