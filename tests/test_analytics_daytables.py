@@ -84,27 +84,65 @@ def _assert_same(got: list, want: list, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def datasets(spark, tmp_path_factory):
-    """The same runs into two datasets: tables finished by the driver, then by Spark."""
+def runs(spark, tmp_path_factory):
+    """The same runs into two datasets, one way each: {way: (dataset, run summaries)}."""
     from sbus.analytics import job
 
     tmp = tmp_path_factory.mktemp("daytables")
     day1 = _write(tmp / "logs" / "day1.log", LINES + ODD_LINES)
     day2 = _write(tmp / "logs" / "day2.log", DAY2)
     midnight = _write(tmp / "late" / "midnight.log", MIDNIGHT)
-    out = {}
+    ways = {}
     default = job.DRIVER_ROWS
     try:
         for way, limit in (("driver", default), ("spark", -1)):
             job.DRIVER_ROWS = limit
-            out[way] = tmp / way
+            out = tmp / way
             # The second run merges into days the first one wrote.
-            for paths in ([day1, day2], [midnight]):
-                job.run(spark, [str(p) for p in paths], str(out[way]), show=0,
-                        echo=lambda _: None)
+            ways[way] = (out, [job.run(spark, [str(p) for p in paths], str(out), show=0,
+                                       echo=lambda _: None)
+                               for paths in ([day1, day2], [midnight])])
     finally:
         job.DRIVER_ROWS = default
-    return out
+    return ways
+
+
+@pytest.fixture(scope="module")
+def datasets(runs):
+    return {way: out for way, (out, _) in runs.items()}
+
+
+def test_each_run_reports_the_way_it_took(runs):
+    for way, (_, summaries) in runs.items():
+        assert [s["tables_by"] for s in summaries] == [way, way]
+    sizes = [[s["stored_rows"] for s in summaries] for _, summaries in runs.values()]
+    assert sizes[0] == sizes[1] and all(sizes[0])
+
+
+def test_the_size_is_stored_rows_and_the_connections_they_list(spark, tmp_path):
+    """What is measured against DRIVER_ROWS, and the way taken on either side of it."""
+    from sbus.analytics import job
+    from sbus.analytics.dataset import PARTIALS, Store
+
+    log = _write(tmp_path / "a.log", LINES + ODD_LINES)
+    first = job.run(spark, [str(log)], str(tmp_path / "a"), show=0, echo=lambda _: None)
+    stored = job.read_stored(spark, Store(spark, str(tmp_path / "a"))).collect()
+    listed = sum(len(r["clients"]) for r in stored if r["clients"])
+    assert listed and first["stored_rows"] == len(stored) + listed
+    default = job.DRIVER_ROWS
+    try:
+        job.DRIVER_ROWS = first["stored_rows"]
+        at = job.run(spark, [str(log)], str(tmp_path / "b"), show=0, echo=lambda _: None)
+        job.DRIVER_ROWS = first["stored_rows"] - 1
+        above = job.run(spark, [str(log)], str(tmp_path / "c"), show=0, echo=lambda _: None)
+    finally:
+        job.DRIVER_ROWS = default
+    assert (first["tables_by"], at["tables_by"], above["tables_by"]) == ("driver", "driver",
+                                                                          "spark")
+    # Spark's writer names its files part-NNNNN-<uuid>...; the driver's, part-<uuid>.parquet.
+    names = {d: {p.name.count("-") for p in (tmp_path / d / PARTIALS).rglob("part-*")}
+             for d in "bc"}
+    assert names["b"] == {5} and min(names["c"]) > 5
 
 
 def test_the_logs_are_small_enough_for_the_driver():

@@ -74,7 +74,7 @@ class Stored:
         rows = self.rows
         if events is not None:
             rows = rows.filter(pc.is_in(rows["event"], pa.array(list(events), STR)))
-        return list(zip(*(_values(rows[c]) for c in columns))) if rows.num_rows else []
+        return list(zip(*(_values(_column(rows, c)) for c in columns))) if rows.num_rows else []
 
     def bucket(self, micros: int) -> int:
         return micros - micros % self.bucket_us
@@ -111,9 +111,9 @@ class Stored:
                 c = conn(day, bp, client)
                 first(c, pid, uid, gid)
                 c["connected_at"] = t if c["connected_at"] is None else min(c["connected_at"], t)
-        for day, bp, client, pid, uid, gid, t, reason, duration, counters in self.of(
+        for day, bp, client, pid, uid, gid, t, reason, duration, *counters in self.of(
                 [ls.CLIENT_DISCONNECT], DAY, "broker_pid", "client", "pid", "uid", "gid",
-                "timestamp", "reason", "duration_s", "counters"):
+                "timestamp", "reason", "duration_s", *(f"counters.{f}" for f in COUNTERS)):
             if client is not None:
                 c = conn(day, bp, client)
                 first(c, pid, uid, gid)
@@ -121,16 +121,39 @@ class Stored:
                     c["disconnected_at"], c["reason"], c["duration_s"] = t, reason, duration
                 # Final counters beat any periodic snapshot, whatever the timestamps.
                 report(c, (1, t), counters, "disconnect")
-        for day, bp, t, clients in self.of([ls.STATS], DAY, "broker_pid", "timestamp", "clients"):
-            for s in clients or ():
-                if s is not None and s["client"] is not None:
-                    c = conn(day, bp, s["client"])
-                    first(c, s["pid"], s["uid"], s["gid"])
-                    report(c, (0, t), s, "stats")
+        for day, bp, t, client, pid, uid, gid, *counters in self.listed_clients():
+            if client is not None:
+                c = conn(day, bp, client)
+                first(c, pid, uid, gid)
+                report(c, (0, t), counters, "stats")
         return conns
 
+    def listed_clients(self) -> list[tuple]:
+        """(day, broker_pid, timestamp, client, pid, uid, gid, *COUNTERS) per
+        connection a stats record lists (a null entry: all null but the first three).
+        """
+        stats = self.rows.filter(pc.equal(self.rows["event"], ls.STATS))
+        if not stats.num_rows:
+            return []
+        lists = pa.concat_arrays(stats["clients"].chunks)
+        entries = pc.list_flatten(lists)  # a null entry gives null fields
+        at = pc.list_parent_indices(lists).to_pylist()
+        own = [[v[i] for i in at] for v in (_values(stats[c]) for c in (DAY, "broker_pid",
+                                                                         "timestamp"))]
+        fields = [_values(pc.struct_field(entries, f))
+                  for f in ("client", "pid", "uid", "gid", *COUNTERS)]
+        return list(zip(*own, *fields))
 
-def _values(column: pa.ChunkedArray) -> list:
+
+def _column(rows: pa.Table, name: str):
+    """A column, or a field of a struct column as ``struct.field`` (null where it is)."""
+    if "." not in name:
+        return rows[name]
+    parent, field = name.split(".")
+    return pc.struct_field(rows[parent], field)
+
+
+def _values(column) -> list:
     if pa.types.is_timestamp(column.type):
         column = column.cast(LONG)
     return column.to_pylist()
@@ -202,7 +225,7 @@ def fanout(s: Stored) -> pa.Table:
 def client_traffic(s: Stored) -> pa.Table:
     rows = [(*k, c["pid"], c["uid"], c["gid"], c["connected_at"], c["disconnected_at"],
              c["reason"], c["duration_s"],
-             *(None if c["c"] is None else c["c"][f] for f in COUNTERS), c["counters_from"])
+             *(c["c"] or [None] * len(COUNTERS)), c["counters_from"])
             for k, c in s.connections.items()]
     columns = {DAY: pa.date32(), "broker_pid": LONG, "client": LONG, "pid": LONG, "uid": LONG,
                "gid": LONG, "connected_at": TIME, "disconnected_at": TIME,
@@ -216,8 +239,8 @@ def top_publishers(s: Stored, n: int = 20) -> pa.Table:
     for (day, _bp, _client), c in s.connections.items():
         acc = per_process.setdefault((day, c["pid"], c["uid"]), [0] + [None] * len(TRAFFIC))
         acc[0] += 1
-        for i, f in enumerate(TRAFFIC, 1):
-            acc[i] = add(acc[i], None if c["c"] is None else c["c"][f])
+        for i in range(len(TRAFFIC)):  # COUNTERS begin with them
+            acc[1 + i] = add(acc[1 + i], None if c["c"] is None else c["c"][i])
     by_day: dict = defaultdict(list)
     for (day, pid, uid), (connections, *traffic) in per_process.items():
         by_day[day].append((day, pid, uid, connections, *traffic))
