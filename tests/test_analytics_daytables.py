@@ -29,7 +29,8 @@ def _line(t: str, event: str, **fields) -> str:
                        "schema": 2, "broker_pid": 900, **fields})
 
 
-# Nulls where the tables group, sum, rank and count distinct.
+# Nulls where the tables group, sum, rank and count distinct; equal lines,
+# which a stored row keeps once with their number.
 ODD_LINES = [
     _line("11:00:00", "subscribe", client=1, pattern="a/#"),                # accepted unknown
     _line("11:00:01", "unsubscribe", client=1, pattern="a/#"),              # accepted unknown
@@ -37,8 +38,10 @@ ODD_LINES = [
     _line("11:05:00", "subscribe", client=2, pattern="n/#"),                # only unknowns
     _line("11:00:03", "subscribe", pattern="b/#", accepted=True),           # no client
     _line("11:00:04", "subscribe", client=3, accepted=True),                # no pattern
-    _line("11:00:05", "client_disconnect", client=4, pid=7),                # no reason, counters
-    _line("11:00:05", "client_disconnect", client=4, pid=7),                # the same again
+    _line("11:00:05", "client_disconnect", client=4, pid=7,
+          counters={"msgs_in": 2, "msgs_out": 1}),                          # no reason
+    _line("11:00:05", "client_disconnect", client=4, pid=7,
+          counters={"msgs_in": 2, "msgs_out": 1}),                          # the same again
     _line("11:00:06", "client_disconnect", client=5, reason="flood_error", duration_s=1.5,
           counters={"msgs_in": 3}),
     _line("11:00:07", "flood", client=5, drops_soft=2, soft="drop"),        # no pid, no hard
@@ -46,6 +49,9 @@ ODD_LINES = [
     _line("11:00:09", "stats", clients=[{"client": 6, "pid": 8, "msgs_in": 1},
                                         {"pid": 9, "msgs_in": 2}]),         # one without id
     _line("11:00:10", "stats"),                                             # no delta, no list
+    *[_line("11:00:16", "stats", delta={"msgs_in": 5, "drops_soft": 1})] * 2,  # twice
+    *[_line("11:00:17", "flood", client=8, drops_soft=3, blocks=1)] * 2,
+    *[_line("11:00:18", "subscribe", client=8, pattern="d/#", accepted=True)] * 2,
     _line("11:00:11", "message", key="x/y/z", size=5, fanout=None),         # no fan-out
     _line("11:00:12", "message", fanout=2, sample_rate=0.5),                # no key, no size
     _line("11:00:13", "message", key="x//", size=1, fanout=1, sample_rate=7.0),

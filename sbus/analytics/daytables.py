@@ -26,15 +26,13 @@ import pyarrow.compute as pc
 
 from sbus import logschema as ls
 from sbus.analytics.dataset import COUNT, DAY
+from sbus.analytics.transforms import CLIENT_COUNTERS as COUNTERS
+from sbus.analytics.transforms import MESSAGE_SUMS, SUB_SUMS, TRAFFIC
 
 LONG, DOUBLE, STR = pa.int64(), pa.float64(), pa.string()
 TIME = pa.timestamp("us", tz="UTC")  # carried as microseconds since the epoch
 
-MESSAGE_SUMS = ("sampled", "messages", "bytes_in", "deliveries", "bytes_out")
-TRAFFIC = ("msgs_in", "bytes_in", "msgs_out", "bytes_out")
-COUNTERS = (*TRAFFIC, *ls.DROP_KINDS, "subscriptions")  # client_traffic's, from the latest report
-FLOOD_SUMS = ("drops_soft", "drops_hard", "blocks")
-SUB_SUMS = ("subscribed", "unsubscribed", "refused")
+FLOOD_SUMS = ("drops_soft", "drops_hard", "blocks")  # of flood records, per connection
 
 
 def add(total, value):
@@ -244,9 +242,10 @@ def top_publishers(s: Stored, n: int = 20) -> pa.Table:
     by_day: dict = defaultdict(list)
     for (day, pid, uid), (connections, *traffic) in per_process.items():
         by_day[day].append((day, pid, uid, connections, *traffic))
-    # Ranked as transforms.PUBLISHER_ORDER: -msgs_in, -bytes_in, pid, uid.
-    rank = lambda r: (_desc_nulls_last(r[4]), _desc_nulls_last(r[5]),  # noqa: E731
-                      _nulls_first(r[1]), _nulls_first(r[2]))
+    def rank(r):  # as transforms.PUBLISHER_ORDER: -msgs_in, -bytes_in, pid, uid
+        return (_desc_nulls_last(r[4]), _desc_nulls_last(r[5]), _nulls_first(r[1]),
+                _nulls_first(r[2]))
+
     rows = [r for day in sorted(by_day) for r in sorted(by_day[day], key=rank)[:n]]
     return _table({DAY: pa.date32(), "pid": LONG, "uid": LONG, "connections": LONG,
                    **{f: LONG for f in TRAFFIC}}, rows)
@@ -254,11 +253,12 @@ def top_publishers(s: Stored, n: int = 20) -> pa.Table:
 
 def throughput(s: Stored) -> pa.Table:
     buckets: dict = {}
-    for day, t, n, delta in s.of([ls.STATS], DAY, "timestamp", COUNT, "delta"):
+    for day, t, n, *delta in s.of([ls.STATS], DAY, "timestamp", COUNT,
+                                  *(f"delta.{f}" for f in ls.DELTA_FIELDS)):
         acc = buckets.setdefault((day, s.bucket(t)), [0] + [None] * len(ls.DELTA_FIELDS))
         acc[0] += n
-        for i, f in enumerate(ls.DELTA_FIELDS, 1):
-            acc[i] = add(acc[i], None if delta is None else times(delta[f], n))
+        for i, v in enumerate(delta, 1):
+            acc[i] = add(acc[i], times(v, n))
     rows = []
     for (day, time), (records, *sums) in buckets.items():
         sums = [0 if v is None else v for v in sums]
@@ -272,15 +272,15 @@ def throughput(s: Stored) -> pa.Table:
 
 def disconnect_reasons(s: Stored) -> pa.Table:
     reasons: dict = {}
-    for day, reason, n, duration, counters in s.of(
-            [ls.CLIENT_DISCONNECT], DAY, "reason", COUNT, "duration_s", "counters"):
+    for day, reason, n, duration, msgs_in, msgs_out in s.of(
+            [ls.CLIENT_DISCONNECT], DAY, "reason", COUNT, "duration_s", "counters.msgs_in",
+            "counters.msgs_out"):
         acc = reasons.setdefault((day, "unknown" if reason is None else reason),
                                  [0, None, 0, None, None])
         acc[0] += n
         acc[1] = add(acc[1], times(duration, n))
         acc[2] += n if duration is not None else 0
-        for i, f in ((3, "msgs_in"), (4, "msgs_out")):
-            acc[i] = add(acc[i], None if counters is None else times(counters[f], n))
+        acc[3], acc[4] = add(acc[3], times(msgs_in, n)), add(acc[4], times(msgs_out, n))
     rows = [(day, reason, n, duration / count if count else None, m_in, m_out)
             for (day, reason), (n, duration, count, m_in, m_out) in reasons.items()]
     totals = _day_totals(rows, 2)

@@ -61,7 +61,9 @@ COLUMNS = ("timestamp", "event", "broker_pid", "client", "pid", "uid", "gid", "k
            "pattern", "accepted", "drops_soft", "drops_hard", "blocks", "queued_msgs",
            "queued_bytes", "soft", "hard")
 
-_TRAFFIC = ("msgs_in", "bytes_in", "msgs_out", "bytes_out")
+TRAFFIC = ("msgs_in", "bytes_in", "msgs_out", "bytes_out")
+# client_traffic's counters, from a connection's latest report (traffic first).
+CLIENT_COUNTERS = (*TRAFFIC, *ls.DROP_KINDS, "subscriptions")
 By = Sequence[str]
 
 
@@ -246,11 +248,10 @@ def client_merge(partials: DataFrame, by: By = ()) -> DataFrame:
 
 
 def client_table(merged: DataFrame, by: By = ()) -> DataFrame:
-    counter_cols = [*_TRAFFIC, *ls.DROP_KINDS, "subscriptions"]
     return merged.select(
         *by, "broker_pid", "client", "pid", "uid", "gid", "connected_at", "disconnected_at",
         "disconnect_reason", "duration_s",
-        *[F.col("c")[name].alias(name) for name in counter_cols],
+        *[F.col("c")[name].alias(name) for name in CLIENT_COUNTERS],
         "counters_from",
     )
 
@@ -273,7 +274,7 @@ def publishers_table(merged: DataFrame, n: int = 20, by: By = ()) -> DataFrame:
     per_process = (
         client_table(merged, by)
         .groupBy(*by, "pid", "uid")
-        .agg(F.count(F.lit(1)).alias("connections"), *[F.sum(c).alias(c) for c in _TRAFFIC])
+        .agg(F.count(F.lit(1)).alias("connections"), *[F.sum(c).alias(c) for c in TRAFFIC])
     )
     ranking = Window.partitionBy(*by).orderBy(*order_columns(PUBLISHER_ORDER))
     rank = F.row_number().over(ranking)
@@ -439,7 +440,7 @@ def flood_actions(events: DataFrame) -> DataFrame:
 
 # --- subscriptions ------------------------------------------------------------------------
 
-_SUB_SUMS = ("subscribed", "unsubscribed", "refused")
+SUB_SUMS = ("subscribed", "unsubscribed", "refused")
 
 
 def subscription_partial(events: DataFrame, bucket: str = "1 minute", by: By = ()) -> DataFrame:
@@ -461,11 +462,11 @@ def subscription_partial(events: DataFrame, bucket: str = "1 minute", by: By = (
 
 
 def subscription_merge(partials: DataFrame, by: By = ()) -> DataFrame:
-    return _sums(partials, [*by, "time", "pattern", "broker_pid", "client"], _SUB_SUMS)
+    return _sums(partials, [*by, "time", "pattern", "broker_pid", "client"], SUB_SUMS)
 
 
 def churn_table(merged: DataFrame, by: By = ()) -> DataFrame:
-    return (_sums(merged, [*by, "time"], _SUB_SUMS)
+    return (_sums(merged, [*by, "time"], SUB_SUMS)
             .withColumn("net", F.col("subscribed") - F.col("unsubscribed")))
 
 
@@ -480,7 +481,7 @@ def subscription_churn(events: DataFrame, bucket: str = "1 minute") -> DataFrame
 
 def pattern_table(merged: DataFrame, by: By = ()) -> DataFrame:
     return merged.groupBy(*by, "pattern").agg(
-        *[F.sum(c).alias(c) for c in _SUB_SUMS],
+        *[F.sum(c).alias(c) for c in SUB_SUMS],
         F.count_distinct("broker_pid", "client").alias("clients"),
     )
 
