@@ -3,10 +3,11 @@
 A run's tables are small by design (aggregates of a few days), and Spark's
 own writer costs a job, a commit protocol and, on a fresh JVM, its warm-up
 for each of them: more than the tables' whole content.  So each table is
-collected (``collect_table``) and its day partitions are written here with
-pyarrow, one file per table and day, through the dataset's ``Store`` (any
-file system Spark reads).  Spark reads them back like its own.  A small
-run's stored rows are written the same way (``write_partitions``).
+computed on the driver (``daytables``) or collected (``collect_table``), and
+its day partitions are written here with pyarrow, one file per table and
+day, through the dataset's ``Store`` (any file system Spark reads).  Spark
+reads them back like its own.  A run's stored rows, when the driver has
+collected them, are written the same way (``write_partitions``).
 
 A partition's new file is complete, in a hidden folder, before that folder
 is renamed into the partition's place, so a reader sees its old rows or its
