@@ -55,6 +55,11 @@ def _desc_nulls_last(v) -> tuple:
     return (v is None, -v if v is not None else 0)
 
 
+def _and(a: bool, b: bool | None) -> bool | None:
+    """SQL's AND of a known and a possibly unknown (null) truth value."""
+    return False if not a else b
+
+
 class Stored:
     """The stored rows of some days, as Python values, read as the tables need them.
 
@@ -81,6 +86,23 @@ class Stored:
     def message_sums(self) -> list[tuple]:
         """(day, key, fanout, *MESSAGE_SUMS) of the message rows: summed already."""
         return self.of([ls.MESSAGE], DAY, "key", "fanout", *MESSAGE_SUMS)
+
+    @cached_property
+    def subscriptions(self) -> list[tuple]:
+        """(day, bucket, pattern, broker_pid, client, subscribed, unsubscribed, refused)
+        per stored row, as transforms.subscription_partial counts them: a null
+        ``accepted`` makes its row's counts null (skipped by the sums), not 0.
+        """
+        out = []
+        for day, t, event, pattern, bp, client, accepted, n in self.of(
+                [ls.SUBSCRIBE, ls.UNSUBSCRIBE], DAY, "timestamp", "event", "pattern",
+                "broker_pid", "client", "accepted", COUNT):
+            sub = event == ls.SUBSCRIBE
+            counts = (_and(sub, accepted), _and(not sub, accepted),
+                      None if accepted is None else not accepted)
+            out.append((day, self.bucket(t), pattern, bp, client,
+                        *(None if c is None else n * c for c in counts)))
+        return out
 
     @cached_property
     def connections(self) -> dict:
@@ -329,31 +351,9 @@ def flood_actions(s: Stored) -> pa.Table:
                   rows, lambda r: tuple(_nulls_first(v) for v in r[:3]))
 
 
-def _and(a: bool, b: bool | None) -> bool | None:
-    """SQL's AND of a known and a possibly unknown (null) truth value."""
-    return False if not a else b
-
-
-def _subscription_rows(s: Stored) -> list[tuple]:
-    """(day, bucket, pattern, broker_pid, client, subscribed, unsubscribed, refused)
-    per stored row, as transforms.subscription_partial counts them: a null
-    ``accepted`` makes its row's counts null (skipped by the sums), not 0.
-    """
-    out = []
-    for day, t, event, pattern, bp, client, accepted, n in s.of(
-            [ls.SUBSCRIBE, ls.UNSUBSCRIBE], DAY, "timestamp", "event", "pattern",
-            "broker_pid", "client", "accepted", COUNT):
-        sub = event == ls.SUBSCRIBE
-        counts = (_and(sub, accepted), _and(not sub, accepted),
-                  None if accepted is None else not accepted)
-        out.append((day, s.bucket(t), pattern, bp, client,
-                    *(None if c is None else n * c for c in counts)))
-    return out
-
-
 def subscription_churn(s: Stored) -> pa.Table:
     sums: dict = {}
-    for day, time, _pattern, _bp, _client, *values in _subscription_rows(s):
+    for day, time, _pattern, _bp, _client, *values in s.subscriptions:
         acc = sums.setdefault((day, time), [None] * len(SUB_SUMS))
         for i, v in enumerate(values):
             acc[i] = add(acc[i], v)
@@ -365,7 +365,7 @@ def subscription_churn(s: Stored) -> pa.Table:
 
 def pattern_churn(s: Stored) -> pa.Table:
     sums: dict = {}
-    for day, _time, pattern, bp, client, *values in _subscription_rows(s):
+    for day, _time, pattern, bp, client, *values in s.subscriptions:
         acc = sums.setdefault((day, pattern), [None] * len(SUB_SUMS) + [set()])
         for i, v in enumerate(values):
             acc[i] = add(acc[i], v)

@@ -368,7 +368,7 @@ def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tupl
             # writes the new ones and finishes the day tables from them all.
             collected = tablefiles.collect_table(rows)
             steps = [lambda: _write_partials_on_driver(store, collected, plan.new),
-                     lambda: finish_days(store, days, collected)]
+                     lambda: _rebuild_days_on_driver(store, days, collected)]
         else:
             steps = [lambda: _write_partials(store, fresh),
                      lambda: rebuild_days(spark, store, days, rows)]
@@ -504,7 +504,7 @@ def _size(stored: DataFrame) -> int:
     return r["rows"] + r["listed"]
 
 
-def finish_days(store: Store, days: set, rows: pa.Table) -> None:
+def _rebuild_days_on_driver(store: Store, days: set, rows: pa.Table) -> None:
     """``rebuild_days`` on the driver, from the collected stored rows of ``days``."""
     day_list = sorted(days)
     stored = Stored(rows, BUCKET_S)
