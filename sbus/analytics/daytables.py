@@ -115,11 +115,6 @@ class Stored:
                 "disconnected_at": None, "reason": None, "duration_s": None,
                 "rank": None, "c": None, "counters_from": None})
 
-        def first(c, pid, uid, gid):
-            for name, v in (("pid", pid), ("uid", uid), ("gid", gid)):
-                if c[name] is None:
-                    c[name] = v
-
         def report(c, rank, counters, source):
             if c["rank"] is None or rank > c["rank"]:
                 c["rank"], c["c"], c["counters_from"] = rank, counters, source
@@ -129,14 +124,14 @@ class Stored:
                 [ls.CLIENT_CONNECT], DAY, "broker_pid", "client", "pid", "uid", "gid", "timestamp"):
             if client is not None:
                 c = conn(day, bp, client)
-                first(c, pid, uid, gid)
+                _fill(c, pid=pid, uid=uid, gid=gid)
                 c["connected_at"] = t if c["connected_at"] is None else min(c["connected_at"], t)
         for day, bp, client, pid, uid, gid, t, reason, duration, *counters in self.of(
                 [ls.CLIENT_DISCONNECT], DAY, "broker_pid", "client", "pid", "uid", "gid",
                 "timestamp", "reason", "duration_s", *(f"counters.{f}" for f in COUNTERS)):
             if client is not None:
                 c = conn(day, bp, client)
-                first(c, pid, uid, gid)
+                _fill(c, pid=pid, uid=uid, gid=gid)
                 if c["disconnected_at"] is None or t > c["disconnected_at"]:
                     c["disconnected_at"], c["reason"], c["duration_s"] = t, reason, duration
                 # Final counters beat any periodic snapshot, whatever the timestamps.
@@ -144,7 +139,7 @@ class Stored:
         for day, bp, t, client, pid, uid, gid, *counters in self.listed_clients():
             if client is not None:
                 c = conn(day, bp, client)
-                first(c, pid, uid, gid)
+                _fill(c, pid=pid, uid=uid, gid=gid)
                 report(c, (0, t), counters, "stats")
         return conns
 
@@ -187,9 +182,16 @@ def _table(columns: dict, rows: list[tuple], sort_key: Callable | None = None) -
     return pa.table({name: pa.array(v, type=t) for (name, t), v in zip(columns.items(), values)})
 
 
-def _by_group(rows: list[tuple]) -> Callable:
-    """Rows in the order of their leading grouping columns (nulls first)."""
-    return lambda r: tuple(_nulls_first(v) for v in r)
+def _in_order(row: tuple, keys: int | None = None) -> tuple:
+    """A sort key: the row's first ``keys`` values (None: all), nulls first."""
+    return tuple(_nulls_first(v) for v in row[:keys])
+
+
+def _fill(c: dict, **values) -> None:
+    """Spark's ``first(ignorenulls=True)``: keep each value only while ``c`` has none."""
+    for name, v in values.items():
+        if c[name] is None:
+            c[name] = v
 
 
 def _day_totals(rows: list[tuple], value_at: int) -> dict:
@@ -211,7 +213,7 @@ def events(s: Stored) -> pa.Table:
     for day, event, n in s.of(None, DAY, "event", COUNT):
         records[(day, event)] += n
     rows = [(*k, v) for k, v in records.items()]
-    return _table({DAY: pa.date32(), "event": STR, "records": LONG}, rows, _by_group(rows))
+    return _table({DAY: pa.date32(), "event": STR, "records": LONG}, rows, _in_order)
 
 
 def prefix_traffic(s: Stored, depth: int | None) -> pa.Table:
@@ -226,7 +228,7 @@ def prefix_traffic(s: Stored, depth: int | None) -> pa.Table:
     rows = [(*k, *v) for k, v in sums.items()]
     return _table({DAY: pa.date32(), "prefix": STR, "sampled": LONG, "messages": DOUBLE,
                    "bytes_in": DOUBLE, "deliveries": DOUBLE, "bytes_out": DOUBLE},
-                  rows, _by_group(rows))
+                  rows, _in_order)
 
 
 def fanout(s: Stored) -> pa.Table:
@@ -239,7 +241,7 @@ def fanout(s: Stored) -> pa.Table:
     totals = _day_totals(rows, 3)
     rows = [(*r, _ratio(r[3], totals[r[0]])) for r in rows]
     return _table({DAY: pa.date32(), "fanout": LONG, "sampled": LONG, "messages": DOUBLE,
-                   "share": DOUBLE}, rows, _by_group(rows))
+                   "share": DOUBLE}, rows, _in_order)
 
 
 def client_traffic(s: Stored) -> pa.Table:
@@ -251,7 +253,7 @@ def client_traffic(s: Stored) -> pa.Table:
                "gid": LONG, "connected_at": TIME, "disconnected_at": TIME,
                "disconnect_reason": STR, "duration_s": DOUBLE,
                **{f: LONG for f in COUNTERS}, "counters_from": STR}
-    return _table(columns, rows, lambda r: tuple(_nulls_first(v) for v in r[:3]))
+    return _table(columns, rows, lambda r: _in_order(r, 3))
 
 
 def top_publishers(s: Stored, n: int = 20) -> pa.Table:
@@ -289,7 +291,7 @@ def throughput(s: Stored) -> pa.Table:
                      d["msgs_in"] / s.bucket_s, d["msgs_out"] / s.bucket_s))
     return _table({DAY: pa.date32(), "time": TIME, "seconds": DOUBLE, "stats_records": LONG,
                    **{f: LONG for f in ls.DELTA_FIELDS}, "drops": LONG,
-                   "msgs_in_per_s": DOUBLE, "msgs_out_per_s": DOUBLE}, rows, _by_group(rows))
+                   "msgs_in_per_s": DOUBLE, "msgs_out_per_s": DOUBLE}, rows, _in_order)
 
 
 def disconnect_reasons(s: Stored) -> pa.Table:
@@ -309,7 +311,7 @@ def disconnect_reasons(s: Stored) -> pa.Table:
     rows = [(day, reason, n, n / totals[day], *rest) for day, reason, n, *rest in rows]
     return _table({DAY: pa.date32(), "reason": STR, "disconnects": LONG, "share": DOUBLE,
                    "avg_duration_s": DOUBLE, "msgs_in": LONG, "msgs_out": LONG},
-                  rows, _by_group(rows))
+                  rows, _in_order)
 
 
 def flood_actions(s: Stored) -> pa.Table:
@@ -320,8 +322,7 @@ def flood_actions(s: Stored) -> pa.Table:
             "pid": None, "uid": None, "records": 0, **{f: None for f in FLOOD_SUMS},
             "max_queued_msgs": None, "max_queued_bytes": None, "at": None,
             "soft": None, "hard": None, "kicked": 0})
-        c["pid"] = c["pid"] if c["pid"] is not None else pid
-        c["uid"] = c["uid"] if c["uid"] is not None else uid
+        _fill(c, pid=pid, uid=uid)
         return c
 
     # In the order of the Spark plan's union: flood summaries, then disconnects.
@@ -348,7 +349,7 @@ def flood_actions(s: Stored) -> pa.Table:
                    "uid": LONG, "flood_records": LONG, **{f: LONG for f in FLOOD_SUMS},
                    "max_queued_msgs": LONG, "max_queued_bytes": LONG, "soft_mode": STR,
                    "hard_mode": STR, "flood_disconnects": LONG},
-                  rows, lambda r: tuple(_nulls_first(v) for v in r[:3]))
+                  rows, lambda r: _in_order(r, 3))
 
 
 def subscription_churn(s: Stored) -> pa.Table:
@@ -360,7 +361,7 @@ def subscription_churn(s: Stored) -> pa.Table:
     rows = [(*k, *v, None if v[0] is None or v[1] is None else v[0] - v[1])
             for k, v in sums.items()]
     return _table({DAY: pa.date32(), "time": TIME, **{f: LONG for f in SUB_SUMS}, "net": LONG},
-                  rows, _by_group(rows))
+                  rows, _in_order)
 
 
 def pattern_churn(s: Stored) -> pa.Table:
@@ -373,4 +374,4 @@ def pattern_churn(s: Stored) -> pa.Table:
             acc[-1].add((bp, client))
     rows = [(*k, *v[:-1], len(v[-1])) for k, v in sums.items()]
     return _table({DAY: pa.date32(), "pattern": STR, **{f: LONG for f in SUB_SUMS},
-                   "clients": LONG}, rows, _by_group(rows))
+                   "clients": LONG}, rows, _in_order)
