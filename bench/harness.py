@@ -29,7 +29,7 @@ PYTHON = VENV_BIN / "python" if (VENV_BIN / "python").exists() else Path(sys.exe
 C_PROGRAMS = ("relay",)
 # The load generator is the package's (sbus/_core/csrc/loadgen.c, compiled in
 # by `make build`), the same one `sbus bench` runs.
-LOADGEN = (str(PYTHON), "-m", "sbus.loadgen")
+LOADGEN = (str(PYTHON), "-m", "sbus.cli.loadgen")
 
 # Server on one core, load generator on the other, as in the figures.
 TWO_CORES = (os.cpu_count() or 1) >= 2

@@ -30,11 +30,11 @@ __all__ = [
 
 def __getattr__(name):  # the client library is imported lazily to keep sbusd start-up lean
     if name == "Client":
-        from .client import Client
+        from .client.sync import Client
 
         return Client
     if name == "Reconnect":
-        from .reconnect import Reconnect
+        from .client.reconnect import Reconnect
 
         return Reconnect
     raise AttributeError(name)

@@ -1,4 +1,4 @@
-from .tool import main
+from .cli import main
 import sys
 
 sys.exit(main())

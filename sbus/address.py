@@ -40,13 +40,6 @@ class Address:
     def is_abstract(self) -> bool:
         return self.sun_path is not None and self.sun_path[:1] == b"\0"
 
-    @property
-    def filesystem_path(self) -> Optional[bytes]:
-        """The path of a filesystem socket, or None for the other forms."""
-        if self.sun_path is None or self.is_abstract:
-            return None
-        return self.sun_path
-
 
 def parse(text: Union[str, bytes]) -> Address:
     """Parse an address string; raise AddressError if it cannot name a socket."""

@@ -1,6 +1,6 @@
 """Numbers on command lines: one set of rules for sbusd's options and the sbus tool's.
 
-``number`` says what is wrong in words a user can act on; ``sbus.config``
+``number`` says what is wrong in words a user can act on; ``sbus.sbusd.config``
 wraps it for sbusd's own option parser, and the argparse types below wrap it
 for ``sbus`` and its subcommands.
 """

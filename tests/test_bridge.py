@@ -547,7 +547,7 @@ def test_systemd_unit_starts_after_the_broker_and_restarts_on_failure():
     assert argv[:2] == ["/usr/bin/env", "sbus"] and "bridge" in argv
     assert argv[argv.index("-a") + 1] == "/run/sbus.socket"
     # The unit's command line parses: the options it names exist.
-    from sbus.tool import build_parser
+    from sbus.cli.main import build_parser
     args = build_parser().parse_args(argv[2:argv.index("$SBUS_BRIDGE_ARGS")] +
                                      ["--nats", "nats://hub:4222", "--export", "news/"])
     assert args.command == "bridge" and args.log_format == "json"

@@ -15,7 +15,7 @@ import pytest
 from sbus import logschema as ls
 from sbus._core import report
 from sbus._core.broker import Broker
-from sbus.config import Config
+from sbus.sbusd.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "sbus" / "_core"

@@ -16,7 +16,7 @@ import pytest
 from sbus import BusClosedError, Client, MessageTooLargeError, ProtocolError, aio
 from sbus._core import batch
 from sbus.client import ControlMessage, Message
-from sbus.reconnect import Reconnect
+from sbus.client.reconnect import Reconnect
 
 from test_client_batch import far_end_packets, feed, feed_aio
 

@@ -1,4 +1,4 @@
-"""sbusd's option table (``sbus.config``) is the one source of its flags,
+"""sbusd's option table (``sbus.sbusd.config``) is the one source of its flags,
 defaults, help and checks: every ``Config`` field comes from it, ``--help`` and
 README's option table are generated from it, and other modules and docs that
 state a default agree with it. The command line itself is exercised, as real
@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from sbus import client, config
-from sbus.config import OPTIONS, Config, Exit, UsageError, parse_args
+from sbus.client import protocol as client
+from sbus.sbusd import config
+from sbus.sbusd.config import OPTIONS, Config, Exit, UsageError, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 SBUSD = str(Path(sys.executable).parent / "sbusd")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from sbus import logschema as ls
 from sbus._ref.protocol import cred_form, matches
-from sbus.config import Config
+from sbus.sbusd.config import Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import gen_synthetic_log  # noqa: E402

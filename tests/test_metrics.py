@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sbus.metrics import to_prometheus
+from sbus.cli.metrics import to_prometheus
 
 from support import SBUS
 

@@ -11,7 +11,7 @@ import pytest
 from sbus import BusClosedError, Client, aio
 from sbus.client import Message
 from sbus.errors import BacklogFullError
-from sbus.reconnect import Reconnect, Session
+from sbus.client.reconnect import Reconnect, Session
 
 TIMEOUT = 10.0
 

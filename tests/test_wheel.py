@@ -169,7 +169,7 @@ def test_wheel_files(dist, ver):
     packages = {str(Path(f).parent) for f in SOURCES
                 if f.startswith("sbus/") and f.endswith("/__init__.py")}
     modules = [f for f in SOURCES if f.endswith(".py") and str(Path(f).parent) in packages]
-    assert "sbus/client.py" in modules
+    assert "sbus/client/sync.py" in modules
     assert not [m for m in modules if m not in names], "modules missing from the wheel"
     assert "sbus/py.typed" in names
     top_level = {n.split("/")[0] for n in names}
@@ -265,7 +265,7 @@ def test_wheel_metadata(dist, ver):
     assert meta.get_payload().strip() == (ROOT / "README.md").read_text().strip()
     eps = configparser.ConfigParser()
     eps.read_string(entry_points)
-    assert dict(eps["console_scripts"]) == {"sbusd": "sbus.sbusd:main", "sbus": "sbus.tool:main"}
+    assert dict(eps["console_scripts"]) == {"sbusd": "sbus.sbusd:main", "sbus": "sbus.cli:main"}
     assert dict(eps["console_scripts"]) == project["scripts"]
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write sbusd's option table into README.md from ``sbus.config.OPTIONS``.
+"""Write sbusd's option table into README.md from ``sbus.sbusd.config.OPTIONS``.
 
     python tools/gen_options_table.py [--check]
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from sbus.config import markdown_table  # noqa: E402
+from sbus.sbusd.config import markdown_table  # noqa: E402
 
 README = ROOT / "README.md"
 BEGIN, END = "<!-- options:", "<!-- /options -->"

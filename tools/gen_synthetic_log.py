@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sbus import logschema as ls  # noqa: E402
 from sbus._ref.protocol import cred_form, matches  # noqa: E402  (the spec's matcher)
-from sbus.config import Config  # noqa: E402
+from sbus.sbusd.config import Config  # noqa: E402
 
 START_US = 1_795_219_200_000_000  # 2026-11-21T00:00:00Z: fixed, so output is reproducible
 BROKER_PID = 4242

@@ -1,6 +1,6 @@
 # Batched client I/O: packets packed into one C buffer and sent with one
 # sendmmsg, packets taken with one recvmmsg and parsed into Message objects.
-# Shared by sbus.client (blocking) and sbus.aio; nothing here blocks the
+# Shared by sbus.client.sync (blocking) and sbus.client.aio; nothing here blocks the
 # event loop unless the socket itself is blocking.
 from .includes.sys cimport iovec, mmsghdr
 

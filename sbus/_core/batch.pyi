@@ -1,4 +1,4 @@
-"""Batched client I/O (see batch.pyx): the surface sbus.client and sbus.aio use."""
+"""Batched client I/O (see batch.pyx): the surface the two clients use."""
 from typing import Any, Awaitable, Callable, Deque, Iterator, List, Optional, Tuple, Union
 
 Text = Union[str, bytes, bytearray, memoryview]

@@ -1,4 +1,4 @@
-# Batched client I/O for sbus.client and sbus.aio.
+# Batched client I/O for the two clients (sbus.client.sync and sbus.client.aio).
 #
 # Outbox packs MSG/SUB/UNSUB/CMSG packets back to back in one C buffer and
 # sends them with sendmmsg; a partial send (a full socket, a signal) leaves

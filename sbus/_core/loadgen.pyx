@@ -5,7 +5,7 @@ needed where it runs.
 
 ``run(argv)`` is the generator's main: it forks its client processes, prints
 one JSON line on the C stdout and may exit the process on a fatal error, so
-it belongs in a process of its own: ``python -m sbus.loadgen MODE ...``.
+it belongs in a process of its own: ``python -m sbus.cli.loadgen MODE ...``.
 """
 from libc.stdlib cimport malloc, free
 

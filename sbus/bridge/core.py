@@ -35,11 +35,11 @@ from typing import Deque, List, Optional, Tuple
 
 from .. import __version__
 from .. import logschema as schema
-from ..aio import Client as BusClient
+from ..client.aio import Client as BusClient
 from .._core import natswire
-from ..client import MAX_MESSAGE, ControlMessage, Message, pack_subscribe
+from ..client.protocol import MAX_MESSAGE, ControlMessage, Message, pack_subscribe
 from ..errors import BacklogFullError, BusClosedError, KeyRefusedError, MessageRefusedError
-from ..reconnect import Reconnect
+from ..client.reconnect import Reconnect
 from . import mapping, wire
 from .counters import Counters
 from .defaults import (DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY,

@@ -2,7 +2,7 @@
  * loadgen: drives a broker that speaks the sbus protocol (sbusd, or
  * bench/relay) and prints one line of JSON on stdout.  The one load generator
  * of `sbus bench` and `make bench`: compiled into the package as
- * sbus._core.loadgen (run with `python -m sbus.loadgen`), or on its own with
+ * sbus._core.loadgen (run with `python -m sbus.cli.loadgen`), or on its own with
  * -DLOADGEN_STANDALONE.
  *
  *   loadgen flood   -a ADDRESS [-s SIZE] [-n SUBS] [-i IDLE] [-p PATS] [-W] [-S SLOW]

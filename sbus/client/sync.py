@@ -3,9 +3,10 @@
 The client keeps the socket, a queue of messages that arrived while it
 waited for a control reply (see :meth:`Client.query`) or that a batch read
 took ahead, the packets its buffered mode packed, and, with a reconnect
-policy, its subscriptions and a backlog (see :mod:`sbus.reconnect`).
+policy, its subscriptions and a backlog (see :mod:`sbus.client.reconnect`).
 Batches go through :mod:`sbus._core.batch` (sendmmsg/recvmmsg); the plain
-Python :func:`pack_publish` and :func:`parse_packet` are their reference.
+Python :func:`~sbus.client.protocol.pack_publish` and :func:`~sbus.client.protocol.parse`
+are their reference.
 Every call takes the send(2)/recv(2) flags and passes them to the kernel, so
 ``MSG_DONTWAIT``, ``MSG_PEEK`` and friends behave as they do on a bare
 socket; :meth:`Client.fileno` makes the client usable with select, poll,
@@ -18,18 +19,16 @@ from __future__ import annotations
 
 import collections
 import errno
-import json
 import socket
 import time
-from typing import Any, Deque, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
-from . import address as _address
-from . import reconnect as _reconnect
-from ._core.batch import Inbox, Messages, Outbox, check_pattern
-from ._core.batch import take as _take
-from ._core.batch import pack_publish as _pack_publish
-from ._core.batch import send_publish as _send_publish
-from .errors import (
+from .. import address as _address
+from .._core.batch import Inbox, Messages, Outbox, check_pattern
+from .._core.batch import take as _take
+from .._core.batch import pack_publish as _pack_publish
+from .._core.batch import send_publish as _send_publish
+from ..errors import (
     AddressError,
     BacklogFullError,
     BatchInterruptedError,
@@ -39,171 +38,19 @@ from .errors import (
     ProtocolError,
     SbusError,
 )
-from .config import MAX_MESSAGE  # the largest packet sbusd accepts by default (--max-message)
+from . import reconnect as _reconnect
+from .protocol import (MAX_MESSAGE, WHOAMI, ControlMessage, Credentials, Message, Text,
+                       _routing_key, encode, pack_control, pack_publish, pack_subscribe,
+                       pack_unsubscribe, parse, parse_stats)
 from .reconnect import Reconnect
 
-__all__ = [
-    "Client",
-    "ControlMessage",
-    "Credentials",
-    "Message",
-    "MAX_MESSAGE",
-    "Reconnect",
-    "WHOAMI",
-    "encode",
-    "pack_control",
-    "pack_publish",
-    "pack_subscribe",
-    "pack_unsubscribe",
-    "parse_packet",
-    "parse_stats",
-]
-
-WHOAMI = b"!/cred/whoami"
-
-Text = Union[str, bytes, bytearray, memoryview]
+__all__ = ["Client"]
 
 # Linux socket options that Python's socket module does not name (asm-generic/socket.h).
 _SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 _SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 # unix_dgram_sendmsg() refuses a packet longer than sk_sndbuf - 32 with EMSGSIZE.
 _KERNEL_PACKET_OVERHEAD = 32
-
-
-def encode(text: Text) -> bytes:
-    """``text`` as bytes: str is encoded as UTF-8 (surrogateescape), bytes-like is copied."""
-    if isinstance(text, str):
-        return text.encode("utf-8", "surrogateescape")
-    return bytes(text)
-
-
-def _decode(raw: bytes) -> str:
-    return raw.decode("utf-8", "surrogateescape")
-
-
-def _routing_key(key: Text, what: str) -> bytes:
-    raw = encode(key)
-    if b"\0" in raw:
-        raise ValueError(f"a routing {what} cannot contain NUL: {raw!r}")
-    return raw
-
-
-class Message(NamedTuple):
-    """A published message, exactly as the publisher sent it."""
-
-    key: bytes
-    payload: bytes
-
-    @property
-    def key_str(self) -> str:
-        return _decode(self.key)
-
-    @property
-    def text(self) -> str:
-        """The payload decoded as UTF-8 (surrogateescape)."""
-        return _decode(self.payload)
-
-    # Tuple equality would make Message(k, p) == ControlMessage(k, p).
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and tuple.__eq__(self, other)
-
-    def __ne__(self, other: object) -> bool:
-        return not self == other
-
-    def __hash__(self) -> int:
-        return hash((type(self).__name__, tuple(self)))
-
-
-class ControlMessage(NamedTuple):
-    """A control message from the broker (``CMSG key\\0payload``); never from another client."""
-
-    key: bytes
-    payload: bytes
-
-    @property
-    def key_str(self) -> str:
-        return _decode(self.key)
-
-    @property
-    def text(self) -> str:
-        return _decode(self.payload)
-
-    __eq__ = Message.__eq__
-    __ne__ = Message.__ne__
-    __hash__ = Message.__hash__
-
-
-class Credentials(NamedTuple):
-    """The reply to ``!/cred/whoami``: ``str()`` is the prefix for this client's secret keys.
-
-    ``gid``, ``uid`` and ``pid`` come from the first ``!/cred/GID/UID/PID``
-    triple; a broker behind other brokers may append more, which only
-    ``text`` keeps.
-    """
-
-    text: str
-    gid: int
-    uid: int
-    pid: int
-
-    def __str__(self) -> str:
-        return self.text
-
-    @classmethod
-    def parse(cls, text: str) -> "Credentials":
-        parts = text.split("/")
-        if len(parts) < 5 or parts[0] != "!" or parts[1] != "cred" or not all(
-                p.isdigit() for p in parts[2:5]):
-            raise ProtocolError(f"malformed credentials from the broker: {text!r}")
-        return cls(text, int(parts[2]), int(parts[3]), int(parts[4]))
-
-
-def pack_subscribe(pattern: Text) -> bytes:
-    """``SUB pattern``; KeyRefusedError for a pattern the broker would refuse."""
-    raw = encode(pattern)
-    check_pattern(raw)
-    return b"SUB " + raw
-
-
-def pack_unsubscribe(pattern: Text) -> bytes:
-    return b"UNSUB " + _routing_key(pattern, "key pattern")
-
-
-def pack_publish(key: Text, payload: Text = b"") -> bytes:
-    """``MSG key\\0payload``: the plain-Python reference for the compiled packing."""
-    return b"".join((b"MSG ", _routing_key(key, "key"), b"\0", encode(payload)))
-
-
-def pack_control(key: Text, payload: Optional[Text] = None) -> bytes:
-    """``CMSG key``, or ``CMSG key\\0payload`` when a payload is given."""
-    raw = _routing_key(key, "key")
-    if payload is None:
-        return b"CMSG " + raw
-    return b"".join((b"CMSG ", raw, b"\0", encode(payload)))
-
-
-def parse_packet(packet: bytes) -> Union[Message, ControlMessage]:
-    """A packet the broker sent, as a Message or ControlMessage; ProtocolError otherwise."""
-    if packet.startswith(b"MSG "):
-        key, sep, payload = packet[4:].partition(b"\0")
-        if not sep:
-            raise ProtocolError(f"MSG packet without NUL after the key: {packet[:64]!r}")
-        return Message(key, payload)
-    if packet.startswith(b"CMSG "):
-        key, _, payload = packet[5:].partition(b"\0")
-        return ControlMessage(key, payload)
-    raise ProtocolError(f"unknown packet type: {packet[:64]!r}")
-
-
-def parse_stats(payload: bytes) -> Dict[str, Any]:
-    """The payload of the broker's ``CMSG stats`` reply, as a dict."""
-    try:
-        stats = json.loads(payload)
-    except ValueError as exc:
-        raise ProtocolError(f"the broker's stats reply is not JSON: {payload[:64]!r}") from exc
-    if not isinstance(stats, dict):
-        raise ProtocolError(f"the broker's stats reply is not a JSON object: {payload[:64]!r}")
-    return stats
 
 
 def _open_socket(addr: _address.Address) -> socket.socket:
@@ -252,8 +99,8 @@ class Client:
     packets sent between them, to keep their order) into a C buffer sent
     with one sendmmsg(2) when it is full, on :meth:`flush`, before
     :meth:`query`, :meth:`receive` or iteration, and on :meth:`close`.
-    ``reconnect=True`` (or an :class:`sbus.reconnect.Reconnect` policy)
-    rides out a broker restart; see :mod:`sbus.reconnect`.
+    ``reconnect=True`` (or an :class:`~sbus.client.reconnect.Reconnect` policy)
+    rides out a broker restart; see :mod:`sbus.client.reconnect`.
 
     Messages received while :meth:`query` or :meth:`whoami` wait for their
     reply, and the rest of a batch iteration read, are queued for

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import logschema as schema
+from .. import logschema as schema
 
 Row = Dict[str, Any]
 

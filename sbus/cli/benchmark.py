@@ -4,7 +4,7 @@
     sbus bench fanout N             one publisher, N subscribers
     sbus bench latency              round trips: ping -> broker -> echo -> broker
 
-Each run is the compiled load generator (``python -m sbus.loadgen``, the
+Each run is the compiled load generator (``python -m sbus.cli.loadgen``, the
 one ``make bench`` uses) in a process of its own, which forks a process per
 subscriber (or the echo). Every payload carries a sequence number; the
 subscribers count what was lost, reordered or malformed, and a run with any
@@ -26,7 +26,7 @@ SEQ_BYTES = 8       # the sequence number at the start of each payload
 def loadgen_argv(workload: str, address: str, subscribers: int, size: int,
                  count: Optional[int], seconds: Optional[float], window: int) -> List[str]:
     mode = "latency" if workload == "latency" else "flood"
-    argv = [sys.executable, "-m", "sbus.loadgen", mode, "-a", address, "-s", str(size)]
+    argv = [sys.executable, "-m", "sbus.cli.loadgen", mode, "-a", address, "-s", str(size)]
     if mode == "flood":
         argv += ["-n", str(subscribers), "-w", str(window)]
     if count is not None:

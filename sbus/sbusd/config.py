@@ -13,12 +13,12 @@ import getopt
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from . import argtypes, logschema
-from .address import DEFAULT_ADDRESS
-from ._version import __version__
+from .. import argtypes, logschema
+from .._version import __version__
+from ..address import DEFAULT_ADDRESS
+from ..client.protocol import MAX_MESSAGE
 
 # Defaults that another module also needs live here as names, once.
-MAX_MESSAGE = 409600            # bytes; a client's buffer must match the broker's
 QUEUE_MAX_BYTES = 8 << 20
 QUEUE_MAX_MSGS = 65536
 TOTAL_MAX_BYTES = 256 << 20

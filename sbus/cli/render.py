@@ -14,7 +14,7 @@ import string
 import time
 from typing import Callable, Dict, Union
 
-from .client import ControlMessage, Message
+from ..client.protocol import ControlMessage, Message
 
 Packet = Union[Message, ControlMessage]
 Renderer = Callable[[Packet], bytes]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from . import logschema as schema
-from .log import emit
+from .. import logschema as schema
+from ..log import emit
 
 FLOOD_INTERVAL = 1.0    # seconds between flood summaries of one client
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from . import logschema as schema
+from .. import logschema as schema
 
 COUNTER, GAUGE = "counter", "gauge"
 

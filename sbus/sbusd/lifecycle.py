@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .address import SUN_PATH_SIZE, Address, format_abstract
-from .errors import AddressError
+from ..address import SUN_PATH_SIZE, Address, format_abstract
+from ..errors import AddressError
 
 SD_LISTEN_FDS_START = 3
 

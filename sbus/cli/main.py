@@ -30,12 +30,13 @@ import sys
 import time
 from typing import BinaryIO, Iterator, List, Optional
 
-from . import __version__, argtypes, render
-from .address import from_environment
-from .client import MAX_MESSAGE, Client, Message
-from .reconnect import Reconnect
-from .errors import BusClosedError, SbusError
-from .render import Renderer, format_json, format_plain  # noqa: F401 (were defined here)
+from .. import __version__, argtypes
+from ..address import from_environment
+from ..client.protocol import MAX_MESSAGE, Message
+from ..client.reconnect import Reconnect
+from ..client.sync import Client
+from ..errors import BusClosedError, SbusError
+from . import render
 
 # How long whoami and stats wait for the broker's reply.
 REPLY_TIMEOUT = 10.0
@@ -72,7 +73,7 @@ def cmd_pub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bina
     return 0
 
 
-def sub_renderer(args: argparse.Namespace) -> Renderer:
+def sub_renderer(args: argparse.Namespace) -> render.Renderer:
     if args.raw:
         return render.format_raw
     if args.json:
@@ -255,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="give up on a run after this long (default 300)")
     bench.set_defaults(run=None)
 
-    from .bridge.cli import add_parser as add_bridge_parser
+    from ..bridge.cli import add_parser as add_bridge_parser
     add_bridge_parser(commands, common)
     return parser
 

@@ -2,8 +2,8 @@
 
     sbusd [-a address] [-f] [-p pidfile] [-u user] ... [-cgor] [long options]
 
-This is the thin main: parse the line (``sbus.config``), set up the socket and
-the process (``sbus.daemon``), wire the broker to its ``sbus.service.Service``
+This is the thin main: parse the line (``config``), set up the socket and
+the process (``lifecycle``), wire the broker to its ``events.Service``
 and run it. Start-up imports nothing heavy: a parent may wait for our stdout
 to close with a one-second alarm.
 """
@@ -15,11 +15,11 @@ import sys
 import time
 from typing import List, Optional
 
-from . import address as addresses
-from . import logschema as schema
-from ._version import __version__
+from .. import address as addresses
+from .. import logschema as schema
+from .._version import __version__
+from ..errors import AddressError
 from .config import USAGE, Config, Exit, UsageError, parse_args
-from .errors import AddressError
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -38,7 +38,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run(cfg: Config) -> int:
-    from . import daemon
+    from . import lifecycle
 
     # Warnings about the configuration go to stderr now and, once the log
     # is open, into it as config_warning records.
@@ -60,7 +60,7 @@ def run(cfg: Config) -> int:
 
     for signo in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signo, remember)
-    daemon.ensure_stdio()
+    lifecycle.ensure_stdio()
 
     # A daemon chdirs to "/": every path it keeps using must be absolute.
     if cfg.pidfile:
@@ -68,21 +68,21 @@ def run(cfg: Config) -> int:
     if cfg.log_file:
         cfg.log_file = os.path.abspath(cfg.log_file)
         try:
-            from .log import open_log
+            from ..log import open_log
             open_log(cfg.log_file).close()
         except OSError as e:
             warn(f"--log-file {cfg.log_file}: {e.strerror}")
             return 1
     try:
         addr = addresses.parse(cfg.address)
-        allowed = daemon.resolve_users(cfg.users)
-        listener = daemon.make_listener(addr, reuse=cfg.reuse, mode=cfg.mode, warn=warn)
+        allowed = lifecycle.resolve_users(cfg.users)
+        listener = lifecycle.make_listener(addr, reuse=cfg.reuse, mode=cfg.mode, warn=warn)
         if listener.path is not None or listener.abstract:     # a mode we set and enforce
             spec_of = dict(zip(allowed, cfg.users))
-            for uid, flag in daemon.kept_out(allowed, cfg.mode, os.getuid(), os.getgid()):
+            for uid, flag in lifecycle.kept_out(allowed, cfg.mode, os.getuid(), os.getgid()):
                 warn(f"-u {spec_of[uid]}: uid {uid} cannot connect: the socket's mode "
                      f"{cfg.mode:04o} keeps it out ({flag} would let it in)")
-    except (AddressError, daemon.StartupError) as e:
+    except (AddressError, lifecycle.StartupError) as e:
         warn(str(e))
         return 1
     except OSError as e:
@@ -92,22 +92,22 @@ def run(cfg: Config) -> int:
     pidfile_written = False
     try:
         if listener.printed_address:
-            daemon.announce(listener.printed_address)
+            lifecycle.announce(listener.printed_address)
         ready = None
         if cfg.foreground and cfg.pidfile:      # -p is honoured in the foreground too
-            daemon.write_pidfile(cfg.pidfile)
+            lifecycle.write_pidfile(cfg.pidfile)
             pidfile_written = True
         if not cfg.foreground:
-            ready = daemon.daemonise()
+            ready = lifecycle.daemonise()
             if cfg.pidfile:
-                daemon.write_pidfile(cfg.pidfile)
+                lifecycle.write_pidfile(cfg.pidfile)
                 pidfile_written = True
             if not cfg.log_file:
-                daemon.release_stderr()
+                lifecycle.release_stderr()
         if allowed:
             allowed.append(os.getuid())
         return serve(cfg, listener, allowed, ready, early_stop, warnings)
-    except daemon.StartupError as e:
+    except lifecycle.StartupError as e:
         warn(str(e))
         return 1
     finally:
@@ -117,20 +117,21 @@ def run(cfg: Config) -> int:
             except OSError:
                 pass
         if pidfile_written:
-            daemon.remove_quietly(cfg.pidfile)
+            lifecycle.remove_quietly(cfg.pidfile)
 
 
 def serve(cfg: Config, listener, allowed, ready, early_stop=(), warnings=()) -> int:
     from functools import partial
 
-    from . import daemon, log as logging_
-    from ._core.broker import Broker
-    from .service import Service
+    from .. import log as logging_
+    from .._core.broker import Broker
+    from . import lifecycle
+    from .events import Service
 
     stream = logging_.ReopenableStream(cfg.log_file, logging_.fallback_stream())
     fmt = cfg.log_format or logging_.default_format(stream)
     log = logging_.configure(fmt, cfg.log_level, stream)
-    wakeup = daemon.SignalWakeup()
+    wakeup = lifecycle.SignalWakeup()
     make_broker = partial(Broker, listener.sock.fileno(), cfg, allowed_uids=allowed,
                           access_mode=cfg.mode if listener.abstract else -1,
                           wakeup_fd=wakeup.fileno())
@@ -157,15 +158,15 @@ def serve(cfg: Config, listener, allowed, ready, early_stop=(), warnings=()) -> 
              config=cfg.summary())
     for text in warnings:
         log.warning(schema.CONFIG_WARNING, detail=text)
-    daemon.detach_stdio()
+    lifecycle.detach_stdio()
     if ready is not None:
         ready()
-    daemon.sd_notify("READY=1")
+    lifecycle.sd_notify("READY=1")
     reason = "error"
     try:
         reason = broker.run()
     finally:
-        daemon.sd_notify("STOPPING=1")
+        lifecycle.sd_notify("STOPPING=1")
         broker.close()
         log.info(schema.BROKER_STOP, reason=reason, uptime_s=round(time.monotonic() - started, 3),
                  totals=broker.totals())

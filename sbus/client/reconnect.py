@@ -11,7 +11,7 @@ import collections
 from dataclasses import dataclass
 from typing import Callable, Counter, Deque, Dict, Iterable, List, Optional, Union
 
-from .errors import BacklogFullError
+from ..errors import BacklogFullError
 
 __all__ = ["Backlog", "Reconnect", "Session", "policy"]
 

@@ -1,0 +1,45 @@
+"""The client library: what a program uses to talk to sbusd.
+
+- ``protocol``: packet types (``Message``, ``ControlMessage``, ``Credentials``),
+  packing and parsing; every side that speaks the protocol in Python uses it.
+- ``sync``: ``Client``, the blocking client.
+- ``aio``: the asyncio client (also importable as ``sbus.aio``).
+- ``reconnect``: ``Reconnect``, the policy for coming back after the broker
+  went away, and the session (subscriptions, backlog) it restores.
+
+``from sbus.client import Client`` and the protocol names work as before the
+package was split; the clients are imported on first use, so a program that
+only needs the protocol (sbusd's option table, for one) does not load them.
+"""
+from .protocol import (MAX_MESSAGE, WHOAMI, ControlMessage, Credentials, Message, encode,
+                       pack_control, pack_publish, pack_subscribe, pack_unsubscribe, parse,
+                       parse_stats)
+
+__all__ = [
+    "Client",
+    "ControlMessage",
+    "Credentials",
+    "Message",
+    "MAX_MESSAGE",
+    "Reconnect",
+    "WHOAMI",
+    "encode",
+    "pack_control",
+    "pack_publish",
+    "pack_subscribe",
+    "pack_unsubscribe",
+    "parse",
+    "parse_stats",
+]
+
+
+def __getattr__(name):
+    if name == "Client":
+        from .sync import Client
+
+        return Client
+    if name == "Reconnect":
+        from .reconnect import Reconnect
+
+        return Reconnect
+    raise AttributeError(f"module 'sbus.client' has no attribute {name!r}")
