@@ -722,6 +722,7 @@ cdef class Broker:
         self.count_drops_disconnect(c, sq_clear(&c.q))
         if c.blocking:
             self.maybe_unblock(c)
+        return self.update_interest(c)
 
     # ---- accepting ---------------------------------------------------------
 
