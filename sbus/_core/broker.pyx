@@ -116,7 +116,6 @@ cdef void fan_one(void *ctx, Sub *sub) noexcept nogil:
     f.n += 1
 
 
-
 cdef class Broker:
     """Serve the sbus protocol on an already listening socket.
 
@@ -227,7 +226,6 @@ cdef class Broker:
             self.poller.set(wakeup_fd, EV_READ)
         self.started = self.now = monotonic()
         self.running = True
-
 
     def __dealloc__(self):
         cdef int fd
