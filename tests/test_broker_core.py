@@ -199,3 +199,34 @@ def test_records_carry_logschemas_fields(tmp_path):
     assert list(delta) == list(ls.DELTA_FIELDS)
     assert (totals["connects"], totals["disconnects"], delta["msgs_in"],
             delta["drops_disconnect"]) == (1, 1, 1, 1)
+
+
+def test_a_refused_pattern_is_logged_cut_to_256_bytes_whatever_refused_it(tmp_path):
+    records = []
+
+    def on_event(name, fields):
+        if name in (ls.SUBSCRIBE, ls.UNSUBSCRIBE):
+            records.append((fields["reason"], fields["pattern"]))
+        if name == ls.CLIENT_DISCONNECT and len(records) == 6:
+            bus.broker.stop("done")
+
+    cut = lambda p: p[:256].decode() + "..."       # noqa: E731
+    accepted, unheld, second = b"a" * 300, b"u" * 300, b"b" * 300
+    too_long, bang, short = b"c" * 1001, b"d" * 300 + b"/!/x", b"a/!/b"
+    bus = InProcess(tmp_path, on_event=on_event, max_pattern=1000, max_subscriptions=1)
+    try:
+        bus.connect(b"SUB " + accepted, b"UNSUB " + unheld, b"SUB " + second)
+        bus.connect(b"SUB " + too_long)
+        bus.connect(b"SUB " + bang)
+        bus.connect(b"SUB " + short)
+        assert bus.run() == "done"
+    finally:
+        bus.close()
+    assert records == [
+        (None, accepted.decode()),
+        (ls.REFUSE_NOT_SUBSCRIBED, cut(unheld)),
+        (ls.REFUSE_TOO_MANY, cut(second)),
+        (ls.REFUSE_PATTERN_TOO_LONG, cut(too_long)),
+        (ls.REFUSE_BANG_MISUSE, cut(bang)),
+        (ls.REFUSE_BANG_MISUSE, short.decode()),
+    ]

@@ -7,6 +7,10 @@ from sbus._core.budget cimport Accounts
 from sbus._core.conn cimport Conn, Counters
 
 
+cdef enum:
+    REFUSED_PATTERN_LOGGED = 256    # bytes of a refused pattern a record carries
+
+
 # The broker-wide budget figures the totals carry.
 cdef struct Budgets:
     uint64_t sub_bytes          # charged now
@@ -14,10 +18,15 @@ cdef struct Budgets:
     uint64_t subs_refused
 
 
+cdef str text(const char *s, size_t n)           # wire bytes as a log string
 cdef dict ident(const Conn *c)                   # client, pid, uid, gid
 cdef dict counters(const Conn *c)                # CLIENT_COUNTER_FIELDS
 cdef dict entry(const Conn *c)                   # counters plus its modes (stats)
-cdef dict subscription(const Conn *c, str pattern, bint accepted, str reason)
+# A subscribe/unsubscribe record; refusal is logschema's reason, None when
+# accepted. A refused pattern is logged cut to its first REFUSED_PATTERN_LOGGED
+# bytes, then "...": it may be as long as a packet, and the client sent it to
+# be refused.
+cdef dict subscription(const Conn *c, const char *pattern, size_t n, str refusal)
 cdef dict disconnect(const Conn *c, object detail, double now)
 cdef dict refused(uint64_t id, int64_t pid, int64_t uid, int64_t gid, int reason, str detail)
 

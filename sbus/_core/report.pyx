@@ -41,6 +41,10 @@ def reason_names():
     return REASON_NAMES[R_NONE + 1:]
 
 
+cdef str text(const char *s, size_t n):
+    return s[:n].decode("utf-8", "backslashreplace")
+
+
 cdef dict ident(const Conn *c):
     return dict(zip(_IDENT, (c.id, c.pid, c.uid, c.gid)))
 
@@ -60,9 +64,13 @@ cdef dict entry(const Conn *c):
     return d
 
 
-cdef dict subscription(const Conn *c, str pattern, bint accepted, str reason):
+cdef dict subscription(const Conn *c, const char *pattern, size_t n, str refusal):
     d = ident(c)
-    d.update(pattern=pattern, accepted=accepted, reason=reason)
+    if refusal is not None and n > REFUSED_PATTERN_LOGGED:
+        logged = text(pattern, REFUSED_PATTERN_LOGGED) + "..."
+    else:
+        logged = text(pattern, n)
+    d.update(pattern=logged, accepted=refusal is None, reason=refusal)
     return d
 
 
