@@ -481,6 +481,39 @@ def test_bad_input_is_dropped_and_counted_alike_on_both_paths(tmp_path, started)
 
 
 @needs_server
+def test_the_reference_path_keeps_what_publish_refused_and_sends_it_first(tmp_path, started):
+    server = NatsServer(tmp_path)
+    started(server)
+    first = [Message(b"k/%d" % i, b"first %d" % i) for i in range(5)]
+    then = [Message(b"k/%d" % i, b"then %d" % i) for i in range(3)]
+
+    async def main():
+        path = wire.ReferencePath("test", dropped=None)
+        ex = exporter()
+        ex.add(first)
+        gone = await nats.connect(server.url)
+        await gone.close()
+        refused = await path.send(gone, ex, 1 << 20)
+        held = (path.held, ex.pending_msgs)
+        ex.add(then)
+        listener, publisher = await nats.connect(server.url), await nats.connect(server.url)
+        sub = await listener.subscribe("sbus.k.>")
+        await listener.flush()
+        sent = [await path.send(publisher, ex, 1 << 20), await path.send(publisher, ex, 1 << 20)]
+        await publisher.flush()
+        got = [await sub.next_msg(timeout=10) for _ in first + then]
+        await listener.close()
+        await publisher.close()
+        return refused, held, sent, [(m.headers[mapping.HEADER], m.data) for m in got]
+
+    refused, held, sent, got = asyncio.run(main())
+    assert refused is None and held == (5, 0)
+    assert sent == [(5, sum(len(m.payload) for m in first)),
+                    (3, sum(len(m.payload) for m in then))]
+    assert got == [(m.key.decode(), m.payload) for m in first + then]
+
+
+@needs_server
 def test_while_the_local_broker_is_away_both_paths_keep_and_drop_alike(tmp_path, started):
     """Inbound messages for an absent local broker are kept up to the client's
     backlog (1 MiB), the rest dropped and counted, the same on both paths."""
