@@ -46,11 +46,13 @@ check-java:
 test: build check-java
 	$(PY) -m pytest -q tests
 
-# The bridge tests against the newest nats-py the package index offers, in a
-# throwaway venv beside .venv (which is left as it is); see the script.
+# The bridge tests against the newest nats-py the package index offers (or
+# NATS_PY='nats-py==X.Y.Z'), in a throwaway venv beside .venv, which is left
+# as it is; see the script.
 NATS_LATEST := build/nats-latest
+NATS_PY ?= nats-py
 test-nats-latest: build
-	$(PY) tools/nats_latest_venv.py $(NATS_LATEST)
+	$(PY) tools/nats_latest_venv.py $(NATS_LATEST) --nats-py '$(NATS_PY)'
 	$(NATS_LATEST)/bin/python -m pytest -q tests/test_bridge.py tests/test_bridge_wire.py
 
 bench: build bench-deps

