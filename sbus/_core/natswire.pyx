@@ -425,16 +425,20 @@ cdef class Importer:
                              subject, slen)
         return self.pack(key, klen, payload, plen, subject, slen)
 
-    def push(self, str subject, object value, bytes payload):
+    def push(self, str subject, value, bytes payload):
         """One message as nats-py's public API delivers it (its subject, its
-        Sbus-Key header value or None, its payload): mapped, checked and
-        packed as a frame of ``feed()`` is; False if it was dropped."""
-        s = subject.encode("utf-8", "surrogateescape")
-        v = None if value is None else (<str>value).encode("utf-8", "surrogateescape")
+        Sbus-Key header value, str or bytes, or None, its payload): mapped,
+        checked and packed as a frame of ``feed()`` is; False if it was dropped."""
+        cdef bytes s = subject.encode("utf-8", "surrogateescape")
+        cdef bytes v = None
+        cdef const char *vp = NULL
+        cdef Py_ssize_t vlen = 0
+        if value is not None:
+            v = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value
+            vp = v
+            vlen = len(v)
         before = self.pending_msgs
-        self.map_message(s, len(s), NULL if v is None else PyBytes_AS_STRING(v),
-                         0 if v is None else PyBytes_GET_SIZE(v),
-                         PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload))
+        self.map_message(s, len(s), vp, vlen, payload, len(payload))
         return self.pending_msgs > before
 
     cdef int pack(self, const char *key, size_t klen, const char *payload, size_t plen,
