@@ -6,9 +6,9 @@ what comes from NATS. They differ only in how those meet nats-py, which
 keeps connecting, authentication, TLS, the seed list, reconnecting and
 PING/PONG either way.
 
-:class:`FastPath` hooks two narrow places of ``nats.aio.client.Client``
-(checked by :func:`missing`), on the nats-py releases in
-:data:`TESTED_NATS_PY` only:
+:class:`FastPath` runs on the nats-py releases in :data:`TESTED_NATS_PY`
+only. It takes each subscription's sid from ``Subscription._id`` and hooks
+two narrow places of ``nats.aio.client.Client`` (checked by :func:`missing`):
 
 - reading: the read loop calls ``nc._ps.parse(data)`` for every read of
   the socket and ``nc._ps.reset()`` on every new connection. :class:`Parser`
