@@ -9,7 +9,7 @@ DEV_SOCKET := .run/sbus.socket
 # tests/test_console_log.py runs sbusd with these flags too.
 RUN_FLAGS  := -f -r -a $(DEV_SOCKET) --log-format console
 
-.PHONY: run test build bench bench-deps fuzz soak wheel clean distclean check-java
+.PHONY: run test test-nats-latest build bench bench-deps fuzz soak wheel clean distclean check-java
 
 INSTALL_LOG := build/install.log
 $(STAMP): pyproject.toml setup.py
@@ -45,6 +45,15 @@ check-java:
 
 test: build check-java
 	$(PY) -m pytest -q tests
+
+# The bridge tests against the newest nats-py the package index offers (or
+# NATS_PY='nats-py==X.Y.Z'), in a throwaway venv beside .venv, which is left
+# as it is; see the script.
+NATS_LATEST := build/nats-latest
+NATS_PY ?= nats-py
+test-nats-latest: build
+	$(PY) tools/nats_latest_venv.py $(NATS_LATEST) --nats-py '$(NATS_PY)'
+	$(NATS_LATEST)/bin/python -m pytest -q tests/test_bridge.py tests/test_bridge_wire.py
 
 bench: build bench-deps
 	$(PY) bench/run.py

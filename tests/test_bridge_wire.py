@@ -1,52 +1,49 @@
-"""The bridge's C fast path (sbus._core.natswire) against the reference path.
+"""The bridge's per-message work (sbus._core.natswire) against real NATS frames.
 
-The reference is what the bridge does with nats-py's public API
-(``--no-fast-path``): nats-py's own parser, header parsing and publish,
-then sbus.bridge.mapping. The first tests hold natswire's Importer and
-Exporter to it frame by frame; the last run real bridges, one path on
-each side, through a real nats-server.
+The oracle is tests/data/nats_frames.json: frames recorded once from a real
+nats-server through nats-py's public API (tools/record_nats_frames.py), so
+no test here depends on nats-py's private names. The Exporter is held to
+the HPUB frames nats-py's publish() wrote, the Importer to the HMSG and MSG
+frames nats-server delivered, on the fast path (``feed()``, the frames) and
+on the reference path (``push()``, what the public API handed over). The
+last tests run real bridges, one path on each side, through a real
+nats-server.
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import random
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from support import Sbusd
+from support.bridge import (BIGGEST, Collector, load_frames, nats_publish, publish_all,
+                            wire_cases)
 from support.nats import Bridge, NatsServer, nats_server_path
 
-from sbus import Client
 from sbus._core.natswire import Exporter, Importer
-from sbus.bridge import mapping
+from sbus.bridge import mapping, wire
 from sbus.bridge.core import MAX_SUBJECT
-from sbus.bridge.core import Bridge as BridgeCore
 from sbus.client import MAX_MESSAGE, Message
 
 nats = pytest.importorskip("nats", reason="nats-py is in the dev extra (make build installs it)")
-from nats.aio.client import Client as NatsClient  # noqa: E402
-from nats.errors import ProtocolError  # noqa: E402
 
-from test_bridge import MAPPING_CASES, Collector, _nats_publish, publish_all  # noqa: E402
+FRAMES = load_frames()
+RECORDED = FRAMES["cases"]
+SID = FRAMES["sid"]
+# What the bridge says it took when not told --no-fast-path, with the nats-py installed.
+FAST_PATH = wire.choose(True, None, None, None).name
 
-SID = 7
-BIGGEST = MAX_MESSAGE - 5       # payload of the largest message with an empty key
 
-
-def cases():
-    """(key, payload) for every mapping case, binary payloads, the largest message."""
-    out = [(key, bytes(range(256)) + key) for key, _, _ in MAPPING_CASES]
-    out += [(b"bin", b"\0\r\n\xff" * 50), (b"empty", b""), (b"crlf/in/payload", b"\r\nMSG x\r\n"),
-            (b"", os.urandom(BIGGEST))]
-    return out
+def case_id(case):
+    return repr(case["key"])[:30]
 
 
 def map_out(key):
-    """The bridge's own mapping for the Exporter (reference code)."""
+    """The bridge's own mapping for the Exporter (sbus.bridge.core.Bridge._map_out)."""
     subject = mapping.key_to_subject(key)
     return None if len(subject) > MAX_SUBJECT else (subject, mapping.encode_header(key))
 
@@ -61,9 +58,23 @@ def importer(max_message=MAX_MESSAGE, max_pending=1 << 30):
     return imp
 
 
-def as_delivered(hpub: bytes, sid=SID) -> bytes:
+def one_space(frame: bytes) -> bytes:
+    """A frame with its control line's blanks made single: nats-py writes an
+    empty reply-to as a second space, the same frame to a server."""
+    line, rest = frame.split(b"\r\n", 1)
+    return b" ".join(line.split()) + b"\r\n" + rest
+
+
+def hpub(key: bytes, payload: bytes) -> bytes:
+    """The HPUB frame of a message, as the recorded ones are built (checked below)."""
+    block = b"NATS/1.0\r\nSbus-Key: " + mapping.encode_header(key).encode() + b"\r\n\r\n"
+    return b"HPUB %s %d %d\r\n%s%s\r\n" % (mapping.key_to_subject(key).encode(), len(block),
+                                            len(block) + len(payload), block, payload)
+
+
+def as_delivered(hpub_frame: bytes, sid=SID) -> bytes:
     """An HPUB frame as nats-server delivers it to a subscriber: HMSG with its sid."""
-    line, rest = hpub.split(b"\r\n", 1)
+    line, rest = hpub_frame.split(b"\r\n", 1)
     op, subject, *sizes = line.split()
     assert op == b"HPUB"
     return b"HMSG %s %d %s\r\n" % (subject, sid, b" ".join(sizes)) + rest
@@ -79,49 +90,10 @@ def hmsg_frame(subject: bytes, header_block: bytes, payload: bytes, sid=SID) -> 
                                                 payload)
 
 
-def reference_hpub(key: bytes, payload: bytes) -> bytes:
-    """The frame nats-py's own publish() writes for the reference bridge."""
-    nc = NatsClient()
-    frames = []
-
-    async def capture(cmd, priority=False):
-        frames.append(cmd)
-
-    nc._send_command = capture
-    subject, headers = map_out(key)[0], {mapping.HEADER: mapping.encode_header(key)}
-    asyncio.run(nc._send_publish(subject, "", payload, len(payload), headers))
-    return frames[0]
-
-
-def reference_parse(stream: bytes):
-    """nats-py's parser and header parsing, then the reference bridge's key
-    mapping: [(key or the UnmappableError, payload)] for sid SID."""
-    nc = NatsClient()
-    got = []
-
-    async def ignore(*args):
-        pass
-
-    async def on_msg(sid, subject, reply, data, hdr):
-        if sid != SID:
-            return
-        headers = await nc._process_headers(hdr)
-        msg = SimpleNamespace(subject=subject.decode(), headers=headers)
-        fake = SimpleNamespace(_in_cache={}, settings=SimpleNamespace(subject_prefix="sbus"))
-        try:
-            got.append((BridgeCore._key_of(fake, msg), data))
-        except mapping.UnmappableError as exc:
-            got.append((exc, data))
-
-    nc._process_msg = on_msg
-    nc._process_ping = nc._process_pong = nc._process_info = nc._process_err = ignore
-    asyncio.run(nc._ps.parse(stream))
-    return got
-
-
 def fast_parse(stream: bytes, chunks=None, imp=None):
-    """natswire's Importer over ``stream`` (in ``chunks`` sized pieces): the
-    packed (key, payload) pairs and the bytes handed back for nats-py."""
+    """The Importer fed ``stream`` (in ``chunks`` sized pieces), as the fast
+    path feeds it: the packed (key, payload) pairs and the bytes handed back
+    for nats-py."""
     imp = imp or importer()
     rest = b""
     sizes = iter(chunks or [len(stream)])
@@ -131,6 +103,11 @@ def fast_parse(stream: bytes, chunks=None, imp=None):
         out = imp.feed(stream[at:at + n])
         rest += out or b""
         at += n
+    return taken(imp), rest
+
+
+def taken(imp):
+    """The (key, payload) pairs the Importer packed, taken."""
     got = []
     for box, payload_bytes in imp.take():
         packets = box.unsent()
@@ -140,21 +117,55 @@ def fast_parse(stream: bytes, chunks=None, imp=None):
             key, payload = p[4:].split(b"\0", 1)
             got.append((key, payload))
         imp.recycle(box)
-    return got, rest
+    return got
+
+
+def pushed(delivered, payload, imp=None):
+    """The Importer handed one message as nats-py's public API delivered it,
+    as the reference path hands it: the packed pairs."""
+    imp = imp or importer()
+    headers = delivered["headers"]
+    imp.push(delivered["subject"], headers.get(mapping.HEADER) if headers else None, payload)
+    return taken(imp)
+
+
+# -- the recordings, and the frames built like them --------------------------------
+
+def test_the_recordings_cover_every_case():
+    assert [(c["key"], c["payload"]) for c in RECORDED] == wire_cases()
+    assert max(len(c["payload"]) for c in RECORDED) == BIGGEST
+
+
+@pytest.mark.parametrize("case", RECORDED, ids=case_id)
+def test_frames_built_here_are_the_recorded_ones(case):
+    built = hpub(case["key"], case["payload"])
+    assert built == one_space(case["hpub"])
+    assert as_delivered(built) == case["hmsg"]
+    assert msg_frame(mapping.key_to_subject(case["key"]).encode(), case["payload"]) == case["msg"]
 
 
 # -- Exporter: HPUB frames --------------------------------------------------------
 
-@pytest.mark.parametrize("key, payload", cases(), ids=lambda v: repr(v)[:30])
-def test_exporter_frames_equal_nats_py_publish(key, payload):
+@pytest.mark.parametrize("case", RECORDED, ids=case_id)
+def test_exporter_frames_are_what_nats_py_publish_wrote(case):
     ex = exporter()
-    ex.add([Message(key, payload)])
+    ex.add([Message(case["key"], case["payload"])])
     frames, count, payload_bytes = ex.take(1 << 30)
-    assert (count, payload_bytes) == (1, len(payload))
-    ref = reference_hpub(key, payload)
-    # nats-py writes an empty reply-to as a second space: the same frame to a server.
-    line, rest = ref.split(b"\r\n", 1)
-    assert frames == b" ".join(line.split()) + b"\r\n" + rest
+    assert (count, payload_bytes) == (1, len(case["payload"]))
+    assert frames == one_space(case["hpub"])
+
+
+@pytest.mark.parametrize("case", RECORDED, ids=case_id)
+def test_exporter_messages_for_publish_are_what_nats_server_delivered(case):
+    """take_messages() (the reference path's publish() arguments) gives what
+    the recorded publish() was given, so nats-server delivers the same."""
+    ex = exporter()
+    ex.add([Message(case["key"], case["payload"])])
+    messages, payload_bytes = ex.take_messages(1 << 30)
+    delivered = case["delivered"]["with_header"]
+    assert messages == [(delivered["subject"], delivered["headers"][mapping.HEADER],
+                         case["payload"])]
+    assert payload_bytes == len(case["payload"]) and ex.pending_msgs == ex.pending_bytes == 0
 
 
 def test_exporter_takes_whole_frames_and_skips_control_messages():
@@ -169,13 +180,25 @@ def test_exporter_takes_whole_frames_and_skips_control_messages():
         assert len(frames) <= 1000 or count == 1
         joined += frames
         n += count
-    assert n == 100 and ex.take(1000) is None
-    assert joined == b"".join(reference_hpub(m.key, m.payload).replace(b"  ", b" ")
-                              for m in batch)
+    assert n == 100 and ex.take(1000) is None and ex.take_messages(1000) is None
+    assert joined == b"".join(hpub(m.key, m.payload) for m in batch)
+
+
+def test_exporter_take_messages_runs_as_take():
+    batch = [Message(b"k/%d" % i, b"x" * i) for i in range(100)]
+    by_frames, by_messages = exporter(), exporter()
+    by_frames.add(batch)
+    by_messages.add(batch)
+    while by_frames.pending_msgs:
+        _, count, payload_bytes = by_frames.take(1000)
+        messages, payload = by_messages.take_messages(1000)
+        assert (len(messages), payload) == (count, payload_bytes)
+        assert by_messages.pending_bytes == by_frames.pending_bytes
+    assert by_messages.pending_msgs == 0
 
 
 @pytest.mark.parametrize("drop_newest", [False, True])
-def test_exporter_bound_drops_as_the_reference_queue(drop_newest):
+def test_exporter_bound_drops_at_the_chosen_end(drop_newest):
     batch = [Message(b"k", b"%03d" % i) for i in range(100)]
     size = 3 + len("sbus.k") + len("k")         # what one message counts against the bound
     ex = exporter(max_pending=10 * size, drop_newest=drop_newest)
@@ -183,8 +206,7 @@ def test_exporter_bound_drops_as_the_reference_queue(drop_newest):
     frames, count, _ = ex.take(1 << 30)
     kept = batch[:10] if drop_newest else batch[-10:]
     assert count == 10 and ex.counts()["out_dropped_full"] == 90
-    assert frames == b"".join(reference_hpub(m.key, m.payload).replace(b"  ", b" ")
-                              for m in kept)
+    assert frames == b"".join(hpub(m.key, m.payload) for m in kept)
 
 
 def test_exporter_private_and_unmappable():
@@ -199,97 +221,105 @@ def test_exporter_private_and_unmappable():
     assert [r[0] for r in records] == ["unmappable", "unmappable"] and more == 0
 
 
-# -- Importer: MSG/HMSG frames -------------------------------------------------------
+# -- Importer: MSG/HMSG frames and public-API messages ---------------------------------
 
-@pytest.mark.parametrize("key, payload", cases(), ids=lambda v: repr(v)[:30])
-def test_importer_equals_reference_with_header(key, payload):
-    frame = as_delivered(reference_hpub(key, payload))
-    assert fast_parse(frame) == ([(key, payload)], b"")
-    assert reference_parse(frame) == [(key, payload)]
+@pytest.mark.parametrize("case", RECORDED, ids=case_id)
+def test_importer_maps_recorded_messages_with_the_header(case):
+    expect = [(case["key"], case["payload"])]
+    assert fast_parse(case["hmsg"]) == (expect, b"")
+    assert pushed(case["delivered"]["with_header"], case["payload"]) == expect
 
 
-@pytest.mark.parametrize("key, payload", cases(), ids=lambda v: repr(v)[:30])
-def test_importer_equals_reference_by_subject(key, payload):
+@pytest.mark.parametrize("case", RECORDED, ids=case_id)
+def test_importer_maps_recorded_plain_messages_by_subject(case):
     """A plain NATS publisher's message (no header): the subject's key."""
-    frame = msg_frame(mapping.key_to_subject(key).encode(), payload)
-    assert fast_parse(frame) == ([(key, payload)], b"")
-    assert reference_parse(frame) == [(key, payload)]
+    expect = [(case["key"], case["payload"])]
+    assert fast_parse(case["msg"]) == (expect, b"")
+    assert pushed(case["delivered"]["plain"], case["payload"]) == expect
 
 
 def test_importer_passes_other_frames_through_in_order_across_any_split():
-    own = cases()
     others = [b"PING\r\n", b"INFO {\"max_payload\":1048576}\r\n", b"+OK\r\n",
               msg_frame(b"sbus.other.sub", b"not ours", sid=SID + 1), b"PONG\r\n",
               hmsg_frame(b"x", b"NATS/1.0\r\nA: b\r\n\r\n", b"nor this", sid=99)]
     stream, expect_rest = b"", b""
-    for i, (key, payload) in enumerate(own):
-        stream += as_delivered(reference_hpub(key, payload))
+    for i, case in enumerate(RECORDED):
+        stream += case["hmsg"] + case["msg"]
         if i < len(others):
             stream += others[i]
             expect_rest += others[i]
+    own = [(c["key"], c["payload"]) for c in RECORDED for _ in range(2)]
     rng = random.Random(17)
     for chunks in ([1] * 2000 + [len(stream)], [7] * 5000, [rng.randint(1, 300) for _ in
                                                              range(len(stream))], None):
         got, rest = fast_parse(stream, chunks)
         assert got == own
         assert rest == expect_rest
-    assert [(k, p) for k, p in reference_parse(stream)] == own
 
 
 @settings(max_examples=200, deadline=None)
-@given(key=st.binary(max_size=60).filter(lambda k: b"\0" not in k and not k.startswith(b"!")
-                                          and b"!" not in k),
+@given(key=st.binary(max_size=60).filter(lambda k: b"\0" not in k and b"!" not in k),
        payload=st.binary(max_size=100), plain=st.booleans())
-def test_importer_equals_reference_for_random_keys(key, payload, plain):
+def test_importer_maps_random_keys_as_sbus_bridge_mapping(key, payload, plain):
+    subject = mapping.key_to_subject(key)
     if plain:
-        frame = msg_frame(mapping.key_to_subject(key).encode(), payload)
+        frame, value = msg_frame(subject.encode(), payload), None
     else:
-        frame = as_delivered(reference_hpub(key, payload))
+        frame, value = as_delivered(hpub(key, payload)), mapping.encode_header(key)
     assert fast_parse(frame) == ([(key, payload)], b"")
-    assert reference_parse(frame) == [(key, payload)]
+    assert pushed({"subject": subject, "headers": value and {mapping.HEADER: value}},
+                  payload) == [(key, payload)]
+    assert mapping.subject_to_key(subject) == key
 
 
-def _header(value: bytes) -> bytes:
-    return b"NATS/1.0\r\nSbus-Key: " + value + b"\r\n\r\n"
-
-
-# (frame, the drop reason, whether the reference parser maps it to no key)
+# (subject, Sbus-Key value or None, payload, the drop reason)
 BAD = [
-    (hmsg_frame(b"sbus.x", _header(b"%G1"), b"bad escape"), "unmappable"),
-    (hmsg_frame(b"sbus.x", _header(b"a%2"), b"short escape"), "unmappable"),
-    (hmsg_frame(b"sbus.x", _header(b"caf\xc3\xa9"), b"non-ASCII value"), "unmappable"),
-    (hmsg_frame(b"sbus.x", _header(b"a%00b"), b"NUL"), "unmappable"),
-    (msg_frame(b"other.prefix", b"outside the prefix"), "unmappable"),
-    (msg_frame(b"sbus.a..b", b"empty token"), "unmappable"),
-    (msg_frame(b"sbus.", b"empty token at the end"), "unmappable"),
-    (msg_frame(b"sbus.bad%ZZ", b"bad token"), "unmappable"),
-    (msg_frame(b"sbus.caf\xc3\xa9", b"non-ASCII subject"), "unmappable"),
-    (hmsg_frame(b"sbus.x", _header(b"!/cred/0/0/1/x"), b"private by header"), "private"),
-    (msg_frame(b"sbus.%21.cred", b"private by subject"), "private"),
-    (hmsg_frame(b"sbus.x", _header(b"a/!/b"), b"'!' misused"), "refused"),
-    (msg_frame(b"sbus.big", b"x" * (MAX_MESSAGE - 7)), "oversize"),
+    (b"sbus.x", b"%G1", b"bad escape", "unmappable"),
+    (b"sbus.x", b"a%2", b"short escape", "unmappable"),
+    (b"sbus.x", "caf\u00e9".encode(), b"non-ASCII value", "unmappable"),
+    (b"sbus.x", b"a%00b", b"NUL", "unmappable"),
+    (b"other.prefix", None, b"outside the prefix", "unmappable"),
+    (b"sbus.a..b", None, b"empty token", "unmappable"),
+    (b"sbus.", None, b"empty token at the end", "unmappable"),
+    (b"sbus.bad%ZZ", None, b"bad token", "unmappable"),
+    ("sbus.caf\u00e9".encode(), None, b"non-ASCII subject", "unmappable"),
+    (b"sbus.x", b"!/cred/0/0/1/x", b"private by header", "private"),
+    (b"sbus.%21.cred", None, b"private by subject", "private"),
+    (b"sbus.x", b"a/!/b", b"'!' misused", "refused"),
+    (b"sbus.big", None, b"x" * (MAX_MESSAGE - 7), "oversize"),
 ]
 
 
-@pytest.mark.parametrize("frame, reason", BAD, ids=[r for _, r in BAD])
-def test_bad_frames_are_dropped_and_counted(frame, reason):
-    imp = importer()
+def bad_frame(subject, value, payload):
+    if value is None:
+        return msg_frame(subject, payload)
+    return hmsg_frame(subject, b"NATS/1.0\r\nSbus-Key: " + value + b"\r\n\r\n", payload)
+
+
+@pytest.mark.parametrize("subject, value, payload, reason", BAD, ids=[b[3] for b in BAD])
+def test_bad_messages_are_dropped_and_counted_alike_on_both_paths(subject, value, payload,
+                                                                    reason):
     good = msg_frame(b"sbus.fine", b"after")
-    got, rest = fast_parse(frame + good, imp=imp)
+    by_frame, by_push = importer(), importer()
+    got, rest = fast_parse(bad_frame(subject, value, payload) + good, imp=by_frame)
     assert got == [(b"fine", b"after")] and rest == b""
-    counts = imp.counts()
-    assert counts[f"in_dropped_{reason}"] == 1 and sum(counts.values()) == 1
-    records, more = imp.take_drops()
-    assert len(records) == 1 and records[0][0] == reason and more == 0
-    assert not imp.drops_pending
-    # The reference path comes to the same verdict.
-    (key, payload), _ = reference_parse(frame + good)
-    if reason == "unmappable":
-        assert isinstance(key, (mapping.UnmappableError, UnicodeDecodeError)) or b"\0" in key
-    elif reason == "private":
-        assert mapping.is_private(key)
-    elif reason == "oversize":
-        assert 5 + len(key) + len(payload) > MAX_MESSAGE
+    assert not by_push.push(subject.decode(), None if value is None else value.decode(), payload)
+    for imp in (by_frame, by_push):
+        counts = imp.counts()
+        assert counts[f"in_dropped_{reason}"] == 1 and sum(counts.values()) == 1
+        records, more = imp.take_drops()
+        assert len(records) == 1 and records[0][0] == reason and more == 0
+        assert not imp.drops_pending
+    # sbus.bridge.mapping, the rules written out, comes to the same verdict.
+    try:
+        key = (mapping.decode_header(value.decode("latin-1")) if value is not None
+               else mapping.subject_to_key(subject.decode("latin-1")))
+    except mapping.UnmappableError:
+        assert reason == "unmappable"
+    else:
+        assert {"private": mapping.is_private(key), "unmappable": b"\0" in key,
+                "refused": b"!" in key, "oversize": 5 + len(key) + len(payload) > MAX_MESSAGE
+                }[reason]
 
 
 def test_drops_are_described_up_to_a_limit_and_all_counted():
@@ -307,14 +337,14 @@ def test_inbound_bound_drops_the_newest():
     assert imp.counts()["in_dropped_full"] == 20
 
 
-def test_a_malformed_msg_line_goes_to_nats_py_which_reports_it():
+def test_a_malformed_msg_line_and_all_after_it_go_to_nats_py():
+    """nats-py's parser reports the bad line (and nats-py reconnects), as
+    without the fast path."""
     bad = b"MSG sbus.x notasid 3\r\nabc\r\n"
-    got, rest = fast_parse(msg_frame(b"sbus.ok", b"1") + bad + msg_frame(b"sbus.ok", b"2"))
+    after = msg_frame(b"sbus.ok", b"2")
+    got, rest = fast_parse(msg_frame(b"sbus.ok", b"1") + bad + after)
     assert got == [(b"ok", b"1")]
-    assert rest.startswith(bad)
-    nc = NatsClient()
-    with pytest.raises(ProtocolError):
-        asyncio.run(nc._ps.parse(rest))
+    assert rest == bad + after
 
 
 def test_reset_forgets_a_partial_frame():
@@ -327,12 +357,28 @@ def test_reset_forgets_a_partial_frame():
 
 def test_push_applies_the_same_checks():
     imp = importer(max_message=100)
-    assert imp.push(b"ok", b"x")
-    assert not imp.push(b"!x", b"x")
-    assert not imp.push(b"a/!/b", b"x")
-    assert not imp.push(b"big", b"x" * 100)
+    assert imp.push("sbus.x", "ok", b"x")
+    assert not imp.push("sbus.x", "!x", b"x")
+    assert not imp.push("sbus.x", "a/!/b", b"x")
+    assert not imp.push("sbus.big", None, b"x" * 100)
+    assert taken(imp) == [(b"ok", b"x")]
     c = imp.counts()
     assert (c["in_dropped_private"], c["in_dropped_refused"], c["in_dropped_oversize"]) == (1, 1, 1)
+
+
+def test_the_fast_path_is_taken_only_on_tested_nats_py_releases():
+    import nats.aio.client
+    assert wire.untested("2.16.0") is None and wire.untested("2.16.11") is None
+    for other in ("2.17.0", "2.15.2", "3.0", "2.1.6", ""):
+        assert "not among the tested 2.16" in wire.untested(other)
+    assert "_ps" in wire.missing(object())
+    installed = wire.nats_py_version()
+    if wire.untested(installed) is None:
+        assert wire.missing(nats.aio.client.Client()) is None
+        assert FAST_PATH == "fast"
+    else:
+        assert FAST_PATH == f"reference ({wire.untested(installed)})"
+    assert wire.choose(False, importer(), None, None).name == "reference (--no-fast-path)"
 
 
 # -- real bridges, the fast path on one side and the reference on the other ---------
@@ -357,9 +403,13 @@ def _host(tmp_path, name, started):
 
 
 def _bridge(tmp_path, started, host, url, path, *args):
+    """A bridge told to take ``path``; it says so (and which nats-py) at start."""
     extra = ["--no-fast-path"] if path == "reference" else []
     bridge = Bridge(tmp_path, host.address, [url], *args, *extra)
     started(bridge)
+    start = bridge.wait_for("bridge_start", 30)
+    assert start["path"] == (FAST_PATH if path == "fast" else "reference (--no-fast-path)")
+    assert start["nats_py"] == wire.nats_py_version()
     return bridge
 
 
@@ -374,14 +424,11 @@ def test_every_mapping_case_across_the_paths(tmp_path, started, out_path, in_pat
     a, b = _host(tmp_path, "a", started), _host(tmp_path, "b", started)
     ba = _bridge(tmp_path, started, a, server.url, out_path, "--export", "")
     bb = _bridge(tmp_path, started, b, server.url, in_path, "--import", "sbus.>")
-    for bridge, path in ((ba, out_path), (bb, in_path)):
-        start = bridge.wait_for("bridge_start", 30)
-        assert start["path"].startswith(path)
-        bridge.ready()
+    ba.ready()
+    bb.ready()
     at_b = Collector(b, "")
     try:
-        sent = [(key, payload) for key, payload in cases() if key != b""]
-        sent += [(b"", os.urandom(BIGGEST))] + [(b"seq/%d" % (i % 3), b"%d" % i)
+        sent = wire_cases(os.urandom(BIGGEST)) + [(b"seq/%d" % (i % 3), b"%d" % i)
                                                  for i in range(300)]
         publish_all(a, sent)
         assert at_b.wait_count(len(sent)) == sent
@@ -403,7 +450,7 @@ def test_bad_input_is_dropped_and_counted_alike_on_both_paths(tmp_path, started)
         bridge.ready()
     collectors = {p: Collector(hosts[p], "") for p in hosts}
     try:
-        asyncio.run(_nats_publish(server.url, [
+        nats_publish(server.url, [
             ("sbus.plain.with%20space", b"p1", None),
             ("sbus.bad%ZZ", b"no header, bad token", None),
             ("sbus.x", b"bad header", {"Sbus-Key": "%G1"}),
@@ -414,7 +461,7 @@ def test_bad_input_is_dropped_and_counted_alike_on_both_paths(tmp_path, started)
             ("sbus.big", os.urandom(MAX_MESSAGE), None),
             ("sbus.y", b"header wins", {"Sbus-Key": "exact/key%20here"}),
             ("sbus.z", b"last", None),
-        ]))
+        ])
         expect = [(b"plain/with space", b"p1"), (b"exact/key here", b"header wins"),
                   (b"z", b"last")]
         for p in hosts:
@@ -433,14 +480,37 @@ def test_bad_input_is_dropped_and_counted_alike_on_both_paths(tmp_path, started)
             c.stop()
 
 
-def test_the_seam_is_checked_before_it_is_used(monkeypatch):
-    from sbus.bridge import wire
-    assert wire.missing(NatsClient()) is None       # the nats-py the dev extra pins
-    nc = NatsClient()
-    del nc._pending
-    assert "_pending" in wire.missing(nc)
-    monkeypatch.setattr(wire, "TESTED", ((1, 0), (2, 0)))
-    assert "outside the tested range" in wire.missing(NatsClient())
+@needs_server
+def test_the_reference_path_keeps_what_publish_refused_and_sends_it_first(tmp_path, started):
+    server = NatsServer(tmp_path)
+    started(server)
+    first = [Message(b"k/%d" % i, b"first %d" % i) for i in range(5)]
+    then = [Message(b"k/%d" % i, b"then %d" % i) for i in range(3)]
+
+    async def main():
+        path = wire.ReferencePath("test", dropped=None)
+        ex = exporter()
+        ex.add(first)
+        gone = await nats.connect(server.url)
+        await gone.close()
+        refused = await path.send(gone, ex, 1 << 20)
+        held = (path.held, ex.pending_msgs)
+        ex.add(then)
+        listener, publisher = await nats.connect(server.url), await nats.connect(server.url)
+        sub = await listener.subscribe("sbus.k.>")
+        await listener.flush()
+        sent = [await path.send(publisher, ex, 1 << 20), await path.send(publisher, ex, 1 << 20)]
+        await publisher.flush()
+        got = [await sub.next_msg(timeout=10) for _ in first + then]
+        await listener.close()
+        await publisher.close()
+        return refused, held, sent, [(m.headers[mapping.HEADER], m.data) for m in got]
+
+    refused, held, sent, got = asyncio.run(main())
+    assert refused is None and held == (5, 0)
+    assert sent == [(5, sum(len(m.payload) for m in first)),
+                    (3, sum(len(m.payload) for m in then))]
+    assert got == [(m.key.decode(), m.payload) for m in first + then]
 
 
 @needs_server
@@ -458,8 +528,7 @@ def test_while_the_local_broker_is_away_both_paths_keep_and_drop_alike(tmp_path,
         hosts[p].stop()
         bridge.wait_for("bridge_local_lost", since=mark)
     count, size = 150, 10_000       # 1.5 MB of packets: about 104 fit the backlog
-    asyncio.run(_nats_publish(server.url, [(f"sbus.away.{i}", b"x" * size, None)
-                                           for i in range(count)]))
+    nats_publish(server.url, [(f"sbus.away.{i}", b"x" * size, None) for i in range(count)])
     seen = {}
     for p, bridge in bridges.items():
         seen[p] = bridge.wait_for(

@@ -1,18 +1,21 @@
 # NATS wire frames for `sbus bridge`, both directions, with no Python
 # object per message.
 #
-# Importer takes the bytes nats-py read from its socket. MSG/HMSG frames of
-# the bridge's own subscriptions are mapped to their sbus key (the Sbus-Key
-# header, else the subject: the rules of sbus.bridge.mapping, which stays
-# the reference), checked as the broker checks them, and packed into
-# Outboxes that sbus.aio sends with sendmmsg. Every other frame (PING,
-# INFO, -ERR, +OK, messages of other subscriptions) is handed back whole
-# and in order for nats-py's own parser.
+# Importer takes the bytes nats-py read from its socket (the fast path) or
+# the messages its public API delivers (push(), the reference path). Each
+# message of the bridge's own subscriptions is mapped to its sbus key (the
+# Sbus-Key header, else the subject: the rules of sbus.bridge.mapping),
+# checked as the broker checks it, and packed into Outboxes that sbus.aio
+# sends with sendmmsg; drops are counted and described here for both paths.
+# Every other frame (PING, INFO, -ERR, +OK, messages of other
+# subscriptions) is handed back whole and in order for nats-py's own parser.
 #
 # Exporter, a batch.Sink, packs the HPUB frame of each local message
 # sbus.aio's receive_into reads (or of a receive_many list) into one
-# buffer, bounded like the reference queue; take() hands a run of whole
-# frames to nats-py's writer as one bytes.
+# buffer bounded by max_pending, dropping at the chosen end; take() hands
+# a run of whole frames to nats-py's writer as one bytes (the fast path),
+# take_messages() the same run as (subject, header value, payload) for
+# nats-py's publish() (the reference path).
 #
 # sbus.bridge.wire is the seam between these and nats-py.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -32,6 +35,7 @@ cdef enum:
     MAX_SIDS = 64               # --import subjects, one subscription each
     DROP_RECORDS = 20           # drops described per take_drops(); the rest only counted
     HEADER_NAME_LEN = 8         # len("Sbus-Key")
+    HEADER_VALUE_AT = 20        # len("NATS/1.0\r\nSbus-Key: "): the value in an HPUB frame's header
 
 # Inbound drop reasons: indexes into Importer.drops, named as
 # sbus.bridge.counters names them (a named enum cannot index an array).
@@ -384,11 +388,18 @@ cdef class Importer:
 
     cdef int take_message(self, const char *subject, size_t slen, const char *hdr, size_t hlen,
                           const char *payload, size_t plen) except -1:
-        cdef const char *value
-        cdef size_t vlen
-        cdef Py_ssize_t klen
+        cdef const char *value = NULL
+        cdef size_t vlen = 0
         cdef bint by_header = hlen > 0 and header_key(hdr, hlen, &value, &vlen)
+        return self.map_message(subject, slen, value if by_header else NULL, vlen, payload, plen)
+
+    cdef int map_message(self, const char *subject, size_t slen, const char *value, size_t vlen,
+                         const char *payload, size_t plen) except -1:
+        """Map one message to its key (the Sbus-Key ``value``, else the
+        subject), check it and pack it, or drop and count it."""
+        cdef bint by_header = value != NULL
         cdef size_t need = vlen if by_header else slen
+        cdef Py_ssize_t klen
         cdef const char *key
         if need + 1 > self.scratch.cap:
             buf_reserve(&self.scratch, need + 1)
@@ -414,22 +425,20 @@ cdef class Importer:
                              subject, slen)
         return self.pack(key, klen, payload, plen, subject, slen)
 
-    def push(self, bytes key, bytes payload, str subject=""):
-        """Pack one message mapped by the reference path (nats-py delivered
-        it before its subscription was handed over); False if it was dropped."""
-        cdef const char *k = PyBytes_AS_STRING(key)
-        cdef size_t klen = PyBytes_GET_SIZE(key), plen = PyBytes_GET_SIZE(payload)
-        s = subject.encode("utf-8", "surrogateescape")
+    def push(self, str subject, value, bytes payload):
+        """One message as nats-py's public API delivers it (its subject, its
+        Sbus-Key header value, str or bytes, or None, its payload): mapped,
+        checked and packed as a frame of ``feed()`` is; False if it was dropped."""
+        cdef bytes s = subject.encode("utf-8", "surrogateescape")
+        cdef bytes v = None
+        cdef const char *vp = NULL
+        cdef Py_ssize_t vlen = 0
+        if value is not None:
+            v = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value
+            vp = v
+            vlen = len(v)
         before = self.pending_msgs
-        if klen and k[0] == b'!':
-            self.drop(IN_PRIVATE, k, klen, plen, "", s, len(s))
-        elif 5 + klen + plen > self.max_message:
-            self.drop(IN_OVERSIZE, k, klen, plen,
-                      f"over the broker's --max-message {self.max_message}", s, len(s))
-        elif memchr(k, b'!', klen) != NULL and check_rest(k, klen, False) != KEY_OK:
-            self.drop(IN_REFUSED, k, klen, plen, "reserved '!' misused in the key", s, len(s))
-        else:
-            self.pack(k, klen, PyBytes_AS_STRING(payload), plen, s, len(s))
+        self.map_message(s, len(s), vp, vlen, payload, len(payload))
         return self.pending_msgs > before
 
     cdef int pack(self, const char *key, size_t klen, const char *payload, size_t plen,
@@ -687,6 +696,37 @@ cdef class Exporter(Sink):
         self.frames_head += nbytes
         self.head = i
         return out, count, payload
+
+    def take_messages(self, size_t max_bytes):
+        """As ``take()``, for nats-py's public ``publish()``: ([(subject, Sbus-Key
+        value, payload)], payload bytes), read back from the same frames;
+        None when nothing is pending."""
+        cdef Py_ssize_t i = self.head
+        cdef size_t nbytes = 0, payload = 0
+        cdef const char *f
+        cdef const char *space
+        cdef const char *block
+        cdef const char *data
+        if self.head == self.tail:
+            return None
+        out = []
+        f = self.frames.p + self.frames_head
+        while i < self.tail and (i == self.head or nbytes + self.entries[i].frame <= max_bytes):
+            # HPUB <subject> <hlen> <total>\r\nNATS/1.0\r\nSbus-Key: <value>\r\n\r\n<payload>\r\n
+            space = <const char *>memchr(f + 5, b' ', self.entries[i].frame - 5)
+            block = <const char *>memchr(space, b'\n', self.entries[i].frame - (space - f)) + 1
+            data = f + self.entries[i].frame - 2 - self.entries[i].payload
+            out.append((f[5:space - f].decode("ascii"),
+                        block[HEADER_VALUE_AT:data - 4 - block].decode("ascii"),
+                        data[:self.entries[i].payload]))
+            nbytes += self.entries[i].frame
+            payload += self.entries[i].payload
+            self.pending_bytes -= self.entries[i].size
+            f += self.entries[i].frame
+            i += 1
+        self.frames_head += nbytes
+        self.head = i
+        return out, payload
 
     cdef int drop(self, bytes key, size_t size, str detail) except -1:
         self.counts_[OUT_UNMAPPABLE] += 1

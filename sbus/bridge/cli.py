@@ -50,8 +50,8 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
                         "(default: the broker's default, discard)")
     p.add_argument("--name", default="sbus-bridge", help="the client name NATS shows")
     p.add_argument("--no-fast-path", dest="fast_path", action="store_false",
-                   help="use nats-py's public API for every message (the reference the "
-                        "default C fast path is tested against; slower)")
+                   help="meet nats-py through its public API only (the reference path, "
+                        "as with an untested nats-py release; slower, same results)")
     auth = p.add_argument_group("NATS authentication and TLS (as nats-py takes them)")
     auth.add_argument("--creds", metavar="FILE", help="a user credentials file (JWT and NKey)")
     auth.add_argument("--token", help="an authentication token")

@@ -1,23 +1,19 @@
 """The bridge itself: one sbus connection, one NATS connection, two directions.
 
 Local -> NATS: a reader task takes matching messages off the bus in batches
-and appends them to a bounded queue (``max_pending`` bytes; full means a
-drop at the chosen end, counted); a forwarder task hands the queue to
-nats-py while NATS is connected. The reader never awaits the network, so
-the local bus never waits for it.
+straight into a natswire Exporter (sbus.aio receive_into), which maps each
+to its HPUB frame and holds at most ``max_pending`` bytes (full means a drop
+at the chosen end, counted); a forwarder task hands runs of it to nats-py
+while NATS is connected. The reader never awaits the network, so the local
+bus never waits for it.
 
-NATS -> local: one NATS subscription per --import subject; each message is
-mapped to its key, checked, and queued; a writer task publishes the queue (one
-sendmmsg for many, by publish_many).
+NATS -> local: one NATS subscription per --import subject; a natswire
+Importer maps each message to its key, checks it and packs it; a writer task
+publishes what it packed (one sendmmsg for many).
 
-Both directions have a fast path (the default) that does the per-message
-work in C, sbus._core.natswire, hooked into nats-py as sbus.bridge.wire
-describes: NATS frames are parsed and packed for sendmmsg one socket read
-at a time, and local messages are read (sbus.aio receive_into) straight
-into HPUB frames that are written a run at a time.
-The code below with nats-py's public API is the reference path
-(``--no-fast-path``, or a nats-py without the seam); the tests hold the
-two to the same results.
+The Exporter and Importer do the per-message work, checks and drop counts
+of both paths; sbus.bridge.wire joins them to nats-py, through two of its
+private names (the fast path) or its public API (the reference path).
 
 Echo is off on both sides (``CMSG echo/off`` on sbus, ``no_echo`` on NATS):
 what the bridge publishes never comes back to it, so two bridges through
@@ -26,19 +22,18 @@ one NATS carry each message at most once and never back to its origin.
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import ssl
 import time
 from dataclasses import dataclass, field
-from typing import Deque, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from .. import __version__
 from .. import logschema as schema
 from ..client.aio import Client as BusClient
 from .._core import natswire
-from ..client.protocol import MAX_MESSAGE, ControlMessage, Message, pack_subscribe
-from ..errors import BacklogFullError, BusClosedError, KeyRefusedError, MessageRefusedError
+from ..client.protocol import MAX_MESSAGE, Message, pack_subscribe
+from ..errors import BacklogFullError, BusClosedError, MessageRefusedError
 from ..client.reconnect import Reconnect
 from . import mapping, wire
 from .counters import Counters
@@ -57,10 +52,10 @@ MAX_RECONNECT_WAIT = 5.0
 SETTLE_TIMEOUT = 2.0
 # Seconds between repeated records of the same failed NATS connection attempt.
 ERROR_LOG_INTERVAL = 10.0
-# How many key -> (subject, header) and header -> key mappings are cached.
+# How many key -> HPUB frame head mappings the Exporter caches.
 _CACHE_SIZE = 4096
 _BATCH = 256
-# Bytes of HPUB frames handed to nats-py's writer at once on the fast path.
+# Bytes of the Exporter's frames handed to nats-py at once.
 _WRITE_BYTES = 1 << 20
 # Back-off of the first NATS connection (nats-py reconnects on its own after).
 _CONNECT_DELAY = (0.1, 5.0)
@@ -150,32 +145,28 @@ class Bridge:
 
     def __init__(self, settings: Settings, log) -> None:
         check(settings)
-        self.settings = settings
+        s = self.settings = settings
         self.log = log
         self.counters = Counters()
-        # (subject, payload, headers, size) waiting for NATS, oldest first.
-        self._queue: Deque[Tuple[str, bytes, dict, int]] = collections.deque()
-        self.pending_bytes = 0
         self._wake = asyncio.Event()
         self._nc = None
         self.connected = False
         self.server = ""
-        self._out_cache: dict = {}
-        self._in_cache: dict = {}
         self._logged_drops = 0
         self._suppressed = 0
         self._last_error = ""
         self._last_error_at = 0.0
         self._started = time.monotonic()
         self.bus: Optional[BusClient] = None
-        # Mapped NATS messages waiting for _write_local, oldest first.
-        self._inbound: List[Tuple[bytes, bytes]] = []
-        self._inbound_bytes = 0
+        # Local messages waiting for NATS, as HPUB frames.
+        self._exporter = natswire.Exporter(self._map_out, Message, s.max_pending,
+                                           s.drop == DROP_NEWEST, cache_size=_CACHE_SIZE)
+        # NATS messages waiting for the local bus, as packed Outboxes.
+        self._importer = natswire.Importer(s.subject_prefix, s.max_message, s.max_pending)
         self._inbound_ready = asyncio.Event()
-        # The fast path's C halves (None on the reference path); see _choose_path.
-        self._importer: Optional[natswire.Importer] = None
-        self._exporter: Optional[natswire.Exporter] = None
-        self.path = ""
+        self._wire = wire.choose(s.fast_path, self._importer, self._on_import_read,
+                                 self._dropped)
+        self.path = self._wire.name
 
     # -- the local side --------------------------------------------------------
 
@@ -203,70 +194,11 @@ class Bridge:
             return None
         return subject, mapping.encode_header(key)
 
-    def _mapped_out(self, key: bytes) -> Optional[Tuple[str, dict]]:
-        hit = self._out_cache.get(key)
-        if hit is None:
-            if len(self._out_cache) >= _CACHE_SIZE:
-                self._out_cache.clear()
-            m = self._map_out(key)
-            if m is None:
-                return None
-            hit = self._out_cache[key] = (m[0], {mapping.HEADER: m[1]})
-        return hit
-
-    def _choose_path(self) -> str:
-        """Set up the fast path unless told not to or nats-py lacks the seam;
-        which path, and why, for the bridge_start record."""
-        s = self.settings
-        if not s.fast_path:
-            return "reference (--no-fast-path)"
-        import nats.aio.client
-        why = wire.missing(nats.aio.client.Client())
-        if why:
-            return f"reference ({why})"
-        self._importer = natswire.Importer(s.subject_prefix, s.max_message, s.max_pending)
-        self._exporter = natswire.Exporter(self._map_out, Message, s.max_pending,
-                                           s.drop == DROP_NEWEST, cache_size=_CACHE_SIZE)
-        return "fast"
-
     def _pending_msgs(self) -> int:
-        return self._exporter.pending_msgs if self._exporter else len(self._queue)
+        return self._exporter.pending_msgs + self._wire.held
 
     async def _read_local(self) -> None:
-        """Local bus -> the pending queue. Awaits only the local socket."""
-        if self._exporter is not None:
-            return await self._read_local_fast()
-        bus, queue, c = self.bus, self._queue, self.counters
-        limit, newest = self.settings.max_pending, self.settings.drop == DROP_NEWEST
-        mapped = self._mapped_out
-        while True:
-            batch = await bus.receive_many(_BATCH)
-            for m in batch:
-                if type(m) is ControlMessage:
-                    continue
-                key, payload = m
-                if key[:1] == b"!":
-                    c.out_private += 1
-                    continue
-                hit = mapped(key)
-                if hit is None:
-                    self._dropped("out", "unmappable", key, len(payload),
-                                  "the subject would be longer than NATS accepts")
-                    continue
-                size = len(payload) + len(hit[0]) + len(hit[1][mapping.HEADER])
-                if self.pending_bytes + size > limit:
-                    if newest or size > limit:
-                        c.out_dropped_full += 1
-                        continue
-                    while queue and self.pending_bytes + size > limit:
-                        self.pending_bytes -= queue.popleft()[3]
-                        c.out_dropped_full += 1
-                queue.append((hit[0], payload, hit[1], size))
-                self.pending_bytes += size
-            if queue and self.connected:
-                self._wake.set()
-
-    async def _read_local_fast(self) -> None:
+        """Local bus -> the Exporter. Awaits only the local socket."""
         bus, ex = self.bus, self._exporter
         while True:
             await bus.receive_into(ex, _BATCH)
@@ -275,100 +207,41 @@ class Bridge:
             if ex.pending_msgs and self.connected:
                 self._wake.set()
 
-    async def _forward_fast(self) -> None:
-        """The exporter's frames -> nats-py's writer, one run at a time, while connected."""
-        ex, c = self._exporter, self.counters
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            nc = self._nc
-            while ex.pending_msgs and self.connected and nc.is_connected:
-                frames, count, payload_bytes = ex.take(_WRITE_BYTES)
-                await wire.write(nc, frames, count, payload_bytes)
-                c.out_forwarded += count
-                c.out_forwarded_bytes += payload_bytes
-
     async def _forward(self) -> None:
-        """The pending queue -> NATS, while connected."""
-        if self._exporter is not None:
-            return await self._forward_fast()
-        from nats.errors import (ConnectionClosedError, ConnectionReconnectingError,
-                                 MaxPayloadError, OutboundBufferLimitError)
-        queue, c = self._queue, self.counters
+        """The Exporter -> NATS, one run at a time, while connected."""
+        c = self.counters
         while True:
             await self._wake.wait()
             self._wake.clear()
             nc = self._nc
-            while queue and self.connected:
-                subject, payload, headers, size = queue[0]
-                try:
-                    await nc.publish(subject, payload, headers=headers)
-                except (ConnectionClosedError, ConnectionReconnectingError,
-                        OutboundBufferLimitError):
+            while self._pending_msgs() and self.connected and nc.is_connected:
+                sent = await self._wire.send(nc, self._exporter, _WRITE_BYTES)
+                if sent is None:
                     break       # kept: sent once NATS is back
-                except MaxPayloadError:
-                    queue.popleft()
-                    self.pending_bytes -= size
-                    self._dropped("out", "unmappable", mapping.decode_header(
-                        headers[mapping.HEADER]), len(payload), "larger than NATS's max_payload")
-                    continue
-                queue.popleft()
-                self.pending_bytes -= size
-                c.out_forwarded += 1
-                c.out_forwarded_bytes += len(payload)
+                c.out_forwarded += sent[0]
+                c.out_forwarded_bytes += sent[1]
 
     # -- the NATS side ---------------------------------------------------------
 
-    def _key_of(self, msg) -> bytes:
-        headers = msg.headers
-        value = headers.get(mapping.HEADER) if headers else None
-        if value is not None:
-            key = self._in_cache.get(value)
-            if key is None:
-                key = mapping.decode_header(value)
-                if len(self._in_cache) >= _CACHE_SIZE:
-                    self._in_cache.clear()
-                self._in_cache[value] = key
-            return key
-        return mapping.subject_to_key(msg.subject, self.settings.subject_prefix)
-
     async def _on_nats(self, msg) -> None:
-        payload = msg.data
-        try:
-            key = self._key_of(msg)
-        except mapping.UnmappableError as exc:
-            return self._dropped("in", "unmappable", None, len(payload), str(exc), msg.subject)
-        if self._importer is not None:
-            # On the fast path only what nats-py delivered before the
-            # subscription was handed to the importer comes here.
-            self._importer.push(key, payload, msg.subject)
-            return self._on_import_read()
-        if key[:1] == b"!":
-            return self._dropped("in", "private", key, len(payload), "", msg.subject)
-        if 5 + len(key) + len(payload) > self.settings.max_message:
-            return self._dropped("in", "oversize", key, len(payload),
-                                 f"over the broker's --max-message {self.settings.max_message}",
-                                 msg.subject)
-        size = len(key) + len(payload)
-        if self._inbound_bytes + size > self.settings.max_pending:
-            # The local broker is slower than NATS (or away): this direction
-            # is bounded by --max-pending too, and loses the newest.
-            return self._dropped("in", "full", key, len(payload), "", msg.subject)
-        self._inbound.append((key, payload))
-        self._inbound_bytes += size
-        if len(self._inbound) == 1:
-            self._inbound_ready.set()
+        """A message nats-py delivered through its public API: on the
+        reference path each one, on the fast path those parsed before their
+        subscription was handed to the Importer."""
+        headers = msg.headers
+        self._importer.push(msg.subject, headers.get(mapping.HEADER) if headers else None,
+                            msg.data)
+        self._on_import_read()
 
     def _on_import_read(self) -> None:
-        """After each NATS read on the fast path: wake the writer, log drops."""
+        """After the Importer took messages: wake the writer, log drops."""
         imp = self._importer
         if imp.pending_msgs:
             self._inbound_ready.set()
         if imp.drops_pending:
             self._log_drops("in", imp)
 
-    async def _write_local_fast(self) -> None:
-        """The importer's Outboxes -> the local bus, one sendmmsg(2) each."""
+    async def _write_local(self) -> None:
+        """The Importer's Outboxes -> the local bus, one sendmmsg(2) each."""
         imp, c = self._importer, self.counters
         while True:
             await self._inbound_ready.wait()
@@ -388,38 +261,6 @@ class Bridge:
                     c.in_forwarded += count
                     c.in_forwarded_bytes += payload_bytes
                 imp.recycle(box)
-
-    async def _write_local(self) -> None:
-        """Mapped NATS messages -> the local bus, many per sendmmsg(2)."""
-        if self._importer is not None:
-            return await self._write_local_fast()
-        c = self.counters
-        while True:
-            await self._inbound_ready.wait()
-            self._inbound_ready.clear()
-            batch, self._inbound = self._inbound, []
-            self._inbound_bytes = 0
-            while batch:
-                try:
-                    done = await self.bus.publish_many(batch)
-                except MessageRefusedError as exc:      # one message; the rest go on
-                    done = exc.sent
-                    key, payload = batch[exc.index]
-                    reason = "refused" if isinstance(exc, KeyRefusedError) else "local"
-                    self._dropped("in", reason, key, len(payload), str(exc))
-                    skip = exc.index + 1
-                except (BacklogFullError, BusClosedError) as exc:
-                    # The broker is away and the backlog full (or the bus closed).
-                    done = getattr(exc, "sent", 0)
-                    for key, payload in batch[done:]:
-                        self._dropped("in", "local", key, len(payload), str(exc))
-                    skip = len(batch)
-                else:
-                    skip = done
-                for _, payload in batch[:done]:
-                    c.in_forwarded_bytes += len(payload)
-                c.in_forwarded += done
-                batch = batch[skip:]
 
     def _dropped(self, direction: str, reason: str, key: Optional[bytes], size: int,
                  detail: str, subject: str = "") -> None:
@@ -470,8 +311,7 @@ class Bridge:
             # Made before connecting, so the error callback can lengthen its
             # wait between attempts while the first connection fails too.
             nc = self._nc = nats.aio.client.Client()
-            if self._importer is not None:
-                wire.install(nc, self._importer, self._on_import_read)
+            self._wire.install(nc)
             try:
                 await nc.connect(**options)
                 break
@@ -484,10 +324,9 @@ class Bridge:
         for subject in s.imports:
             sub = await nc.subscribe(subject, cb=self._on_nats, pending_msgs_limit=-1,
                                      pending_bytes_limit=256 << 20)
-            if self._importer is not None:
-                # From here its frames go to the importer; anything nats-py
-                # parsed before still reaches _on_nats, which hands it over.
-                self._importer.add_sid(sub._id)
+            # On the fast path its frames go to the Importer from here; anything
+            # nats-py parsed before still reaches _on_nats, which hands it over.
+            self._wire.subscribed(sub)
         await self._connected()
 
     async def _connected(self) -> None:
@@ -500,8 +339,7 @@ class Bridge:
         if not self.connected:
             return
         self.counters.nats_connects += 1
-        if self._exporter is not None:
-            self._exporter.max_payload = nc.max_payload
+        self._exporter.max_payload = nc.max_payload
         nc.options["reconnect_time_wait"] = self.settings.reconnect_wait
         url = nc.connected_url
         self.server = f"{url.hostname}:{url.port}" if url else ""
@@ -552,25 +390,21 @@ class Bridge:
         """On stop: give what is pending a moment to leave, both ways."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while ((self._pending_msgs() and self.connected) or self._inbound or
-               (self._importer is not None and self._importer.pending_msgs)) \
+        while ((self._pending_msgs() and self.connected) or self._importer.pending_msgs) \
                 and loop.time() < deadline:
             await asyncio.sleep(0.01)
 
     # -- state -----------------------------------------------------------------
 
     def state(self) -> dict:
-        fast = self._exporter is not None
         out = {"connected": self.connected, "server": self.server,
                "pending_msgs": self._pending_msgs(),
-               "pending_bytes": self._exporter.pending_bytes if fast else self.pending_bytes,
+               "pending_bytes": self._exporter.pending_bytes,
                "max_pending": self.settings.max_pending}
         out.update(self._counts())
         return out
 
     def _counts(self) -> dict:
-        if self._exporter is None:
-            return self.counters.as_dict()
         return self.counters.as_dict(self._exporter.counts(), self._importer.counts())
 
     async def _report(self) -> None:
@@ -589,12 +423,12 @@ class Bridge:
     async def run(self, stop: asyncio.Event) -> str:
         """Bridge until ``stop`` is set; the reason it stopped."""
         s = self.settings
-        self.path = self._choose_path()
         await self._open_bus()
-        self.log.info(schema.BRIDGE_START, version=__version__, path=self.path, address=s.address,
-                      nats=self._seeds(), exports=" ".join(s.exports),
-                      imports=" ".join(s.imports), subject_prefix=s.subject_prefix,
-                      max_pending=s.max_pending, drop=s.drop, stats_key=s.stats_key)
+        self.log.info(schema.BRIDGE_START, version=__version__, path=self.path,
+                      nats_py=wire.nats_py_version(), address=s.address, nats=self._seeds(),
+                      exports=" ".join(s.exports), imports=" ".join(s.imports),
+                      subject_prefix=s.subject_prefix, max_pending=s.max_pending, drop=s.drop,
+                      stats_key=s.stats_key)
         tasks = [asyncio.ensure_future(t) for t in (
             self._read_local(), self._forward(), self._write_local(), self._connect_nats(),
             self._report())]

@@ -35,7 +35,8 @@ class Counters:
             setattr(self, name, 0)
 
     def as_dict(self, *more: dict) -> dict:
-        """Every counter, plus the counts in ``more`` (the fast path keeps some in C)."""
+        """Every counter, plus the counts in ``more``: the drops natswire's
+        Exporter and Importer count, on either path."""
         out = {name: getattr(self, name) for name in FIELDS}
         for counts in more:
             for name, value in counts.items():
