@@ -17,6 +17,11 @@
                                     Prometheus text format
     sbus bridge --nats URL [--export PATTERN] [--import SUBJECT] ...
                                     join this bus to others through NATS
+    sbus queue PATTERN [--prefetch K] [--ack-timeout S] [--max-held N]
+                                    share the jobs on PATTERN among consumers
+    sbus consume [--json | -F TEMPLATE | -v | --raw] [-n N] [--prefetch K] PATTERN
+                                    print the jobs of the queue on PATTERN, each
+                                    acknowledged once written
 
 Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
 ``/run/sbus.socket``.
@@ -109,6 +114,25 @@ def cmd_sub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bina
         stdout.write(render_one(message))
         stdout.flush()
         seen += type(message) is Message
+    return 0
+
+
+def cmd_consume(bus: Client, args: argparse.Namespace, stdin: BinaryIO,
+                stdout: BinaryIO) -> int:
+    from ..client.consume import consume
+    render_one = sub_renderer(args)
+    if args.count == 0:
+        return 0
+    jobs = consume(bus, args.pattern, args.prefetch)
+    try:
+        for seen, job in enumerate(jobs, 1):
+            stdout.write(render_one(Message(job.key, job.payload)))
+            stdout.flush()
+            job.ack()
+            if seen == args.count:
+                break
+    finally:
+        jobs.close()    # says bye: jobs prefetched and not printed go to other consumers
     return 0
 
 
@@ -256,8 +280,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help="give up on a run after this long (default 300)")
     bench.set_defaults(run=None)
 
+    consume = commands.add_parser(
+        "consume", parents=[common], help="print the jobs of an sbus queue, acknowledging each",
+        description="Take jobs from the `sbus queue PATTERN` service (docs/queues.md), print "
+                    "each as `sbus sub` would, and acknowledge it once it is written.")
+    consume.add_argument("pattern", metavar="PATTERN", help="the queue's pattern, as given "
+                                                            "to sbus queue")
+    shape = consume.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true", help="one JSON object per line, as sbus sub")
+    shape.add_argument("-F", "--format", type=_template, metavar="TEMPLATE",
+                       help="one line per job from TEMPLATE, as sbus sub -F")
+    shape.add_argument("-v", "--verbose", action="store_true", help="key and payload")
+    shape.add_argument("--raw", action="store_true", help="the payload bytes only")
+    consume.add_argument("-n", "--count", type=argtypes.count, metavar="N",
+                         help="exit after N jobs")
+    consume.add_argument("--prefetch", type=argtypes.argtype(int, low=1), default=1,
+                         metavar="K", help="jobs held unprinted at once (default 1: a job "
+                                           "not printed is never held from others)")
+    consume.set_defaults(run=cmd_consume)
+
     from ..bridge.cli import add_parser as add_bridge_parser
+    from ..queue.cli import add_parser as add_queue_parser
     add_bridge_parser(commands, common)
+    add_queue_parser(commands, common)
     return parser
 
 
@@ -269,7 +314,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "bench":     # its processes make their own connections
         return cmd_bench(args)
     where = from_environment(args.address)
-    if hasattr(args, "standalone"):     # a long-running command with its own client (bridge)
+    if hasattr(args, "standalone"):     # a long-running command with its own client (bridge, queue)
         return args.standalone(args, where)
     stdout = sys.stdout.buffer
     reconnect = None
