@@ -10,7 +10,9 @@ the clients' public API only:
   lease renewal, and it finds a restarted service (whose welcome brings a new
   token, which the consumer takes);
 - yield each job delivered to the inbox; ``job.ack()`` tells the service it
-  is done, ``job.nack()`` gives it back (``requeue=False``: drop it);
+  is done, at once (a held ack would hold back the next job's credit and,
+  past ``--ack-timeout``, get a finished job done again), ``job.nack()``
+  gives it back (``requeue=False``: drop it);
 - on leaving (the generator closed or garbage-collected), say bye, so that
   the jobs not acknowledged go to other consumers at once.
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import AsyncIterator, Callable, Iterator, Optional
+from typing import AsyncIterator, Callable, Iterator, List, Optional, Tuple
 
 from ..queue import wire
 from ..queue.defaults import PREFETCH, RENEWALS_PER_LEASE
@@ -79,6 +81,9 @@ class Job:
                 f"deliveries={self.deliveries}, tag={self.tag})")
 
 
+Packet = Tuple[str, bytes]     # (key, payload) to publish
+
+
 class _Session:
     """What both twins know: the inbox, the hello, the current token and control key."""
 
@@ -86,6 +91,7 @@ class _Session:
         if prefetch < 1:
             raise ValueError("prefetch must be 1 or more")
         self.inbox = inbox
+        self.prefetch = prefetch
         self.hello = wire.pack_hello(prefetch, inbox.prefix, pattern)
         self.token: Optional[str] = None
         self.control = ""
@@ -95,28 +101,32 @@ class _Session:
     def renew_every(self) -> float:
         return self.lease / RENEWALS_PER_LEASE if self.token else HELLO_RETRY
 
-    def take(self, message, settle) -> Optional[Job]:
-        """A job from a received message, or None after noting a welcome or
-        an expiry (or for anything else)."""
-        if type(message) is ControlMessage:
-            return None
-        suffix = self.inbox.suffix_of(message.key)
-        try:
-            if suffix == b"job" and self.token is not None:
-                tag, deliveries, key, payload = wire.parse_job(message.payload)
-                token, control = self.token, self.control
-                return Job(key, payload, deliveries, tag,
-                           lambda verb, tag: settle(control, wire.pack_control(verb, token, tag)))
-            if suffix == b"welcome":
-                welcome = wire.parse_welcome(message.payload)
-                self.token, self.control, self.lease = welcome.token, welcome.control, welcome.lease
-            elif suffix == b"expired" and message.payload.decode("ascii", "replace") == self.token:
-                self.token = None   # forgotten: the next hello, at once, makes us known again
-        except wire.WireError:
-            pass    # only the service writes to the inbox; it does not send garbage
-        return None
+    def jobs(self, batch, send) -> List[Job]:
+        """The jobs among received messages, after noting welcomes and expiries.
+        ``send((key, payload))`` is how a job's settlement reaches the bus."""
+        out = []
+        for message in batch:
+            if type(message) is ControlMessage:
+                continue
+            suffix = self.inbox.suffix_of(message.key)
+            try:
+                if suffix == b"job" and self.token is not None:
+                    tag, deliveries, key, payload = wire.parse_job(message.payload)
+                    token, control = self.token, self.control
+                    out.append(Job(key, payload, deliveries, tag,
+                                   lambda verb, tag, token=token, control=control:
+                                   send((control, wire.pack_control(verb, token, tag)))))
+                elif suffix == b"welcome":
+                    welcome = wire.parse_welcome(message.payload)
+                    self.token, self.control = welcome.token, welcome.control
+                    self.lease = welcome.lease
+                elif suffix == b"expired" and message.payload.decode("ascii", "replace") == self.token:
+                    self.token = None   # forgotten: the next hello, at once, makes us known again
+            except wire.WireError:
+                pass    # only the service writes to the inbox; it does not send garbage
+        return out
 
-    def bye(self) -> Optional[tuple]:
+    def bye(self) -> Optional[Packet]:
         return (self.control, wire.pack_control(wire.BYE, self.token)) if self.token else None
 
 
@@ -125,6 +135,11 @@ def consume(client, pattern: str, prefetch: int = PREFETCH) -> Iterator[Job]:
     :class:`sbus.client.sync.Client`, as they come, forever."""
     session = _Session(PrivateInbox(client.whoami(timeout=REPLY_TIMEOUT), "queue"), pattern,
                        prefetch)
+
+    def send(packet: Optional[Packet]) -> None:
+        if packet is not None:
+            client.publish(*packet)
+
     client.subscribe(session.inbox.pattern)
     stop = threading.Event()
     renewer = threading.Thread(target=_renew, args=(client, session, stop),
@@ -137,26 +152,24 @@ def consume(client, pattern: str, prefetch: int = PREFETCH) -> Iterator[Job]:
                 client.publish(wire.HELLO_KEY, session.hello)
                 next_hello = time.monotonic() + HELLO_RETRY
             try:
-                message = client.receive(timeout=None if session.token else HELLO_RETRY)
+                batch = client.receive_many(session.prefetch,
+                                            timeout=None if session.token else HELLO_RETRY)
             except TimeoutError:
                 continue
             known = session.token
-            job = session.take(message, client.publish)
+            jobs = session.jobs(batch, send)
             if session.token is None and known is not None:
                 next_hello = 0.0
             if session.token is not None and renewer.ident is None:
                 renewer.start()
-            if job is not None:
-                yield job
+            yield from jobs
     finally:
         stop.set()
-        goodbye = session.bye()
         try:
-            if goodbye:
-                client.publish(*goodbye)
+            send(session.bye())
             client.unsubscribe(session.inbox.pattern)
-        except Exception:   # noqa: BLE001 - the connection may be what ended the loop
-            pass
+        except (OSError, SbusError):
+            pass    # the connection may be what ended the loop
 
 
 def _renew(client, session: _Session, stop: threading.Event) -> None:
@@ -175,29 +188,31 @@ async def consume_async(client, pattern: str, prefetch: int = PREFETCH) -> Async
     """As :func:`consume`, for an asyncio :class:`sbus.client.aio.Client`;
     ``await job.ack()``."""
     session = _Session(PrivateInbox(await client.whoami(), "queue"), pattern, prefetch)
-    await client.subscribe(session.inbox.pattern)
+
+    async def send(packet: Optional[Packet]) -> None:
+        if packet is not None:
+            await client.publish(*packet)
 
     async def renew() -> None:
         while True:
             await client.publish(wire.HELLO_KEY, session.hello)
             await asyncio.sleep(session.renew_every)
 
+    await client.subscribe(session.inbox.pattern)
     renewer = asyncio.ensure_future(renew())
     try:
         while True:
-            message = await client.receive()
+            batch = await client.receive_many(session.prefetch)
             known = session.token
-            job = session.take(message, client.publish)
+            jobs = session.jobs(batch, send)
             if session.token is None and known is not None:
                 await client.publish(wire.HELLO_KEY, session.hello)
-            if job is not None:
+            for job in jobs:
                 yield job
     finally:
         renewer.cancel()
-        goodbye = session.bye()
         try:
-            if goodbye:
-                await client.publish(*goodbye)
+            await send(session.bye())
             await client.unsubscribe(session.inbox.pattern)
-        except Exception:   # noqa: BLE001 - the connection may be what ended the loop
-            pass
+        except (OSError, SbusError):
+            pass    # the connection may be what ended the loop
