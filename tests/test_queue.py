@@ -372,3 +372,27 @@ def test_every_logged_queue_field_is_in_the_schema(bus, queues, consumers):
             assert set(r) - common == {n for n, _ in ls.QUEUE_EVENT_FIELDS[r["event"]]}, r
     assert seen >= {ls.QUEUE_START, ls.QUEUE_STOP, ls.QUEUE_DROP, ls.QUEUE_STATS,
                     ls.QUEUE_CONSUMER_JOIN, ls.QUEUE_CONSUMER_LEAVE}
+
+
+@pytest.mark.spark
+@pytest.mark.filterwarnings("ignore:PySpark does not yet fully support pandas")
+def test_the_analytics_job_reads_a_log_with_queue_records(spark, bus, queues, consumers,
+                                                          tmp_path):
+    from sbus.analytics import event_counts, line_summary, parse, read_events, read_lines
+
+    q = queues(bus.address, PATTERN, "--max-held", "1", "--stats-interval", "0.2",
+               "--lease", "1")
+    publish(bus.address, jobs(2))
+    consumers.start(1, "hold")
+    wait_until(lambda: len(consumers.all()) == 1, TIMEOUT, "a job")
+    consumers.procs[0].kill()
+    q.wait_for_event(ls.QUEUE_STATS, TIMEOUT, lambda r: r["consumers_lost"] == 1)
+    q.stop()
+    both = tmp_path / "both.log"
+    both.write_text(bus.log_path.read_text() + q.log_path.read_text())
+    lines = [line for line in both.read_text().splitlines() if line]
+    summary = line_summary(parse(read_lines(spark, [str(both)])))
+    assert (summary["lines"], summary["malformed"]) == (len(lines), 0)
+    counted = {r["event"]: r["records"] for r in event_counts(read_events(spark, [str(both)]))
+               .collect()}
+    assert counted == Counter(json.loads(line)["event"] for line in lines)
