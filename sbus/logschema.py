@@ -268,7 +268,7 @@ QUEUE_START = "queue_start"
 QUEUE_STOP = "queue_stop"
 QUEUE_CONSUMER_JOIN = "queue_consumer_join"
 QUEUE_CONSUMER_LEAVE = "queue_consumer_leave"    # reason: bye, lease or ack_timeout
-QUEUE_DROP = "queue_drop"        # jobs dropped because --max-held were waiting
+QUEUE_DROP = "queue_drop"        # jobs dropped: --max-held were waiting, or too large
 QUEUE_STATS = "queue_stats"      # every --stats-interval seconds, when something changed
 QUEUE_BUS_LOST = "queue_bus_lost"  # the broker went away
 QUEUE_BUS_BACK = "queue_bus_back"  # ... and is back, subscriptions restored
@@ -278,7 +278,7 @@ QUEUE_CONSUMERS_LIST = "queue_consumers[]"  # JSON array: inbox, prefetch, in_fl
 
 _QUEUE_COUNTERS = tuple((name, INT) for name in (
     "received", "delivered", "redelivered", "acked", "nacked", "rejected", "dropped",
-    "late_acks", "consumers_joined", "consumers_lost", "bad_requests"))
+    "oversize", "undelivered", "late_acks", "consumers_joined", "consumers_lost", "bad_requests"))
 _QUEUE_LEVELS = (("held", INT), ("in_flight", INT))
 
 QUEUE_EVENT_FIELDS = {
@@ -289,7 +289,8 @@ QUEUE_EVENT_FIELDS = {
     QUEUE_CONSUMER_JOIN: (("inbox", STR), ("prefetch", INT)),
     QUEUE_CONSUMER_LEAVE: (("inbox", STR), ("reason", STR), ("requeued", INT),
                            ("delivered", INT), ("acked", INT)),
-    QUEUE_DROP: (("count", INT), ("key", STR), ("held", INT), ("dropped", INT)),
+    QUEUE_DROP: (("reason", STR), ("count", INT), ("key", STR), ("size", INT), ("held", INT),
+                 ("dropped", INT), ("oversize", INT)),
     QUEUE_STATS: (("pattern", STR),) + _QUEUE_LEVELS + (("consumers", QUEUE_CONSUMERS_LIST),)
     + _QUEUE_COUNTERS,
     QUEUE_BUS_LOST: (("address", STR), ("error", STR)),

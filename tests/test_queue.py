@@ -171,10 +171,25 @@ def test_without_a_consumer_jobs_are_held_then_the_oldest_dropped(bus, queues, c
     assert (s["held"], s["dropped"], s["delivered"]) == (5, 3, 0)
     drops = q.events(ls.QUEUE_DROP)
     assert sum(r["count"] for r in drops) == 3
+    assert {r["reason"] for r in drops} == {"full"}
     assert drops[-1]["dropped"] == 3 and drops[-1]["level"] == "warning"
     consumers.start(16, "ack")
     wait_until(lambda: len(consumers.all()) == 5, TIMEOUT, "the 5 held jobs")
     assert [j["payload"] for j in consumers.all()] == [f"job-{i}" for i in range(3, 8)]
+
+
+def test_a_job_too_large_to_deliver_is_dropped_on_arrival(bus, queues, consumers):
+    q = queues(bus.address)
+    limit = 409600 - len("MSG jobs/big\0")
+    publish(bus.address, [("jobs/big", "x" * limit), ("jobs/fits", "y" * (limit - 300))])
+    s = wait_state(q, lambda s: s["received"] + s["oversize"] == 2, "both jobs")
+    assert (s["oversize"], s["received"], s["held"]) == (1, 1, 1)
+    drop = q.wait_for_event(ls.QUEUE_DROP)
+    assert (drop["reason"], drop["key"], drop["size"]) == ("oversize", "jobs/big", limit)
+    consumers.start(1, "ack")
+    wait_until(lambda: len(consumers.all()) == 1, TIMEOUT, "the job that fits")
+    assert consumers.all()[0]["key"] == "jobs/fits"
+    assert q.proc.poll() is None
 
 
 def test_a_job_held_past_the_ack_timeout_goes_to_another_consumer(bus, queues, consumers):

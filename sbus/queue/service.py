@@ -20,6 +20,7 @@ from ..client.aio import Client
 from ..client.private import PrivateInbox
 from ..client.protocol import MAX_MESSAGE, ControlMessage
 from ..client.reconnect import Reconnect
+from ..errors import BacklogFullError, MessageRefusedError
 from . import state as st
 from . import wire
 from .defaults import ACK_TIMEOUT, LEASE, MAX_HELD, PREFETCH, STATS_INTERVAL
@@ -35,6 +36,9 @@ BATCH = 256
 # fraction of the shorter of the two.
 TICK_FRACTION = 0.25
 MAX_TICK = 1.0
+# Why jobs were dropped (queue_drop.reason).
+DROP_FULL = "full"          # --max-held were waiting
+DROP_OVERSIZE = "oversize"  # too large to deliver within the broker's --max-message
 HELLO = wire.HELLO_KEY.encode()
 STATE = wire.STATE_KEY.encode()
 
@@ -88,6 +92,7 @@ class QueueService:
 
     async def _read(self) -> None:
         bus, q = self.bus, self.queue
+        room = self.settings.max_message - len(b"MSG \0")
         while True:
             batch = await bus.receive_many(BATCH)
             now = time.monotonic()
@@ -101,6 +106,9 @@ class QueueService:
                     self._on_request(key, payload, now)
                 elif self.inbox.suffix_of(key) is not None:
                     q.counts["bad_requests"] += 1   # in our inbox, but not the control key
+                elif len(key) + len(payload) + wire.DELIVERY_OVERHEAD > room:
+                    q.counts["oversize"] += 1
+                    self._dropped(DROP_OVERSIZE, 1, key, len(payload))
                 else:
                     q.add(key, payload)
             self._dispatch(now)
@@ -163,9 +171,13 @@ class QueueService:
             self._send(inbox + wire.JOB, wire.pack_job(tag, job.deliveries, job.key, job.payload))
         dropped = q.trim()
         if dropped:
-            self.log.warning(schema.QUEUE_DROP, count=len(dropped),
-                             key=dropped[0].key.decode("utf-8", "replace"), held=len(q.held),
-                             dropped=q.counts["dropped"])
+            self._dropped(DROP_FULL, len(dropped), dropped[0].key, len(dropped[0].payload))
+
+    def _dropped(self, reason: str, count: int, key: bytes, size: int) -> None:
+        q = self.queue
+        self.log.warning(schema.QUEUE_DROP, reason=reason, count=count,
+                         key=key.decode("utf-8", "replace"), size=size, held=len(q.held),
+                         dropped=q.counts["dropped"], oversize=q.counts["oversize"])
 
     async def _write(self) -> None:
         bus = self.bus
@@ -174,7 +186,17 @@ class QueueService:
             self._wake.clear()
             while self._out:
                 batch, self._out = self._out[:BATCH], self._out[BATCH:]
-                await bus.publish_many(batch)
+                while batch:
+                    try:
+                        await bus.publish_many(batch)
+                        break
+                    except (MessageRefusedError, BacklogFullError) as exc:
+                        # Sizes are checked on arrival, so this is the reconnect
+                        # backlog overflowing while the broker is away; a lost
+                        # delivery comes back by its ack timeout.
+                        refused = getattr(exc, "index", None) or 0
+                        self.queue.counts["undelivered"] += 1
+                        batch = batch[refused + 1:]
 
     # -- the clock -------------------------------------------------------------------
 

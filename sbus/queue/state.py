@@ -29,6 +29,8 @@ COUNTERS = (
     "nacked",        # jobs handed back to be given out again
     "rejected",      # jobs handed back to be dropped
     "dropped",       # jobs dropped because --max-held were already waiting
+    "oversize",      # jobs dropped on arrival: too large to deliver (wire.DELIVERY_OVERHEAD)
+    "undelivered",   # deliveries the broker refused or the reconnect backlog could not keep
     "late_acks",     # acks, nacks and rejects of tags no longer given out
     "consumers_joined",
     "consumers_lost",  # consumers that left by lease or ack timeout, not by bye

@@ -25,6 +25,13 @@ STATE = "state"        # the service's state as JSON
 # Suffix of the service's inbox: its control key (consumer -> service).
 CONTROL = "ctl"
 
+# The longest inbox a hello may name, and so the most a delivery adds to the
+# job's own packet ("MSG key\0payload"): the inbox, "job", two counts and
+# their spaces. A job within that much of the broker's --max-message is
+# dropped on arrival (counted as oversize): it could not be delivered.
+MAX_INBOX = 200
+DELIVERY_OVERHEAD = MAX_INBOX + len(JOB) + 2 * 20
+
 # Verbs on the control key: "<verb> <token> <arguments>".
 ACK = "ack"            # <tag>...: done, forget these jobs
 NACK = "nack"          # <tag>...: not done, give these jobs to a consumer again
@@ -56,6 +63,8 @@ def parse_inbox(raw: bytes, what: str = "inbox") -> str:
     would publish jobs and state for anyone to read."""
     if not raw.startswith(b"!/cred/") or b" " in raw:
         raise WireError(f"{what} is not a private key: {raw[:80]!r}")
+    if len(raw) > MAX_INBOX:
+        raise WireError(f"{what} is longer than {MAX_INBOX} bytes")
     return raw.decode("ascii", "surrogateescape")
 
 
