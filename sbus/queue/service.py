@@ -92,7 +92,7 @@ class QueueService:
 
     async def _read(self) -> None:
         bus, q = self.bus, self.queue
-        room = self.settings.max_message - len(b"MSG \0")
+        room = self.settings.max_message - len(b"MSG \0\0")   # a delivery has two NULs
         while True:
             batch = await bus.receive_many(BATCH)
             now = time.monotonic()
