@@ -288,6 +288,26 @@ def test_bad_requests_are_counted_and_the_service_stays(bus, queues):
     assert q.proc.poll() is None
 
 
+def test_the_service_rides_out_a_broker_restart(start_broker, queues):
+    first = start_broker()
+    q = queues(first.address)
+    first.stop()
+    q.wait_for_event(ls.QUEUE_BUS_LOST, TIMEOUT)
+    start_broker("-r", address=first.address)
+    q.wait_for_event(ls.QUEUE_BUS_BACK, TIMEOUT)
+    publish(first.address, jobs(3))
+    with Client(first.address) as c:
+        jobs_in = consume(c, PATTERN)
+        got = []
+        for job in jobs_in:
+            got.append(job.payload)
+            job.ack()
+            if len(got) == 3:
+                break
+    assert got == [b"job-0", b"job-1", b"job-2"]
+    assert wait_state(q, lambda s: s["acked"] == 3, "3 acks")["received"] == 3
+
+
 def test_state_is_logged(bus, queues):
     q = queues(bus.address, PATTERN, "--stats-interval", "0.2")
     publish(bus.address, jobs(2))
