@@ -41,6 +41,7 @@ from ..client.protocol import MAX_MESSAGE, Message
 from ..client.reconnect import Reconnect
 from ..client.sync import Client
 from ..errors import BusClosedError, SbusError
+from ..queue.defaults import CLI_PREFETCH
 from . import render
 
 # How long whoami and stats wait for the broker's reply.
@@ -178,6 +179,22 @@ def _template(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc))
 
 
+def add_shape_options(parser: argparse.ArgumentParser) -> None:
+    """How ``sub`` and ``consume`` print a message (``sub_renderer`` reads them)."""
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true",
+                       help='one JSON object per line: {"type", "key", "payload"}; a field that '
+                            'is not UTF-8 is given as "key_base64"/"payload_base64" instead')
+    shape.add_argument("-F", "--format", type=_template, metavar="TEMPLATE",
+                       help="one line per message from TEMPLATE, with fields "
+                            + ", ".join(f"{{{f}}}" for f in render.FIELDS)
+                            + r"; \n and \t are newline and tab")
+    shape.add_argument("-v", "--verbose", action="store_true",
+                       help=f"key and payload: -F '{render.VERBOSE}' (as mosquitto_sub -v)")
+    shape.add_argument("--raw", action="store_true",
+                       help="the payload bytes only, nothing between messages (for binary data)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sbus", description="Talk to an sbus message bus.",
@@ -213,18 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                               help="print messages matching the patterns as they arrive")
     sub.add_argument("patterns", metavar="PATTERN", nargs="+",
                      help="a routing key pattern; '' matches everything")
-    shape = sub.add_mutually_exclusive_group()
-    shape.add_argument("--json", action="store_true",
-                       help='one JSON object per line: {"type", "key", "payload"}; a field that '
-                            'is not UTF-8 is given as "key_base64"/"payload_base64" instead')
-    shape.add_argument("-F", "--format", type=_template, metavar="TEMPLATE",
-                       help="one line per message from TEMPLATE, with fields "
-                            + ", ".join(f"{{{f}}}" for f in render.FIELDS)
-                            + r"; \n and \t are newline and tab")
-    shape.add_argument("-v", "--verbose", action="store_true",
-                       help=f"key and payload: -F '{render.VERBOSE}' (as mosquitto_sub -v)")
-    shape.add_argument("--raw", action="store_true",
-                       help="the payload bytes only, nothing between messages (for binary data)")
+    add_shape_options(sub)
     sub.add_argument("-n", "--count", type=argtypes.count, metavar="N",
                      help="exit after N messages (control messages are shown, not counted)")
     sub.add_argument("-W", "--timeout", type=argtypes.seconds, metavar="SECONDS",
@@ -286,17 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "each as `sbus sub` would, and acknowledge it once it is written.")
     consume.add_argument("pattern", metavar="PATTERN", help="the queue's pattern, as given "
                                                             "to sbus queue")
-    shape = consume.add_mutually_exclusive_group()
-    shape.add_argument("--json", action="store_true", help="one JSON object per line, as sbus sub")
-    shape.add_argument("-F", "--format", type=_template, metavar="TEMPLATE",
-                       help="one line per job from TEMPLATE, as sbus sub -F")
-    shape.add_argument("-v", "--verbose", action="store_true", help="key and payload")
-    shape.add_argument("--raw", action="store_true", help="the payload bytes only")
+    add_shape_options(consume)
     consume.add_argument("-n", "--count", type=argtypes.count, metavar="N",
                          help="exit after N jobs")
-    consume.add_argument("--prefetch", type=argtypes.argtype(int, low=1), default=1,
-                         metavar="K", help="jobs held unprinted at once (default 1: a job "
-                                           "not printed is never held from others)")
+    consume.add_argument("--prefetch", type=argtypes.argtype(int, low=1),
+                         default=CLI_PREFETCH, metavar="K",
+                         help=f"jobs held unprinted at once (default {CLI_PREFETCH})")
     consume.set_defaults(run=cmd_consume)
 
     from ..bridge.cli import add_parser as add_bridge_parser
