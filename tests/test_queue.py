@@ -169,6 +169,7 @@ def test_without_a_consumer_jobs_are_held_then_the_oldest_dropped(bus, queues, c
     publish(bus.address, jobs(8))
     s = wait_state(q, lambda s: s["received"] == 8, "8 jobs received")
     assert (s["held"], s["dropped"], s["delivered"]) == (5, 3, 0)
+    q.wait_for_event(ls.QUEUE_DROP, TIMEOUT, lambda r: r["dropped"] == 3)
     drops = q.events(ls.QUEUE_DROP)
     assert sum(r["count"] for r in drops) == 3
     assert {r["reason"] for r in drops} == {"full"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .. import __version__
 from .. import logschema as schema
@@ -36,6 +36,8 @@ BATCH = 256
 # fraction of the shorter of the two.
 TICK_FRACTION = 0.25
 MAX_TICK = 1.0
+# Seconds between queue_drop records of one reason (drops in between are summed).
+DROP_LOG_INTERVAL = 1.0
 # Why jobs were dropped (queue_drop.reason).
 DROP_FULL = "full"          # --max-held were waiting
 DROP_OVERSIZE = "oversize"  # too large to deliver within the broker's --max-message
@@ -71,6 +73,8 @@ class QueueService:
         self._wake = asyncio.Event()
         self._started = time.monotonic()
         self._last_stats: Optional[dict] = None
+        self._drops: Dict[str, list] = {}     # reason -> [count, first key, its size]
+        self._drops_logged = float("-inf")
 
     async def _open(self) -> None:
         s = self.settings
@@ -108,7 +112,7 @@ class QueueService:
                     q.counts["bad_requests"] += 1   # in our inbox, but not the control key
                 elif len(key) + len(payload) + wire.DELIVERY_OVERHEAD > room:
                     q.counts["oversize"] += 1
-                    self._dropped(DROP_OVERSIZE, 1, key, len(payload))
+                    self._dropped(DROP_OVERSIZE, 1, key, len(payload), now)
                 else:
                     q.add(key, payload)
             self._dispatch(now)
@@ -171,13 +175,28 @@ class QueueService:
             self._send(inbox + wire.JOB, wire.pack_job(tag, job.deliveries, job.key, job.payload))
         dropped = q.trim()
         if dropped:
-            self._dropped(DROP_FULL, len(dropped), dropped[0].key, len(dropped[0].payload))
+            self._dropped(DROP_FULL, len(dropped), dropped[0].key, len(dropped[0].payload), now)
 
-    def _dropped(self, reason: str, count: int, key: bytes, size: int) -> None:
+    def _dropped(self, reason: str, count: int, key: bytes, size: int, now: float) -> None:
+        """Note drops; one queue_drop record per reason and DROP_LOG_INTERVAL
+        carries them, with the key and size of the first."""
+        pending = self._drops.get(reason)
+        if pending is None:
+            self._drops[reason] = [count, key, size]
+        else:
+            pending[0] += count
+        self._log_drops(now)
+
+    def _log_drops(self, now: float, force: bool = False) -> None:
+        if not self._drops or (now - self._drops_logged < DROP_LOG_INTERVAL and not force):
+            return
         q = self.queue
-        self.log.warning(schema.QUEUE_DROP, reason=reason, count=count,
-                         key=key.decode("utf-8", "replace"), size=size, held=len(q.held),
-                         dropped=q.counts["dropped"], oversize=q.counts["oversize"])
+        for reason, (count, key, size) in self._drops.items():
+            self.log.warning(schema.QUEUE_DROP, reason=reason, count=count,
+                             key=key.decode("utf-8", "replace"), size=size, held=len(q.held),
+                             dropped=q.counts["dropped"], oversize=q.counts["oversize"])
+        self._drops.clear()
+        self._drops_logged = now
 
     async def _write(self) -> None:
         bus = self.bus
@@ -210,6 +229,7 @@ class QueueService:
             for departure in q.expire(now):
                 self._left(departure)
             self._dispatch(now)
+            self._log_drops(now)
             if s.stats_interval and now >= next_stats:
                 next_stats = now + s.stats_interval
                 snapshot = self.state()
@@ -246,6 +266,7 @@ class QueueService:
             self.bus.close()
 
     def stopped(self, reason: str) -> None:
+        self._log_drops(time.monotonic(), force=True)
         q = self.queue
         self.log.info(schema.QUEUE_STOP, reason=reason,
                       uptime_s=round(time.monotonic() - self._started, 3), held=len(q.held),
