@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 import subprocess
 import threading
@@ -19,7 +20,7 @@ from sbus.client.protocol import Credentials
 from sbus.queue import state as st
 from sbus.queue import wire
 
-from support import SBUS, Conn, QueueService, asroot, start_worker, wait_until
+from support import SBUS, TESTS, Conn, QueueService, asroot, start_worker, wait_until
 
 TIMEOUT = 20.0
 PATTERN = "jobs/"
@@ -432,3 +433,21 @@ def test_the_analytics_job_reads_a_log_with_queue_records(spark, bus, queues, co
     counted = {r["event"]: r["records"] for r in event_counts(read_events(spark, [str(both)]))
                .collect()}
     assert counted == Counter(json.loads(line)["event"] for line in lines)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_a_c_consumer_written_from_the_docs(bus, queues, tmp_path):
+    exe = tmp_path / "queue_consumer"
+    built = subprocess.run(["gcc", "-std=c99", "-D_DEFAULT_SOURCE", "-O2", "-Wall", "-Wextra",
+                            "-Werror", "-o", str(exe), str(TESTS / "c" / "queue_consumer.c")],
+                           capture_output=True, text=True, timeout=TIMEOUT)
+    assert built.returncode == 0, built.stderr
+    q = queues(bus.address)
+    publish(bus.address, [("jobs/a", "one"), ("jobs/b", "two two"), ("jobs/c", "three")])
+    run = subprocess.run([str(exe), bus.address, PATTERN, "3"], capture_output=True,
+                         text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "jobs/a one 1\njobs/b two two 1\njobs/c three 1\n"
+    s = wait_state(q, lambda s: s["acked"] == 3, "3 acks")
+    assert (s["in_flight"], s["consumers"], s["late_acks"]) == (0, [], 0)
+    assert q.wait_for_event(ls.QUEUE_CONSUMER_LEAVE)["reason"] == st.LEFT_BYE
