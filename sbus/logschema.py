@@ -259,3 +259,41 @@ BRIDGE_EVENT_FIELDS = {
     BRIDGE_DROP: (("direction", STR), ("reason", STR), ("subject", STR), ("key", STR),
                   ("size", INT), ("detail", STR), ("suppressed", INT)),
 }
+
+# --- the queue service (``sbus queue``, docs/queues.md) ---------------------
+# A separate process with its own records, as the bridge's: the common fields
+# (``broker_pid`` is the service's own pid) plus those below. Not read by the
+# analytics job; a field that shares a name with a broker field has its type.
+QUEUE_START = "queue_start"
+QUEUE_STOP = "queue_stop"
+QUEUE_CONSUMER_JOIN = "queue_consumer_join"
+QUEUE_CONSUMER_LEAVE = "queue_consumer_leave"    # reason: bye, lease or ack_timeout
+QUEUE_DROP = "queue_drop"        # jobs dropped: --max-held were waiting, or too large
+QUEUE_STATS = "queue_stats"      # every --stats-interval seconds, when something changed
+QUEUE_BUS_LOST = "queue_bus_lost"  # the broker went away
+QUEUE_BUS_BACK = "queue_bus_back"  # ... and is back, subscriptions restored
+QUEUE_BAD_REQUEST = "queue_bad_request"  # (debug) a payload off the convention, counted
+QUEUE_CONSUMERS_LIST = "queue_consumers[]"  # JSON array: inbox, prefetch, in_flight,
+#                                             delivered, acked per consumer
+
+_QUEUE_COUNTERS = tuple((name, INT) for name in (
+    "received", "delivered", "redelivered", "acked", "nacked", "rejected", "dropped",
+    "oversize", "undelivered", "late_acks", "consumers_joined", "consumers_lost", "bad_requests"))
+_QUEUE_LEVELS = (("held", INT), ("in_flight", INT))
+
+QUEUE_EVENT_FIELDS = {
+    QUEUE_START: (("version", STR), ("address", STR), ("pattern", STR), ("control", STR),
+                  ("prefetch", INT), ("ack_timeout_s", FLOAT), ("lease_s", FLOAT),
+                  ("max_held", INT)),
+    QUEUE_STOP: (("reason", STR), ("uptime_s", FLOAT)) + _QUEUE_LEVELS + _QUEUE_COUNTERS,
+    QUEUE_CONSUMER_JOIN: (("inbox", STR), ("prefetch", INT)),
+    QUEUE_CONSUMER_LEAVE: (("inbox", STR), ("reason", STR), ("requeued", INT),
+                           ("delivered", INT), ("acked", INT)),
+    QUEUE_DROP: (("reason", STR), ("count", INT), ("key", STR), ("size", INT), ("held", INT),
+                 ("dropped", INT), ("oversize", INT)),
+    QUEUE_STATS: (("pattern", STR),) + _QUEUE_LEVELS + (("consumers", QUEUE_CONSUMERS_LIST),)
+    + _QUEUE_COUNTERS,
+    QUEUE_BUS_LOST: (("address", STR), ("error", STR)),
+    QUEUE_BUS_BACK: (("address", STR),),
+    QUEUE_BAD_REQUEST: (("key", STR), ("detail", STR)),
+}

@@ -322,6 +322,32 @@ def test_unit_files():
         assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_queue_unit_is_sandboxed_like_the_broker():
+    unit = read_unit("sbus-queue@.service")
+    svc, broker = unit["Service"], read_unit("sbusd.service")["Service"]
+    assert "sbusd.socket" in one(unit["Unit"], "Requires")
+    exec_start = one(svc, "ExecStart").split()
+    assert exec_start[:5] == ["/usr/bin/env", "sbus", "-a", "/run/sbus.socket", "queue"]
+    assert exec_start[exec_start.index("--log-format") + 1] == "json"
+    assert "%i" in one(svc, "EnvironmentFile")
+    assert one(svc, "User") not in ("", "root")
+    # Everything the broker's sandbox has, except what only a notify service needs.
+    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "PrivateDevices",
+                "PrivateNetwork", "MemoryDenyWriteExecute", "ProtectSystem",
+                "RestrictAddressFamilies", "CapabilityBoundingSet", "RestrictNamespaces",
+                "ProtectKernelTunables", "ProtectKernelModules", "ProtectControlGroups",
+                "RestrictSUIDSGID", "LockPersonality", "SystemCallArchitectures"):
+        assert values(svc, key) == values(broker, key), key
+    assert values(svc, "SystemCallFilter") == values(broker, "SystemCallFilter")
+    assert "PrivateUsers" not in dict(svc), "PrivateUsers= would change its !/cred/ key"
+    analyze = shutil.which("systemd-analyze")
+    if analyze:
+        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"),
+                            str(UNITS / "sbusd.service"), str(UNITS / "sbus-queue@.service")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
 # ---------------------------------------------------------------- sandbox
 
 # Installs, like systemd 252 (src/shared/seccomp-util.c), an allow-list filter

@@ -17,6 +17,11 @@
                                     Prometheus text format
     sbus bridge --nats URL [--export PATTERN] [--import SUBJECT] ...
                                     join this bus to others through NATS
+    sbus queue PATTERN [--prefetch K] [--ack-timeout S] [--max-held N]
+                                    share the jobs on PATTERN among consumers
+    sbus consume [--json | -F TEMPLATE | -v | --raw] [-n N] [--prefetch K] PATTERN
+                                    print the jobs of the queue on PATTERN, each
+                                    acknowledged once written
 
 Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
 ``/run/sbus.socket``.
@@ -36,6 +41,7 @@ from ..client.protocol import MAX_MESSAGE, Message
 from ..client.reconnect import Reconnect
 from ..client.sync import Client
 from ..errors import BusClosedError, SbusError
+from ..queue.defaults import CLI_PREFETCH
 from . import render
 
 # How long whoami and stats wait for the broker's reply.
@@ -112,6 +118,25 @@ def cmd_sub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bina
     return 0
 
 
+def cmd_consume(bus: Client, args: argparse.Namespace, stdin: BinaryIO,
+                stdout: BinaryIO) -> int:
+    from ..client.consume import consume
+    render_one = sub_renderer(args)
+    if args.count == 0:
+        return 0
+    jobs = consume(bus, args.pattern, args.prefetch)
+    try:
+        for seen, job in enumerate(jobs, 1):
+            stdout.write(render_one(Message(job.key, job.payload)))
+            stdout.flush()
+            job.ack()
+            if seen == args.count:
+                break
+    finally:
+        jobs.close()    # says bye: jobs prefetched and not printed go to other consumers
+    return 0
+
+
 def cmd_whoami(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
     stdout.write(str(bus.whoami(timeout=REPLY_TIMEOUT)).encode() + b"\n")
     return 0
@@ -154,6 +179,22 @@ def _template(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc))
 
 
+def add_shape_options(parser: argparse.ArgumentParser) -> None:
+    """How ``sub`` and ``consume`` print a message (``sub_renderer`` reads them)."""
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true",
+                       help='one JSON object per line: {"type", "key", "payload"}; a field that '
+                            'is not UTF-8 is given as "key_base64"/"payload_base64" instead')
+    shape.add_argument("-F", "--format", type=_template, metavar="TEMPLATE",
+                       help="one line per message from TEMPLATE, with fields "
+                            + ", ".join(f"{{{f}}}" for f in render.FIELDS)
+                            + r"; \n and \t are newline and tab")
+    shape.add_argument("-v", "--verbose", action="store_true",
+                       help=f"key and payload: -F '{render.VERBOSE}' (as mosquitto_sub -v)")
+    shape.add_argument("--raw", action="store_true",
+                       help="the payload bytes only, nothing between messages (for binary data)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sbus", description="Talk to an sbus message bus.",
@@ -189,18 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                               help="print messages matching the patterns as they arrive")
     sub.add_argument("patterns", metavar="PATTERN", nargs="+",
                      help="a routing key pattern; '' matches everything")
-    shape = sub.add_mutually_exclusive_group()
-    shape.add_argument("--json", action="store_true",
-                       help='one JSON object per line: {"type", "key", "payload"}; a field that '
-                            'is not UTF-8 is given as "key_base64"/"payload_base64" instead')
-    shape.add_argument("-F", "--format", type=_template, metavar="TEMPLATE",
-                       help="one line per message from TEMPLATE, with fields "
-                            + ", ".join(f"{{{f}}}" for f in render.FIELDS)
-                            + r"; \n and \t are newline and tab")
-    shape.add_argument("-v", "--verbose", action="store_true",
-                       help=f"key and payload: -F '{render.VERBOSE}' (as mosquitto_sub -v)")
-    shape.add_argument("--raw", action="store_true",
-                       help="the payload bytes only, nothing between messages (for binary data)")
+    add_shape_options(sub)
     sub.add_argument("-n", "--count", type=argtypes.count, metavar="N",
                      help="exit after N messages (control messages are shown, not counted)")
     sub.add_argument("-W", "--timeout", type=argtypes.seconds, metavar="SECONDS",
@@ -256,8 +286,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="give up on a run after this long (default 300)")
     bench.set_defaults(run=None)
 
+    consume = commands.add_parser(
+        "consume", parents=[common], help="print the jobs of an sbus queue, acknowledging each",
+        description="Take jobs from the `sbus queue PATTERN` service (docs/queues.md), print "
+                    "each as `sbus sub` would, and acknowledge it once it is written.")
+    consume.add_argument("pattern", metavar="PATTERN", help="the queue's pattern, as given "
+                                                            "to sbus queue")
+    add_shape_options(consume)
+    consume.add_argument("-n", "--count", type=argtypes.count, metavar="N",
+                         help="exit after N jobs")
+    consume.add_argument("--prefetch", type=argtypes.argtype(int, low=1),
+                         default=CLI_PREFETCH, metavar="K",
+                         help=f"jobs held unprinted at once (default {CLI_PREFETCH})")
+    consume.set_defaults(run=cmd_consume)
+
     from ..bridge.cli import add_parser as add_bridge_parser
+    from ..queue.cli import add_parser as add_queue_parser
     add_bridge_parser(commands, common)
+    add_queue_parser(commands, common)
     return parser
 
 
@@ -269,7 +315,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "bench":     # its processes make their own connections
         return cmd_bench(args)
     where = from_environment(args.address)
-    if hasattr(args, "standalone"):     # a long-running command with its own client (bridge)
+    if hasattr(args, "standalone"):     # a long-running command with its own client (bridge, queue)
         return args.standalone(args, where)
     stdout = sys.stdout.buffer
     reconnect = None

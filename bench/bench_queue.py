@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""Shared-queue throughput: `sbus queue` with 4 consumers against a NATS queue group
+of 4 nats-py subscribers, in the same run.
+
+    bench/bench_queue.py [--count N] [--payload BYTES] [--consumers N] [--prefetch K]
+                         [--repeat N] [--quick] [--json PATH]
+
+Rows (jobs/s, first job received to last job done, over all consumers):
+
+- ``queue_sbus``: one publisher (publish_many) -> sbusd -> ``sbus queue`` ->
+  N consumers (``sbus.client.consume``), each job acknowledged;
+- ``queue_nats``: one nats-py publisher -> nats-server -> N nats-py subscribers
+  in one queue group (NATS has no acknowledgements in a plain queue group).
+
+Each job's payload carries its sequence number; the row checks that the
+consumers together got every job exactly once (count and sum of sequence
+numbers). Every process is its own (``--worker``). Prints a table on stdout,
+progress on stderr, and writes JSON (default bench/results/queue-<UTC>.json).
+Nothing here asserts on speed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
+BIN = Path(sys.executable).parent
+PATTERN = "bench/"
+KEY = "bench/job"
+SUBJECT = "bench.job"
+GROUP = "workers"
+STOP = b"stop"
+QUIET = 2.0         # a NATS subscriber stops after this long without a job
+
+
+def say(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job(seq: int, payload: int) -> bytes:
+    return b"%020d" % seq + b"x" * max(0, payload - 20)
+
+
+# -- workers (each in its own process) ------------------------------------------------
+
+def sbus_consumer(address, prefetch):
+    """Jobs until a STOP job; count, sum of sequence numbers, first and last time."""
+    from sbus import Client
+    from sbus.client.consume import consume
+    got = total = 0
+    first = last = None
+    with Client(address) as bus:
+        print("ready", flush=True)
+        for j in consume(bus, PATTERN, prefetch):
+            if j.payload == STOP:
+                j.ack()
+                break
+            now = time.monotonic_ns()
+            first = first or now
+            last = now
+            got += 1
+            total += int(j.payload[:20])
+            j.ack()
+    return {"received": got, "sum": total, "first_ns": first, "last_ns": last}
+
+
+def sbus_publisher(address, count, payload, consumers):
+    from sbus import Client
+    with Client(address) as bus:
+        for start in range(0, count, 1000):
+            bus.publish_many([(KEY, job(i, payload)) for i in range(start, min(count, start + 1000))])
+        bus.publish_many([(KEY, STOP)] * consumers)
+        bus.whoami(timeout=60)
+    return {"sent": count}
+
+
+async def _nats_consumer(url):
+    import nats
+    nc = await nats.connect(url)
+    state = {"got": 0, "sum": 0, "first": None, "last": None}
+
+    async def on_msg(msg):
+        now = time.monotonic_ns()
+        state["first"] = state["first"] or now
+        state["last"] = now
+        state["got"] += 1
+        state["sum"] += int(msg.data[:20])
+
+    await nc.subscribe(SUBJECT, queue=GROUP, cb=on_msg, pending_msgs_limit=-1,
+                       pending_bytes_limit=-1)
+    await nc.flush()
+    print("ready", flush=True)
+    seen = -1
+    while seen != state["got"] or not seen:     # until quiet after traffic
+        seen = state["got"]
+        await asyncio.sleep(QUIET)
+    await nc.close()
+    return {"received": state["got"], "sum": state["sum"], "first_ns": state["first"],
+            "last_ns": state["last"]}
+
+
+async def _nats_publisher(url, count, payload):
+    import nats
+    nc = await nats.connect(url, pending_size=8 << 20)
+    for i in range(count):
+        await nc.publish(SUBJECT, job(i, payload))
+    await nc.flush(timeout=60)
+    await nc.close()
+    return {"sent": count}
+
+
+def worker(args):
+    if args.worker == "sbus_consumer":
+        out = sbus_consumer(args.address, args.prefetch)
+    elif args.worker == "sbus_publisher":
+        out = sbus_publisher(args.address, args.count, args.payload, args.consumers)
+    elif args.worker == "nats_consumer":
+        out = asyncio.run(_nats_consumer(args.address))
+    else:
+        out = asyncio.run(_nats_publisher(args.address, args.count, args.payload))
+    print(json.dumps(out), flush=True)
+
+
+# -- the run ----------------------------------------------------------------------------
+
+def spawn(args, kind, address, procs, **more):
+    argv = [sys.executable, __file__, "--worker", kind, "--address", address,
+            "--count", str(args.count), "--payload", str(args.payload),
+            "--consumers", str(args.consumers), "--prefetch", str(args.prefetch)]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, **more)
+    procs.append(p)
+    return p
+
+
+def wait_ready(p):
+    line = p.stdout.readline()
+    if line.strip() != "ready":
+        raise SystemExit(f"bench_queue: a worker did not start: {line!r}")
+
+
+def report(p, timeout):
+    out, _ = p.communicate(timeout=timeout)
+    if p.returncode:
+        raise SystemExit(f"bench_queue: a worker failed ({p.returncode})")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def row(name, args, results):
+    got = sum(r["received"] for r in results)
+    total = sum(r["sum"] for r in results)
+    first = min(r["first_ns"] for r in results if r["first_ns"])
+    last = max(r["last_ns"] for r in results if r["last_ns"])
+    seconds = (last - first) / 1e9
+    exact = got == args.count and total == args.count * (args.count - 1) // 2
+    return {"row": name, "jobs": got, "exactly_once": exact,
+            "per_consumer": [r["received"] for r in results],
+            "seconds": seconds, "jobs_per_s": got / seconds if seconds > 0 else None}
+
+
+def run_sbus(args, work):
+    procs = []
+    address = str(work / "sbus.socket")
+    try:
+        broker = subprocess.Popen([str(BIN / "sbusd"), "-f", "-a", address, "--log-level",
+                                   "warning", "--log-format", "json", "--log-file",
+                                   str(work / "sbusd.log")], stdout=subprocess.PIPE)
+        procs.append(broker)
+        broker.stdout.read()    # sbusd closes its stdout once it listens
+        service = subprocess.Popen([str(BIN / "sbus"), "-a", address, "queue", PATTERN,
+                                    "--prefetch", str(args.prefetch), "--max-held",
+                                    str(args.count + args.consumers), "--log-format", "json",
+                                    "--log-file", str(work / "queue.log")])
+        procs.append(service)
+        for _ in range(200):
+            if (work / "queue.log").exists() and b"queue_start" in (work / "queue.log").read_bytes():
+                break
+            time.sleep(0.05)
+        consumers = [spawn(args, "sbus_consumer", address, procs)
+                     for _ in range(args.consumers)]
+        for c in consumers:
+            wait_ready(c)
+        time.sleep(0.5)     # their hellos are in
+        publisher = spawn(args, "sbus_publisher", address, procs)
+        report(publisher, 600)
+        return row("queue_sbus", args, [report(c, 600) for c in consumers])
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
+
+
+def run_nats(args, work):
+    procs = []
+    port = free_port()
+    try:
+        server = subprocess.Popen([str(BIN / "nats-server"), "-a", "127.0.0.1", "-p", str(port)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(server)
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        url = f"nats://127.0.0.1:{port}"
+        consumers = [spawn(args, "nats_consumer", url, procs) for _ in range(args.consumers)]
+        for c in consumers:
+            wait_ready(c)
+        publisher = spawn(args, "nats_publisher", url, procs)
+        report(publisher, 600)
+        return row("queue_nats", args, [report(c, 600) for c in consumers])
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--count", type=int, default=200_000, help="jobs per run (default 200000)")
+    ap.add_argument("--payload", type=int, default=64, help="bytes per job (default 64)")
+    ap.add_argument("--consumers", type=int, default=4, help="consumers (default 4)")
+    ap.add_argument("--prefetch", type=int, default=256,
+                    help="sbus queue --prefetch and the consumers' (default 256)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each row (default 3)")
+    ap.add_argument("--quick", action="store_true", help="one short run of each: 5000 jobs")
+    ap.add_argument("--json", metavar="PATH", help="where to write the results")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--address", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.count, args.repeat = 5000, 1
+    runs = {"queue_sbus": [], "queue_nats": []}
+    for i in range(args.repeat):
+        for name, run in (("queue_sbus", run_sbus), ("queue_nats", run_nats)):
+            with tempfile.TemporaryDirectory(prefix="bench-queue-") as work:
+                say(f"{name} run {i + 1}/{args.repeat}: {args.count} jobs, "
+                    f"{args.consumers} consumers")
+                runs[name].append(run(args, Path(work)))
+    print(f"{'row':<12} {'jobs/s (median)':>16} {'exactly once':>13}  per consumer (last run)")
+    medians = {}
+    for name, rs in runs.items():
+        rates = [r["jobs_per_s"] for r in rs if r["jobs_per_s"]]
+        medians[name] = statistics.median(rates) if rates else None
+        shown = f"{medians[name]:,.0f}" if medians[name] else "-"
+        print(f"{name:<12} {shown:>16} {str(all(r['exactly_once'] for r in rs)):>13}  "
+              f"{rs[-1]['per_consumer']}")
+    if medians["queue_sbus"] and medians["queue_nats"]:
+        print(f"sbus / NATS: {medians['queue_sbus'] / medians['queue_nats']:.2f}x")
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = Path(args.json) if args.json else RESULTS / f"queue-{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                         cwd=BENCH).stdout.strip()
+    path.write_text(json.dumps({"time": stamp, "commit": rev, "cores": os.cpu_count(),
+                                "settings": {k: getattr(args, k) for k in
+                                             ("count", "payload", "consumers", "prefetch",
+                                              "repeat")},
+                                "runs": runs, "medians": medians}, indent=2))
+    say(f"results: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

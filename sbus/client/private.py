@@ -1,0 +1,67 @@
+"""Answers to one asker on its private key: the convention services share.
+
+The asker learns its credentials with ``whoami`` (``!/cred/GID/UID/PID``,
+longer behind other brokers) and makes an *inbox* under them,
+``<credentials>/<kind>/<id>/``: ``kind`` names the service (``queue``,
+``reply``) and ``id`` is random, so two inboxes of one process never meet.
+It subscribes to the inbox (the pattern ends in ``/``: everything under it)
+and tells the other side the inbox's text; answers go to
+``<inbox><suffix>``, the suffix saying what the answer is (a correlation id
+for a reply, ``job`` for a queue delivery). The broker hands a key under
+``!/cred/GID/UID/PID/`` only to a client with those credentials, so nobody
+else reads an answer, and an answer to an asker that has gone is dropped.
+
+This module makes and reads such keys; it sends nothing.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from .protocol import Credentials
+
+# Bytes of randomness in an id: 64 bits, so ids are neither guessed nor repeated.
+ID_BYTES = 8
+
+
+def new_id() -> str:
+    """A fresh random id (hex): an inbox's, a correlation id, a token."""
+    return os.urandom(ID_BYTES).hex()
+
+
+def is_private(key: bytes) -> bool:
+    """True for a key under ``!/cred/``, which only its owner may subscribe to."""
+    return key.startswith(b"!/cred/")
+
+
+class PrivateInbox:
+    """``<credentials>/<kind>/<id>/``: where one asker's answers arrive.
+
+    ``pattern`` is what the asker subscribes to; ``key(suffix)`` is where an
+    answer goes; ``suffix_of(key)`` is the suffix of a key in the inbox, or
+    None for any other key.
+    """
+
+    __slots__ = ("prefix", "_raw")
+
+    def __init__(self, credentials: Credentials, kind: str, id: Optional[str] = None) -> None:
+        if not kind or "/" in kind:
+            raise ValueError(f"an inbox kind is one key segment, not {kind!r}")
+        self.prefix = f"{credentials}/{kind}/{id or new_id()}/"
+        self._raw = self.prefix.encode()
+
+    @property
+    def pattern(self) -> str:
+        return self.prefix
+
+    def key(self, suffix: str = "") -> str:
+        return self.prefix + suffix
+
+    def suffix_of(self, key: bytes) -> Optional[bytes]:
+        return key[len(self._raw):] if key.startswith(self._raw) else None
+
+    def __str__(self) -> str:
+        return self.prefix
+
+    def __repr__(self) -> str:
+        return f"PrivateInbox({self.prefix!r})"

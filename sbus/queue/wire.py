@@ -1,0 +1,150 @@
+"""The queue's wire convention (docs/queues.md): keys and payloads, packed and parsed.
+
+Keys under ``sbus/queue/`` are the service's public requests and are never
+jobs. Everything else the service says goes to one consumer's private inbox
+(``sbus.client.private``); everything a consumer says after its hello goes to
+the service's private control key. Payloads are ASCII fields separated by
+single spaces, the last field taking the rest of the payload; a delivered
+job carries its original ``key\\0payload`` after its two fields, as a ``MSG``
+packet does.
+"""
+from __future__ import annotations
+
+import json
+from typing import Dict, List, NamedTuple, Tuple
+
+PREFIX = b"sbus/queue/"
+HELLO_KEY = "sbus/queue/hello"     # <prefetch> <inbox> <pattern>; again to renew the lease
+STATE_KEY = "sbus/queue/state"     # <inbox> <pattern>
+
+# Suffixes of a consumer's inbox (service -> consumer).
+WELCOME = "welcome"    # <token> <lease seconds> <control key>
+JOB = "job"            # <tag> <deliveries> <key>\0<payload>
+EXPIRED = "expired"    # <token>: the service forgot this consumer; say hello again
+STATE = "state"        # the service's state as JSON
+# Suffix of the service's inbox: its control key (consumer -> service).
+CONTROL = "ctl"
+
+# The longest inbox a hello may name, and so the most a delivery adds to the
+# job's own packet ("MSG key\0payload"): the inbox, "job", two counts and
+# their spaces. A job within that much of the broker's --max-message is
+# dropped on arrival (counted as oversize): it could not be delivered.
+MAX_INBOX = 200
+DELIVERY_OVERHEAD = MAX_INBOX + len(JOB) + 2 * 20
+
+# Verbs on the control key: "<verb> <token> <arguments>".
+ACK = "ack"            # <tag>...: done, forget these jobs
+NACK = "nack"          # <tag>...: not done, give these jobs to a consumer again
+REJECT = "reject"      # <tag>...: not done, and drop these jobs (counted)
+BYE = "bye"            # (nothing): leaving; its unacknowledged jobs go back to the queue
+VERBS = (ACK, NACK, REJECT, BYE)
+
+
+class WireError(ValueError):
+    """A payload that does not follow the convention."""
+
+
+def _fields(payload: bytes, count: int) -> List[bytes]:
+    """``count`` fields: count-1 separated by single spaces, the last the rest."""
+    parts = payload.split(b" ", count - 1)
+    if len(parts) != count:
+        raise WireError(f"expected {count} fields: {payload[:80]!r}")
+    return parts
+
+
+def _count(raw: bytes, what: str) -> int:
+    if not raw.isdigit() or len(raw) > 18:
+        raise WireError(f"{what} is not a count: {raw[:20]!r}")
+    return int(raw)
+
+
+def parse_inbox(raw: bytes, what: str = "inbox") -> str:
+    """An inbox or key given to the service: it must be private, or the service
+    would publish jobs and state for anyone to read."""
+    if not raw.startswith(b"!/cred/") or b" " in raw:
+        raise WireError(f"{what} is not a private key: {raw[:80]!r}")
+    if len(raw) > MAX_INBOX:
+        raise WireError(f"{what} is longer than {MAX_INBOX} bytes")
+    return raw.decode("ascii", "surrogateescape")
+
+
+# -- public requests ----------------------------------------------------------------
+
+def pack_hello(prefetch: int, inbox: str, pattern: str) -> bytes:
+    return f"{prefetch} {inbox} ".encode() + pattern.encode("utf-8", "surrogateescape")
+
+
+def parse_hello(payload: bytes) -> Tuple[int, str, bytes]:
+    """(prefetch, inbox, pattern)."""
+    prefetch, inbox, pattern = _fields(payload, 3)
+    return _count(prefetch, "prefetch"), parse_inbox(inbox), pattern
+
+
+def pack_state_request(inbox: str, pattern: str) -> bytes:
+    return f"{inbox} ".encode() + pattern.encode("utf-8", "surrogateescape")
+
+
+def parse_state_request(payload: bytes) -> Tuple[str, bytes]:
+    """(inbox, pattern)."""
+    inbox, pattern = _fields(payload, 2)
+    return parse_inbox(inbox), pattern
+
+
+# -- service -> consumer ---------------------------------------------------------------
+
+class Welcome(NamedTuple):
+    token: str
+    lease: float
+    control: str
+
+
+def pack_welcome(token: str, lease: float, control: str) -> bytes:
+    return f"{token} {lease:g} {control}".encode()
+
+
+def parse_welcome(payload: bytes) -> Welcome:
+    token, lease, control = _fields(payload, 3)
+    try:
+        seconds = float(lease)
+    except ValueError:
+        raise WireError(f"lease is not a number: {lease[:20]!r}") from None
+    return Welcome(token.decode("ascii", "replace"), seconds,
+                   control.decode("ascii", "surrogateescape"))
+
+
+def pack_job(tag: int, deliveries: int, key: bytes, payload: bytes) -> bytes:
+    return b"%d %d %s\0%s" % (tag, deliveries, key, payload)
+
+
+def parse_job(payload: bytes) -> Tuple[int, int, bytes, bytes]:
+    """(tag, deliveries, key, payload)."""
+    tag, deliveries, rest = _fields(payload, 3)
+    key, sep, body = rest.partition(b"\0")
+    if not sep:
+        raise WireError("a job without NUL after its key")
+    return _count(tag, "tag"), _count(deliveries, "deliveries"), key, body
+
+
+def pack_state(state: Dict) -> bytes:
+    return json.dumps(state, sort_keys=True).encode()
+
+
+# -- consumer -> service ----------------------------------------------------------------
+
+def pack_control(verb: str, token: str, *args) -> bytes:
+    return " ".join((verb, token, *map(str, args))).encode()
+
+
+def parse_control(payload: bytes) -> Tuple[str, str, List[bytes]]:
+    """(verb, token, arguments): the tags of ack, nack and reject."""
+    parts = payload.split(b" ")
+    if len(parts) < 2:
+        raise WireError(f"control without a token: {payload[:80]!r}")
+    verb = parts[0].decode("ascii", "replace")
+    if verb not in VERBS:
+        raise WireError(f"unknown verb {verb!r}")
+    return verb, parts[1].decode("ascii", "replace"), parts[2:]
+
+
+def parse_tags(args: List[bytes]) -> List[int]:
+    return [_count(a, "tag") for a in args if a]

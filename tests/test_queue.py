@@ -1,0 +1,453 @@
+"""``sbus queue`` and its consumers, with real sbusd, service and consumer processes."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import subprocess
+import threading
+from collections import Counter
+
+import pytest
+
+from sbus import Client
+from sbus import logschema as ls
+from sbus.aio import Client as AsyncClient
+from sbus.client.consume import consume, consume_async
+from sbus.client.private import PrivateInbox
+from sbus.client.protocol import Credentials
+from sbus.queue import state as st
+from sbus.queue import wire
+
+from support import SBUS, TESTS, Conn, QueueService, asroot, start_worker, wait_until
+
+TIMEOUT = 20.0
+PATTERN = "jobs/"
+
+
+@pytest.fixture
+def bus(start_broker):
+    return start_broker()
+
+
+@pytest.fixture
+def queues(tmp_path):
+    """Factory: ``queues(address, PATTERN, ARGS...)`` starts ``sbus queue``; stopped at teardown."""
+    started = []
+
+    def start(address, pattern=PATTERN, *args):
+        q = QueueService.start(tmp_path, address, pattern, *args)
+        started.append(q)
+        return q
+
+    yield start
+    for q in started:
+        q.stop()
+
+
+class Consumers:
+    """Consumer worker processes (tests/workers/consumer.py) and the jobs each printed."""
+
+    def __init__(self, address):
+        self.address = address
+        self.procs = []
+        self.jobs = []      # per consumer: the JSON lines it printed so far
+        self._lock = threading.Lock()
+
+    def start(self, prefetch, mode, pattern=PATTERN) -> int:
+        proc = start_worker("consumer", self.address, pattern, prefetch, mode)
+        index = len(self.procs)
+        self.procs.append(proc)
+        self.jobs.append([])
+        threading.Thread(target=self._read, args=(proc, index), daemon=True).start()
+        return index
+
+    def _read(self, proc, index):
+        for line in proc.stdout:
+            with self._lock:
+                self.jobs[index].append(json.loads(line))
+
+    def all(self) -> list:
+        with self._lock:
+            return [j for jobs in self.jobs for j in jobs]
+
+    def counts(self) -> list:
+        with self._lock:
+            return [len(j) for j in self.jobs]
+
+    def stop(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def consumers(bus):
+    c = Consumers(bus.address)
+    yield c
+    c.stop()
+
+
+def publish(address, keys_payloads):
+    with Client(address) as pub:
+        for key, payload in keys_payloads:
+            pub.publish(key, payload)
+        pub.whoami(timeout=TIMEOUT)     # the broker has taken them all
+
+
+def jobs(n, start=0):
+    return [(f"jobs/{i % 3}", f"job-{i}") for i in range(start, start + n)]
+
+
+def wait_state(q, predicate, what):
+    """The service's state once ``predicate`` holds for it."""
+    def matching():
+        state = q.state()
+        return state if predicate(state) else None
+    return wait_until(matching, TIMEOUT, what, interval=0.05)
+
+
+def test_jobs_go_round_the_consumers_within_their_prefetch(bus, queues, consumers):
+    q = queues(bus.address, PATTERN, "--prefetch", "3")
+    for _ in range(3):
+        consumers.start(50, "hold")     # asks for 50: the service grants 3
+    wait_state(q, lambda s: len(s["consumers"]) == 3, "three consumers")
+    publish(bus.address, jobs(11))
+    s = wait_state(q, lambda s: s["in_flight"] == 9 and s["held"] == 2, "9 in flight, 2 held")
+    assert sorted(c["in_flight"] for c in s["consumers"]) == [3, 3, 3]
+    assert all(c["prefetch"] == 3 for c in s["consumers"])
+    wait_until(lambda: sum(consumers.counts()) == 9, TIMEOUT, "9 jobs printed")
+    assert consumers.counts() == [3, 3, 3]
+    payloads = [j["payload"] for j in consumers.all()]
+    assert sorted(payloads) == sorted(f"job-{i}" for i in range(9))
+    assert {j["deliveries"] for j in consumers.all()} == {1}
+    assert q.state()["held"] == 2      # nobody has credit: the rest wait
+    assert (s["received"], s["delivered"], s["dropped"]) == (11, 9, 0)
+
+
+def test_each_job_goes_to_exactly_one_consumer(bus, queues, consumers):
+    q = queues(bus.address)
+    for _ in range(4):
+        consumers.start(16, "ack")
+    wait_state(q, lambda s: len(s["consumers"]) == 4, "four consumers")
+    publish(bus.address, jobs(400))
+    wait_until(lambda: len(consumers.all()) >= 400, TIMEOUT, "400 jobs printed")
+    s = wait_state(q, lambda s: s["acked"] == 400, "400 acks")
+    got = Counter(j["payload"] for j in consumers.all())
+    assert got == Counter(f"job-{i}" for i in range(400))
+    assert all(n > 0 for n in consumers.counts()), consumers.counts()
+    assert (s["held"], s["in_flight"], s["redelivered"], s["delivered"]) == (0, 0, 0, 400)
+
+
+def test_a_consumer_killed_mid_stream_loses_no_job(bus, queues, consumers):
+    q = queues(bus.address, PATTERN, "--lease", "1")
+    holder = consumers.start(5, "hold")
+    wait_state(q, lambda s: len(s["consumers"]) == 1, "the holder")
+    publish(bus.address, jobs(5))
+    wait_until(lambda: consumers.counts()[holder] == 5, TIMEOUT, "the holder's 5 jobs")
+    worker = consumers.start(4, "ack")
+    wait_state(q, lambda s: len(s["consumers"]) == 2, "the worker")
+    publish(bus.address, jobs(45, start=5))
+    wait_until(lambda: consumers.counts()[worker] == 45, TIMEOUT, "the worker's 45 jobs")
+    held_by_holder = {j["payload"] for j in consumers.jobs[holder]}
+    consumers.procs[holder].send_signal(signal.SIGKILL)
+    wait_until(lambda: consumers.counts()[worker] == 50, TIMEOUT, "the holder's jobs again")
+    again = [j for j in consumers.jobs[worker] if j["deliveries"] > 1]
+    assert {j["payload"] for j in again} == held_by_holder
+    assert {j["deliveries"] for j in again} == {2}
+    done = Counter(j["payload"] for j in consumers.jobs[worker])
+    assert done == Counter(f"job-{i}" for i in range(50))
+    s = wait_state(q, lambda s: s["acked"] == 50, "50 acks")
+    assert (s["redelivered"], s["consumers_lost"], s["in_flight"], s["held"]) == (5, 1, 0, 0)
+    left = q.wait_for_event(ls.QUEUE_CONSUMER_LEAVE)
+    assert (left["reason"], left["requeued"], left["acked"]) == (st.LEFT_LEASE, 5, 0)
+
+
+def test_without_a_consumer_jobs_are_held_then_the_oldest_dropped(bus, queues, consumers):
+    q = queues(bus.address, PATTERN, "--max-held", "5")
+    publish(bus.address, jobs(8))
+    s = wait_state(q, lambda s: s["received"] == 8, "8 jobs received")
+    assert (s["held"], s["dropped"], s["delivered"]) == (5, 3, 0)
+    q.wait_for_event(ls.QUEUE_DROP, TIMEOUT, lambda r: r["dropped"] == 3)
+    drops = q.events(ls.QUEUE_DROP)
+    assert sum(r["count"] for r in drops) == 3
+    assert {r["reason"] for r in drops} == {"full"}
+    assert drops[-1]["dropped"] == 3 and drops[-1]["level"] == "warning"
+    consumers.start(16, "ack")
+    wait_until(lambda: len(consumers.all()) == 5, TIMEOUT, "the 5 held jobs")
+    assert [j["payload"] for j in consumers.all()] == [f"job-{i}" for i in range(3, 8)]
+
+
+def test_a_job_too_large_to_deliver_is_dropped_on_arrival(bus, queues, consumers):
+    q = queues(bus.address)
+    limit = 409600 - len("MSG jobs/big\0")
+    publish(bus.address, [("jobs/big", "x" * limit), ("jobs/fits", "y" * (limit - 300))])
+    s = wait_state(q, lambda s: s["received"] + s["oversize"] == 2, "both jobs")
+    assert (s["oversize"], s["received"], s["held"]) == (1, 1, 1)
+    drop = q.wait_for_event(ls.QUEUE_DROP)
+    assert (drop["reason"], drop["key"], drop["size"]) == ("oversize", "jobs/big", limit)
+    consumers.start(1, "ack")
+    wait_until(lambda: len(consumers.all()) == 1, TIMEOUT, "the job that fits")
+    assert consumers.all()[0]["key"] == "jobs/fits"
+    assert q.proc.poll() is None
+
+
+def test_a_job_held_past_the_ack_timeout_goes_to_another_consumer(bus, queues, consumers):
+    q = queues(bus.address, PATTERN, "--ack-timeout", "1", "--prefetch", "1")
+    stuck = consumers.start(1, "hold")
+    wait_state(q, lambda s: len(s["consumers"]) == 1, "the stuck consumer")
+    publish(bus.address, jobs(1))
+    wait_until(lambda: consumers.counts()[stuck] == 1, TIMEOUT, "the stuck consumer's job")
+    worker = consumers.start(1, "ack")
+    wait_until(lambda: consumers.counts()[worker] == 1, TIMEOUT, "the job again")
+    assert consumers.jobs[worker][0]["payload"] == "job-0"
+    assert consumers.jobs[worker][0]["deliveries"] == 2
+    left = q.wait_for_event(ls.QUEUE_CONSUMER_LEAVE)
+    assert (left["reason"], left["requeued"]) == (st.LEFT_ACK_TIMEOUT, 1)
+
+
+def test_nack_gives_a_job_out_again_and_reject_drops_it(bus, queues):
+    q = queues(bus.address)
+    with Client(bus.address) as c:
+        jobs_in = consume(c, PATTERN, prefetch=1)
+        publish(bus.address, [("jobs/a", "one"), ("jobs/b", "two")])
+        first = next(jobs_in)
+        assert (first.key, first.payload, first.deliveries) == (b"jobs/a", b"one", 1)
+        first.nack()
+        again = next(jobs_in)
+        assert (again.key, again.deliveries, again.redelivered) == (b"jobs/a", 2, True)
+        again.nack(requeue=False)
+        second = next(jobs_in)
+        assert (second.payload, second.deliveries) == (b"two", 1)
+        second.ack()
+        with pytest.raises(RuntimeError):
+            second.ack()
+        s = wait_state(q, lambda s: s["acked"] == 1, "one ack")
+        assert (s["nacked"], s["rejected"], s["redelivered"], s["in_flight"]) == (1, 1, 1, 0)
+        jobs_in.close()
+    left = q.wait_for_event(ls.QUEUE_CONSUMER_LEAVE)
+    assert left["reason"] == st.LEFT_BYE
+
+
+def test_closing_the_generator_hands_prefetched_jobs_to_others(bus, queues, consumers):
+    q = queues(bus.address)
+    with Client(bus.address) as c:
+        jobs_in = consume(c, PATTERN, prefetch=4)
+        publish(bus.address, jobs(4))
+        next(jobs_in).ack()
+        wait_state(q, lambda s: s["in_flight"] == 3, "3 prefetched")
+        jobs_in.close()
+    s = wait_state(q, lambda s: s["held"] == 3, "3 handed back")
+    assert (s["in_flight"], len(s["consumers"])) == (0, 0)
+    consumers.start(16, "ack")
+    wait_until(lambda: len(consumers.all()) == 3, TIMEOUT, "the 3 handed back")
+    assert {j["deliveries"] for j in consumers.all()} == {2}
+
+
+def test_the_asyncio_consumer(bus, queues):
+    queues(bus.address)
+
+    async def run():
+        async with AsyncClient(bus.address) as c:
+            got = []
+            publish(bus.address, jobs(3))
+            async for job in consume_async(c, PATTERN, prefetch=2):
+                got.append(job.payload)
+                await job.ack()
+                if len(got) == 3:
+                    break
+            return got
+
+    assert asyncio.run(asyncio.wait_for(run(), TIMEOUT)) == [b"job-0", b"job-1", b"job-2"]
+
+
+def test_sbus_consume_prints_and_acknowledges(bus, queues):
+    q = queues(bus.address)
+    publish(bus.address, [("jobs/x", "hello"), ("jobs/y", "world")])
+    wait_state(q, lambda s: s["held"] == 2, "2 held")
+    r = subprocess.run([SBUS, "-a", bus.address, "consume", "--json", "-n", "2", PATTERN],
+                       capture_output=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line) for line in r.stdout.splitlines()] == [
+        {"type": "msg", "key": "jobs/x", "payload": "hello"},
+        {"type": "msg", "key": "jobs/y", "payload": "world"}]
+    s = wait_state(q, lambda s: s["acked"] == 2, "2 acks")
+    assert (s["held"], s["in_flight"]) == (0, 0)
+
+
+def test_bad_requests_are_counted_and_the_service_stays(bus, queues):
+    q = queues(bus.address)
+    control = q.start_record["control"]
+    publish(bus.address, [
+        (wire.HELLO_KEY, "x"), (wire.HELLO_KEY, "1 public/inbox/ jobs/"),
+        (wire.HELLO_KEY, "99999999999999999999 !/cred/1/2/3/q/ jobs/"),
+        (wire.STATE_KEY, "not/private jobs/"), (control, "dance 1"), (control, "ack"),
+        (control, "ack nosuchtoken 5"), ("sbus/queue/other", "?")])
+    s = wait_state(q, lambda s: s["bad_requests"] == 6, "6 bad requests")
+    assert (s["late_acks"], s["received"], len(s["consumers"])) == (1, 0, 0)
+    assert q.proc.poll() is None
+
+
+def test_the_service_rides_out_a_broker_restart(start_broker, queues):
+    first = start_broker()
+    q = queues(first.address)
+    first.stop()
+    q.wait_for_event(ls.QUEUE_BUS_LOST, TIMEOUT)
+    start_broker("-r", address=first.address)
+    q.wait_for_event(ls.QUEUE_BUS_BACK, TIMEOUT)
+    publish(first.address, jobs(3))
+    with Client(first.address) as c:
+        jobs_in = consume(c, PATTERN)
+        got = []
+        for job in jobs_in:
+            got.append(job.payload)
+            job.ack()
+            if len(got) == 3:
+                break
+    assert got == [b"job-0", b"job-1", b"job-2"]
+    assert wait_state(q, lambda s: s["acked"] == 3, "3 acks")["received"] == 3
+
+
+def test_state_is_logged(bus, queues):
+    q = queues(bus.address, PATTERN, "--stats-interval", "0.2")
+    publish(bus.address, jobs(2))
+    rec = q.wait_for_event(ls.QUEUE_STATS, TIMEOUT, lambda r: r["held"] == 2)
+    assert (rec["in_flight"], rec["received"], rec["consumers"]) == (0, 2, [])
+    q.stop()
+    stop = q.wait_for_event(ls.QUEUE_STOP)
+    assert (stop["reason"], stop["held"], stop["received"]) == ("signal", 2, 2)
+
+
+@asroot
+def test_an_eavesdropper_sees_public_jobs_but_no_delivery(open_broker, queues, spawn):
+    broker = open_broker()
+    q = queues(broker.address)
+
+    def child(ctl):
+        held = {}
+        for pattern in ("", "!/", "!/cred/", "*/"):
+            c = Conn.to(broker.address)
+            if c.sub_ok(pattern):
+                held[pattern] = c
+        ctl.send({"held": sorted(held)})
+        ctl.wait()
+        return {p: [[k.decode(), v.decode()] for k, v in
+                    (pkt[4:].split(b"\0", 1) for pkt in c.collect()
+                     if pkt.startswith(b"MSG "))]
+                for p, c in held.items()}
+
+    eavesdropper = spawn(child)
+    assert eavesdropper.recv() == {"held": ["", "*/"]}
+    with Client(broker.address) as c:
+        jobs_in = consume(c, PATTERN, prefetch=2)
+        publish(broker.address, jobs(6))
+        for _ in range(6):
+            next(jobs_in).ack()
+        wait_state(q, lambda s: s["acked"] == 6, "6 acks")
+        jobs_in.close()
+    eavesdropper.send({"go": True})
+    seen = eavesdropper.result()
+    for pattern, got in seen.items():
+        keys = [k for k, _ in got]
+        assert [(k, v) for k, v in got if k.startswith("jobs/")] == jobs(6), pattern
+        assert not [k for k in keys if k.startswith("!")], pattern
+        assert set(keys) <= {k for k, _ in jobs(6)} | {wire.HELLO_KEY, wire.STATE_KEY}, pattern
+
+
+# -- the pieces, without processes ------------------------------------------------------
+
+def test_inbox_keys():
+    creds = Credentials.parse("!/cred/1/2/3")
+    box = PrivateInbox(creds, "queue", "abc")
+    assert (box.pattern, box.key("job")) == ("!/cred/1/2/3/queue/abc/", "!/cred/1/2/3/queue/abc/job")
+    assert box.suffix_of(b"!/cred/1/2/3/queue/abc/welcome") == b"welcome"
+    assert box.suffix_of(b"!/cred/1/2/3/queue/abd/welcome") is None
+    assert PrivateInbox(creds, "queue").prefix != PrivateInbox(creds, "queue").prefix
+    with pytest.raises(ValueError):
+        PrivateInbox(creds, "a/b")
+
+
+def test_wire_round_trips():
+    assert wire.parse_hello(wire.pack_hello(4, "!/cred/1/2/3/q/x/", "a b/*/")) == (
+        4, "!/cred/1/2/3/q/x/", b"a b/*/")
+    packed = wire.pack_job(7, 2, b"k e\ny", b"pay\0load")
+    assert packed == b"7 2 k e\ny\0pay\0load"
+    assert wire.parse_job(packed) == (7, 2, b"k e\ny", b"pay\0load")
+    assert wire.parse_welcome(wire.pack_welcome("t0k", 2.5, "!/cred/1/2/3/queue/s/ctl")) == (
+        "t0k", 2.5, "!/cred/1/2/3/queue/s/ctl")
+    assert wire.parse_control(b"ack t 1 2 3") == ("ack", "t", [b"1", b"2", b"3"])
+    for bad in (b"", b"1 !/cred/1/2/3/", b"x !/cred/1/2/3/q/ p", b"1 pub/lic/ p"):
+        with pytest.raises(wire.WireError):
+            wire.parse_hello(bad)
+
+
+def test_queue_log_fields_keep_the_broker_schemas_types():
+    broker = ls.all_fields()
+    for event, fields in ls.QUEUE_EVENT_FIELDS.items():
+        for name, tag in fields:
+            assert broker.get(name, tag) == tag, (event, name)
+    assert not set(ls.QUEUE_EVENT_FIELDS) & set(ls.EVENT_FIELDS)
+
+
+def test_every_logged_queue_field_is_in_the_schema(bus, queues, consumers):
+    q = queues(bus.address, PATTERN, "--max-held", "1", "--stats-interval", "0.2",
+               "--lease", "1")
+    publish(bus.address, jobs(2))
+    consumers.start(1, "hold")
+    wait_until(lambda: len(consumers.all()) == 1, TIMEOUT, "a job")
+    consumers.procs[0].kill()
+    q.wait_for_event(ls.QUEUE_CONSUMER_LEAVE, TIMEOUT)
+    q.wait_for_event(ls.QUEUE_STATS, TIMEOUT, lambda r: r["consumers_lost"] == 1)
+    q.stop()
+    common = {name for name, _ in ls.COMMON_FIELDS}
+    seen = set()
+    for r in q.records():
+        if r["event"] in ls.QUEUE_EVENT_FIELDS:
+            seen.add(r["event"])
+            assert set(r) - common == {n for n, _ in ls.QUEUE_EVENT_FIELDS[r["event"]]}, r
+    assert seen >= {ls.QUEUE_START, ls.QUEUE_STOP, ls.QUEUE_DROP, ls.QUEUE_STATS,
+                    ls.QUEUE_CONSUMER_JOIN, ls.QUEUE_CONSUMER_LEAVE}
+
+
+@pytest.mark.spark
+@pytest.mark.filterwarnings("ignore:PySpark does not yet fully support pandas")
+def test_the_analytics_job_reads_a_log_with_queue_records(spark, bus, queues, consumers,
+                                                          tmp_path):
+    from sbus.analytics import event_counts, line_summary, parse, read_events, read_lines
+
+    q = queues(bus.address, PATTERN, "--max-held", "1", "--stats-interval", "0.2",
+               "--lease", "1")
+    publish(bus.address, jobs(2))
+    consumers.start(1, "hold")
+    wait_until(lambda: len(consumers.all()) == 1, TIMEOUT, "a job")
+    consumers.procs[0].kill()
+    q.wait_for_event(ls.QUEUE_STATS, TIMEOUT, lambda r: r["consumers_lost"] == 1)
+    q.stop()
+    both = tmp_path / "both.log"
+    both.write_text(bus.log_path.read_text() + q.log_path.read_text())
+    lines = [line for line in both.read_text().splitlines() if line]
+    summary = line_summary(parse(read_lines(spark, [str(both)])))
+    assert (summary["lines"], summary["malformed"]) == (len(lines), 0)
+    counted = {r["event"]: r["records"] for r in event_counts(read_events(spark, [str(both)]))
+               .collect()}
+    assert counted == Counter(json.loads(line)["event"] for line in lines)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_a_c_consumer_written_from_the_docs(bus, queues, tmp_path):
+    exe = tmp_path / "queue_consumer"
+    built = subprocess.run(["gcc", "-std=c99", "-D_DEFAULT_SOURCE", "-O2", "-Wall", "-Wextra",
+                            "-Werror", "-o", str(exe), str(TESTS / "c" / "queue_consumer.c")],
+                           capture_output=True, text=True, timeout=TIMEOUT)
+    assert built.returncode == 0, built.stderr
+    q = queues(bus.address)
+    publish(bus.address, [("jobs/a", "one"), ("jobs/b", "two two"), ("jobs/c", "three")])
+    run = subprocess.run([str(exe), bus.address, PATTERN, "3"], capture_output=True,
+                         text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "jobs/a one 1\njobs/b two two 1\njobs/c three 1\n"
+    s = wait_state(q, lambda s: s["acked"] == 3, "3 acks")
+    assert (s["in_flight"], s["consumers"], s["late_acks"]) == (0, [], 0)
+    assert q.wait_for_event(ls.QUEUE_CONSUMER_LEAVE)["reason"] == st.LEFT_BYE
