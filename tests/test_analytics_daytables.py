@@ -5,7 +5,7 @@ and finishes its day tables; above it, Spark does both.  Two datasets are
 built here from the same logs, run by run, one each way; the stored rows and
 every table must agree in rows and in column types, so a day written either
 way reads like any other, and a run of either kind merges into it.  The logs
-are test_analytics' hand-made one, two simulated ones across midnight, and
+are the analytics tests' hand-made one, two simulated ones across midnight, and
 lines with the null and odd values where SQL's rules show.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_analytics import LINES, sim_log
+from support.analytics_log import LINES, sim_log
 
 pytestmark = [
     pytest.mark.spark,

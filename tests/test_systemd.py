@@ -33,10 +33,10 @@ import pytest
 
 from sbus import Client
 
-from support import ROOT, SBUSD, Conn, wait_until
+from support import SBUSD, Conn, wait_until
+from support.systemd import UNITS, read_unit
 
 TIMEOUT = 10.0
-UNITS = ROOT / "tools" / "systemd"
 
 # What systemd does between fork() and exec() for a socket-activated service
 # (src/core/execute.c): the socket at fd 3 (inheritable), LISTEN_FDS,
@@ -283,22 +283,6 @@ def test_systemd_socket_activate(tmp_path, procs):
 
 
 # ---------------------------------------------------------------- the units
-
-def read_unit(name: str) -> dict:
-    """{section: [(key, value), ...]} from a unit file, keeping repeated keys."""
-    sections: dict = {}
-    current = None
-    for raw in (UNITS / name).read_text().splitlines():
-        line = raw.strip()
-        if not line or line[0] in "#;":
-            continue
-        if line.startswith("["):
-            current = sections.setdefault(line.strip("[]"), [])
-            continue
-        key, _, value = line.partition("=")
-        current.append((key.strip(), value.strip()))
-    return sections
-
 
 def values(section: list, key: str) -> list:
     return [v for k, v in section if k == key]
