@@ -58,8 +58,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
+from harness import BENCH, ROOT, cpu_seconds
+
 RESULTS = BENCH / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
@@ -186,7 +186,7 @@ class _Jvm:
         self._compiler = jvm.java.lang.management.ManagementFactory.getCompilationMXBean()
 
     def cpu_s(self) -> float:
-        return _cpu_seconds(self.pid)
+        return cpu_seconds(self.pid)
 
     def jit_s(self) -> float:
         # Summed over the compiler threads, which share the cores with the job.
@@ -266,12 +266,6 @@ def _one(what: str, lines: int, master: str) -> dict:
                                                 echo=lambda _: None))
     spark.stop()
     return {"what": what, "seconds": round(timed.seconds, 2), "jit_s": round(timed.jit, 2)}
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _commit() -> str | None:
