@@ -1,4 +1,4 @@
-"""Typed result rows, the issue's goals, the table on stdout and the results file.
+"""Typed result rows, the performance targets (`Goal`), the table on stdout and the results file.
 
 Nothing here measures: workloads build `Row`s, this module judges and shows them.
 """
@@ -19,7 +19,8 @@ RESULTS = ROOT / "bench" / "results"
 
 @dataclass(frozen=True)
 class Goal:
-    """A target of the issue on one figure of a row: shown as ok or MISS, never asserted."""
+    """A performance target on one figure of a row (against the relay, or absolute): shown as ok or MISS,
+    never asserted."""
     field: str  # "ratio", "cpu_ratio", "sbus" or "drop_vs_off"
     op: str     # ">=" or "<="
     limit: float

@@ -37,7 +37,7 @@ def parser():
                     help="niceness of servers and load generator, so other work on the machine "
                          "disturbs them less (default -10; needs root, else ignored)")
     ap.add_argument("--analytics-args", default=None, metavar="ARGS",
-                    help="arguments for bench/bench_analytics.py (default: the issue's "
+                    help="arguments for bench/bench_analytics.py (default: a "
                          "1,000,000-line log on local[2]; with --quick, 100,000 lines)")
     ap.add_argument("--quiet-wait", type=float, default=60.0, metavar="S",
                     help="seconds in all to wait for other processes to leave the CPUs alone (default 60)")
