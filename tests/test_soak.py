@@ -272,6 +272,7 @@ def test_subscriber_closing_mid_send_and_kill_pipe_do_not_kill_the_broker(start_
     sub.close()                 # with data unread and more queued
     rec = b.wait_for_event("client_disconnect", timeout=10,
                            predicate=lambda r: r["counters"]["subscriptions"] == 1)
+    # eof if the broker reads the hang-up first, error if it is mid-write: the race is the point.
     assert rec["reason"] in ("eof", "error"), rec
     assert b.proc.poll() is None, b.stderr_text()[-3000:]
 
