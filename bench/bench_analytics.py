@@ -58,9 +58,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from harness import BENCH, ROOT, cpu_seconds
+from harness import ROOT, cpu_seconds, results_path
 
-RESULTS = BENCH / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -160,9 +159,8 @@ def run(lines: int = 1_000_000, master: str = "local[2]", seed: int = SEED,
                       baseline_fresh_jit_s=base_fresh["jit_s"], job_fresh_jit_s=job_fresh["jit_s"])
     if "generate_s" in info:
         result["generate_s"] = info["generate_s"]
-    RESULTS.mkdir(exist_ok=True)
-    name = f"analytics-{result['when'].replace(':', '')}.json"
-    (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
+    when = dt.datetime.strptime(result["when"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+    results_path("analytics", when).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 

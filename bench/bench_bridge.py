@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import os
 import statistics
@@ -36,9 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import BENCH, NatsServer, Sbusd, cpu_seconds, end_process, say
+from harness import NatsServer, Sbusd, cpu_seconds, end_process, results_path, say
 
-RESULTS = BENCH / "results"
 BIN = Path(sys.executable).parent
 KEY = b"bench/key"
 PLAIN_SUBJECT = "plain.bench"      # outside the bridges' prefix: plain NATS only
@@ -336,8 +334,7 @@ def main(argv=None):
     for rows in results.values():
         for r in rows:
             r.pop("latency_ns", None)
-    path = Path(args.json) if args.json else RESULTS / (
-        "bridge-" + dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + ".json")
+    path = Path(args.json) if args.json else results_path("bridge")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"payload": args.payload, "load": load, "rows": results},
                                indent=2))

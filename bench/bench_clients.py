@@ -33,9 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import BENCH, NatsServer, Sbusd, cpu_seconds, end_process, nats_server_path, say
+from harness import NatsServer, Sbusd, cpu_seconds, end_process, nats_server_path, results_path, say
 
-RESULTS = BENCH / "results"
 BIN = Path(sys.executable).parent
 KEY = "bench/key"
 IDLE = 5.0          # seconds without a message before a receiver gives up (loss)
@@ -459,7 +458,7 @@ def main(argv=None):
                    "lost": max(x["expected"] - x["count"] for x in rs)}
                for r, rs in runs.items() if rs}
     print(table(summary, args.payload, load))
-    out = args.json or RESULTS / f"clients-{dt.datetime.utcnow():%Y%m%dT%H%M%SZ}.json"
+    out = args.json or results_path("clients")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "when": dt.datetime.utcnow().isoformat() + "Z", "payload": args.payload,

@@ -13,6 +13,7 @@ The bench scripts import them from this module.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import statistics
@@ -38,6 +39,7 @@ from support.procfs import end_process as end_process  # noqa: E402
 from support.procfs import machine_busy_seconds, thread_cpu_seconds  # noqa: E402
 
 BIN = BENCH / "bin"
+RESULTS = BENCH / "results"
 VENV_BIN = ROOT / ".venv" / "bin"
 SBUSD = VENV_BIN / "sbusd"
 PYTHON = VENV_BIN / "python" if (VENV_BIN / "python").exists() else Path(sys.executable)
@@ -55,6 +57,15 @@ LOADGEN_CPUS = {1} if TWO_CORES else None
 FOREIGN_WARN = 0.1
 # What loadgen reports as having gone wrong in a run, when non-zero.
 PROBLEM_COUNTS = ("lost", "tail_lost", "reordered", "bad", "eof", "unfinished")
+
+
+def results_path(script: str, when: datetime.datetime | None = None) -> Path:
+    """Where SCRIPT writes a run's figures: bench/results/SCRIPT-STAMP.json, STAMP
+    the UTC time like 20261121T041401Z (the directory is made).  A file a
+    document cites is committed renamed cited-SCRIPT-STAMP.json."""
+    when = when or datetime.datetime.now(datetime.timezone.utc)
+    RESULTS.mkdir(exist_ok=True)
+    return RESULTS / f"{script}-{when.astimezone(datetime.timezone.utc):%Y%m%dT%H%M%SZ}.json"
 
 
 class BenchError(Exception):

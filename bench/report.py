@@ -12,9 +12,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import FOREIGN_WARN, LOADGEN_CPUS, ROOT, SERVER_CPUS
-
-RESULTS = ROOT / "bench" / "results"
+from harness import FOREIGN_WARN, LOADGEN_CPUS, ROOT, SERVER_CPUS, results_path
 
 
 @dataclass(frozen=True)
@@ -212,9 +210,8 @@ def git(*args):
 
 
 def write_results(rows: list[Row], started, finished, options: dict, sbusd_cmd) -> Path:
-    """bench/results/<UTC start>.json: the machine, the commit, the options and every row with its raw runs."""
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+    """bench/results/run-<UTC start>.json: the machine, the commit, the options and every row with its raw runs."""
+    path = results_path("run", started)
     doc = {"started": started.isoformat(), "seconds": (finished - started).total_seconds(),
            "commit": git("rev-parse", "HEAD"), "describe": git("describe", "--always", "--dirty"),
            "machine": machine(), "options": options, "sbusd": sbusd_cmd,

@@ -4,7 +4,7 @@
     bench/run.py [WORKLOAD ...] [--quick] [--repeat N] [--duration S] [--payload 64,4096]
 
 Prints one table on stdout (progress goes to stderr) and writes
-bench/results/<UTC time>.json with the machine, the commit and every raw
+bench/results/run-<UTC time>.json with the machine, the commit and every raw
 figure.  bench/README.md explains how to read the table.
 """
 from __future__ import annotations
