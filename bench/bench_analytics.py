@@ -58,9 +58,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-RESULTS = BENCH / "results"
+from harness import ROOT, cpu_seconds, results_path
+
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -160,9 +159,8 @@ def run(lines: int = 1_000_000, master: str = "local[2]", seed: int = SEED,
                       baseline_fresh_jit_s=base_fresh["jit_s"], job_fresh_jit_s=job_fresh["jit_s"])
     if "generate_s" in info:
         result["generate_s"] = info["generate_s"]
-    RESULTS.mkdir(exist_ok=True)
-    name = f"analytics-{result['when'].replace(':', '')}.json"
-    (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
+    when = dt.datetime.strptime(result["when"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+    results_path("analytics", when).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -186,7 +184,7 @@ class _Jvm:
         self._compiler = jvm.java.lang.management.ManagementFactory.getCompilationMXBean()
 
     def cpu_s(self) -> float:
-        return _cpu_seconds(self.pid)
+        return cpu_seconds(self.pid)
 
     def jit_s(self) -> float:
         # Summed over the compiler threads, which share the cores with the job.
@@ -266,12 +264,6 @@ def _one(what: str, lines: int, master: str) -> dict:
                                                 echo=lambda _: None))
     spark.stop()
     return {"what": what, "seconds": round(timed.seconds, 2), "jit_s": round(timed.jit, 2)}
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _commit() -> str | None:

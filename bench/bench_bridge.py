@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,21 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-RESULTS = BENCH / "results"
+from harness import NatsServer, Sbusd, cpu_seconds, end_process, results_path, say
+
 BIN = Path(sys.executable).parent
 KEY = b"bench/key"
 PLAIN_SUBJECT = "plain.bench"      # outside the bridges' prefix: plain NATS only
-
-
-def say(*args):
-    print(*args, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- workers (each in its own process) ------------------------------------------
@@ -170,13 +158,7 @@ class Processes:
         return p
 
     def stop(self, p):
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        end_process(p)
 
     def stop_all(self):
         for p in reversed(self.procs):
@@ -191,27 +173,12 @@ def wait_for(predicate, timeout, what):
         time.sleep(0.05)
 
 
-def listening(port):
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
 def logged(path, event):
     try:
         return any(json.loads(line).get("event") == event
                    for line in Path(path).read_text().splitlines() if line.strip())
     except (FileNotFoundError, ValueError):
         return False
-
-
-def cpu_seconds(pid):
-    """utime + stime of a running process, from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pair(sub_argv, pub_argv, procs, timeout, watch=None):
@@ -253,22 +220,21 @@ def run(args):
     me = [sys.executable, str(Path(__file__).resolve())]
     work = Path(tempfile.mkdtemp(prefix="sbus-bench-bridge-"))
     procs = Processes()
+    servers = []            # nats-server and the two brokers, stopped last
     results = {}
     try:
-        port = free_port()
-        procs.start([str(BIN / "nats-server"), "-a", "127.0.0.1", "-p", str(port)],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: listening(port), 15, "nats-server")
-        url = f"nats://127.0.0.1:{port}"
-        nats_server = procs.procs[0]
+        nats = NatsServer(work)
+        servers.append(nats)
+        url = nats.url
+        nats_server = nats.proc
         hosts, brokers = {}, {}
         for name in ("a", "b"):
             address = str(work / f"{name}.socket")
-            sbusd = procs.start([str(BIN / "sbusd"), "-f", "-a", address, "--log-level", "off"],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            sbusd.stdout.read()         # closed once it listens
+            sbusd = Sbusd(work, ["-f", "-a", address, "--log-level", "off"], address=address,
+                          log_level=None).ready(timeout=10)
+            servers.append(sbusd)
             hosts[name] = address
-            brokers["sbusd_" + name] = sbusd
+            brokers["sbusd_" + name] = sbusd.proc
         paths = args.paths.split(",")
         bridges = None
         common = ["--payload", str(args.payload)]
@@ -317,6 +283,8 @@ def run(args):
                 "p99_us": lat[int(len(lat) * 0.99)] / 1000 if lat else None}]
     finally:
         procs.stop_all()
+        for server in reversed(servers):
+            server.stop()
     return results
 
 
@@ -366,8 +334,7 @@ def main(argv=None):
     for rows in results.values():
         for r in rows:
             r.pop("latency_ns", None)
-    path = Path(args.json) if args.json else RESULTS / (
-        "bridge-" + dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + ".json")
+    path = Path(args.json) if args.json else results_path("bridge")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"payload": args.payload, "load": load, "rows": results},
                                indent=2))

@@ -33,9 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-RESULTS = BENCH / "results"
+from harness import NatsServer, Sbusd, cpu_seconds, end_process, nats_server_path, results_path, say
+
 BIN = Path(sys.executable).parent
 KEY = "bench/key"
 IDLE = 5.0          # seconds without a message before a receiver gives up (loss)
@@ -83,65 +82,50 @@ def stop_clock():
     return time.perf_counter()
 
 
-def process_cpu(pid):
-    """User+system seconds a process has used so far (/proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def say(*args):
-    print(*args, file=sys.stderr, flush=True)
-
-
 # ------------------------------------------------------------------ servers
 
 class Servers:
     """sbusd, nats-server and redis-server in a temporary directory."""
 
     def __init__(self, systems):
-        self.dir = tempfile.mkdtemp(prefix="sbus-bench-clients-")
-        self.procs = []
+        self.dir = Path(tempfile.mkdtemp(prefix="sbus-bench-clients-"))
         self.addresses = {}
         self.pids = {}          # system: the server's pid, for its CPU time
+        self.sbusd = self.nats = self.redis = None
         if "sbus" in systems:
-            path = os.path.join(self.dir, "sbus.socket")
-            self._start([str(BIN / "sbusd"), "-f", "-a", path, "--log-level", "off",
-                         "--stats-interval", "0"], path)
+            path = str(self.dir / "sbus.socket")
+            self.sbusd = Sbusd(self.dir, ["-f", "-a", path, "--log-level", "off",
+                                          "--stats-interval", "0"],
+                               address=path, log_level=None).ready(timeout=10)
             self.addresses["sbus"] = path
-            self.pids["sbus"] = self.procs[-1].pid
+            self.pids["sbus"] = self.sbusd.pid
         if "nats" in systems:
-            port = _free_port()
-            self._start([_which("nats-server"), "-a", "127.0.0.1", "-p", str(port)], None)
-            _wait_tcp(port)
-            self.addresses["nats"] = f"nats://127.0.0.1:{port}"
-            self.pids["nats"] = self.procs[-1].pid
+            if not nats_server_path():
+                raise SystemExit("bench_clients: nats-server not found; run `make bench-deps`")
+            self.nats = NatsServer(self.dir)
+            self.addresses["nats"] = self.nats.url
+            self.pids["nats"] = self.nats.proc.pid
         if "redis" in systems:
-            path = os.path.join(self.dir, "redis.socket")
-            self._start([_which("redis-server"), "--port", "0", "--unixsocket", path,
-                         "--save", "", "--appendonly", "no",
-                         "--client-output-buffer-limit", "pubsub 0 0 0"], path)
-            self.addresses["redis"] = path
-            self.pids["redis"] = self.procs[-1].pid
-
-    def _start(self, argv, path):
-        self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL,
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        if path:
+            path = str(self.dir / "redis.socket")
+            self.redis = subprocess.Popen(
+                [_which("redis-server"), "--port", "0", "--unixsocket", path, "--save", "",
+                 "--appendonly", "no", "--client-output-buffer-limit", "pubsub 0 0 0"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             deadline = time.monotonic() + 10
             while not os.path.exists(path):
-                if time.monotonic() > deadline or self.procs[-1].poll() is not None:
-                    raise RuntimeError(f"{argv[0]} did not start")
+                if time.monotonic() > deadline or self.redis.poll() is not None:
+                    raise RuntimeError("redis-server did not start")
                 time.sleep(0.01)
+            self.addresses["redis"] = path
+            self.pids["redis"] = self.redis.pid
 
     def stop(self):
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        if self.sbusd:
+            self.sbusd.stop(timeout=5)
+        if self.nats:
+            self.nats.stop()
+        if self.redis:
+            end_process(self.redis, timeout=5)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -150,25 +134,6 @@ def _which(name):
     if not found:
         raise SystemExit(f"bench_clients: {name} not found; run `make bench-deps`")
     return found
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_tcp(port):
-    import socket
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.02)
-    raise RuntimeError("nats-server did not start")
 
 
 # ------------------------------------------------------------------ publishers
@@ -473,10 +438,10 @@ def main(argv=None):
             for row in rows:
                 n = max(1000, int(args.count * ROWS[row][3]))
                 server = servers.pids[ROWS[row][0]]
-                before = process_cpu(server)
+                before = cpu_seconds(server)
                 result = run_worker(row, servers.addresses[ROWS[row][0]], n, args.payload)
                 # the whole run (connecting included), in clock ticks: 0.05 us at 200k
-                result["server_cpu_us_per_msg"] = (process_cpu(server) - before) / n * 1e6
+                result["server_cpu_us_per_msg"] = (cpu_seconds(server) - before) / n * 1e6
                 result["load"] = os.getloadavg()[0]
                 runs[row].append(result)
                 say(f"[{i + 1}/{args.repeat}] {row:<30} {result['rate']:>12,.0f} msgs/s"
@@ -493,7 +458,7 @@ def main(argv=None):
                    "lost": max(x["expected"] - x["count"] for x in rs)}
                for r, rs in runs.items() if rs}
     print(table(summary, args.payload, load))
-    out = args.json or RESULTS / f"clients-{dt.datetime.utcnow():%Y%m%dT%H%M%SZ}.json"
+    out = args.json or results_path("clients")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "when": dt.datetime.utcnow().isoformat() + "Z", "payload": args.payload,

@@ -1,17 +1,21 @@
-"""Processes, servers, timing and interleaving: everything a workload measures with.
+"""Processes, servers, ports, /proc, pinning, timing and interleaving: what every bench script measures with.
 
 A `Harness` holds the run's settings (broker command, niceness, CPU placement,
 the budget for waiting on a quiet machine) so nothing is kept in module
 globals.  Failures are exceptions (`BenchError`); a group of alternated runs
 records the failure of one server in its `Series` and carries on with the
 others.
+
+The process and /proc helpers are the tests' own (tests/support, imported
+from here by path): the `Sbusd` and `NatsServer` wrappers, `end_process`,
+`free_port`, `cpu_seconds` and `thread_cpu_seconds`, `status_kib` (VmRSS).
+The bench scripts import them from this module.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
-import select
-import signal
 import statistics
 import subprocess
 import sys
@@ -22,7 +26,20 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+# The bench scripts' process, port and /proc helpers (imported from here, "as" re-exports).
+from support import Sbusd as Sbusd  # noqa: E402
+from support import cpu_seconds as cpu_seconds  # noqa: E402
+from support import free_port as free_port  # noqa: E402
+from support import read_to_eof, status_kib  # noqa: E402
+from support.nats import NatsServer as NatsServer  # noqa: E402
+from support.nats import nats_server_path as nats_server_path  # noqa: E402
+from support.procfs import end_process as end_process  # noqa: E402
+from support.procfs import machine_busy_seconds, thread_cpu_seconds  # noqa: E402
+
 BIN = BENCH / "bin"
+RESULTS = BENCH / "results"
 VENV_BIN = ROOT / ".venv" / "bin"
 SBUSD = VENV_BIN / "sbusd"
 PYTHON = VENV_BIN / "python" if (VENV_BIN / "python").exists() else Path(sys.executable)
@@ -31,7 +48,7 @@ C_PROGRAMS = ("relay",)
 # by `make build`), the same one `sbus bench` runs.
 LOADGEN = (str(PYTHON), "-m", "sbus.cli.loadgen")
 
-# Server on one core, load generator on the other, as in the issue's figures.
+# Server on one core, load generator on the other: the two-core machine the targets assume.
 TWO_CORES = (os.cpu_count() or 1) >= 2
 SERVER_CPUS = {0} if TWO_CORES else None
 LOADGEN_CPUS = {1} if TWO_CORES else None
@@ -40,6 +57,15 @@ LOADGEN_CPUS = {1} if TWO_CORES else None
 FOREIGN_WARN = 0.1
 # What loadgen reports as having gone wrong in a run, when non-zero.
 PROBLEM_COUNTS = ("lost", "tail_lost", "reordered", "bad", "eof", "unfinished")
+
+
+def results_path(script: str, when: datetime.datetime | None = None) -> Path:
+    """Where SCRIPT writes a run's figures: bench/results/SCRIPT-STAMP.json, STAMP
+    the UTC time like 20261121T041401Z (the directory is made).  A file a
+    document cites is committed renamed cited-SCRIPT-STAMP.json."""
+    when = when or datetime.datetime.now(datetime.timezone.utc)
+    RESULTS.mkdir(exist_ok=True)
+    return RESULTS / f"{script}-{when.astimezone(datetime.timezone.utc):%Y%m%dT%H%M%SZ}.json"
 
 
 class BenchError(Exception):
@@ -67,31 +93,11 @@ def window(size):
 
 # --------------------------------------------------------------- machine load
 
-def busy_seconds():
-    """CPU time spent by everything, on every core, since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def task_seconds(pid):
-    """CPU time of every thread of `pid` (schedstat, nanoseconds)."""
-    total = 0.0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0]) * 1e-9
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
-
-
 def others_busy(seconds=0.5):
     """Cores used by everything on the machine over a short sample (nothing of ours runs)."""
-    b0, t0 = busy_seconds(), time.monotonic()
+    b0, t0 = machine_busy_seconds(), time.monotonic()
     time.sleep(seconds)
-    return (busy_seconds() - b0) / (time.monotonic() - t0)
+    return (machine_busy_seconds() - b0) / (time.monotonic() - t0)
 
 
 # ----------------------------------------------------------------- one series
@@ -169,20 +175,15 @@ class Server:
         self.stderr = tempfile.TemporaryFile(dir=workdir)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=self.stderr, preexec_fn=preexec)
-        self._wait_ready()
-
-    def _wait_ready(self, timeout=20.0):
-        deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.05)
-            if ready and os.read(fd, 4096) == b"":
-                return
-            if self.proc.poll() is not None:
-                break
-        self.stop()
-        raise BenchError(f"{self.kind} did not become ready: rc={self.proc.returncode} "
-                         f"stderr={self.stderr_tail()!r}")
+        try:
+            read_to_eof(self.proc.stdout, timeout=20.0)
+            ready = self.proc.poll() is None
+        except AssertionError:
+            ready = False
+        if not ready:
+            self.stop()
+            raise BenchError(f"{self.kind} did not become ready: rc={self.proc.returncode} "
+                             f"stderr={self.stderr_tail()!r}")
 
     @property
     def pid(self):
@@ -192,24 +193,14 @@ class Server:
         return self.proc.poll() is None
 
     def rss_bytes(self):
-        with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise BenchError("no VmRSS")
+        return status_kib(self.pid, "VmRSS") * 1024
 
     def stderr_tail(self):
         self.stderr.seek(0)
         return self.stderr.read()[-2000:].decode(errors="replace")
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_process(self.proc)
         self.proc.stdout.close()
         return self.proc.returncode
 
@@ -280,14 +271,14 @@ class Harness:
 
         A failed run is returned with an "error" key, so that a series keeps its place."""
         argv = [*LOADGEN, mode, "-a", server.address, "-P", str(server.pid), *args]
-        t0, busy0, srv0 = time.monotonic(), busy_seconds(), task_seconds(server.pid)
+        t0, busy0, srv0 = time.monotonic(), machine_busy_seconds(), thread_cpu_seconds(server.pid)
         try:
             p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                                preexec_fn=self.pinned(cpus))
         except subprocess.TimeoutExpired:
             return {"error": "loadgen timed out"}
         wall = time.monotonic() - t0
-        busy, srv = busy_seconds() - busy0, task_seconds(server.pid) - srv0 if server.alive() else 0.0
+        busy, srv = machine_busy_seconds() - busy0, thread_cpu_seconds(server.pid) - srv0 if server.alive() else 0.0
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
         if not lines:
             return {"error": f"loadgen rc={p.returncode}: {p.stderr.strip()[-500:]}"}

@@ -1,4 +1,4 @@
-"""Typed result rows, the issue's goals, the table on stdout and the results file.
+"""Typed result rows, the performance targets (`Goal`), the table on stdout and the results file.
 
 Nothing here measures: workloads build `Row`s, this module judges and shows them.
 """
@@ -12,14 +12,13 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import FOREIGN_WARN, LOADGEN_CPUS, ROOT, SERVER_CPUS
-
-RESULTS = ROOT / "bench" / "results"
+from harness import FOREIGN_WARN, LOADGEN_CPUS, ROOT, SERVER_CPUS, results_path
 
 
 @dataclass(frozen=True)
 class Goal:
-    """A target of the issue on one figure of a row: shown as ok or MISS, never asserted."""
+    """A performance target on one figure of a row (against the relay, or absolute): shown as ok or MISS,
+    never asserted."""
     field: str  # "ratio", "cpu_ratio", "sbus" or "drop_vs_off"
     op: str     # ">=" or "<="
     limit: float
@@ -211,9 +210,8 @@ def git(*args):
 
 
 def write_results(rows: list[Row], started, finished, options: dict, sbusd_cmd) -> Path:
-    """bench/results/<UTC start>.json: the machine, the commit, the options and every row with its raw runs."""
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+    """bench/results/run-<UTC start>.json: the machine, the commit, the options and every row with its raw runs."""
+    path = results_path("run", started)
     doc = {"started": started.isoformat(), "seconds": (finished - started).total_seconds(),
            "commit": git("rev-parse", "HEAD"), "describe": git("describe", "--always", "--dirty"),
            "machine": machine(), "options": options, "sbusd": sbusd_cmd,

@@ -4,7 +4,7 @@
     bench/run.py [WORKLOAD ...] [--quick] [--repeat N] [--duration S] [--payload 64,4096]
 
 Prints one table on stdout (progress goes to stderr) and writes
-bench/results/<UTC time>.json with the machine, the commit and every raw
+bench/results/run-<UTC time>.json with the machine, the commit and every raw
 figure.  bench/README.md explains how to read the table.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def parser():
                     help="niceness of servers and load generator, so other work on the machine "
                          "disturbs them less (default -10; needs root, else ignored)")
     ap.add_argument("--analytics-args", default=None, metavar="ARGS",
-                    help="arguments for bench/bench_analytics.py (default: the issue's "
+                    help="arguments for bench/bench_analytics.py (default: a "
                          "1,000,000-line log on local[2]; with --quick, 100,000 lines)")
     ap.add_argument("--quiet-wait", type=float, default=60.0, metavar="S",
                     help="seconds in all to wait for other processes to leave the CPUs alone (default 60)")

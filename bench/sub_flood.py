@@ -1,6 +1,6 @@
-"""The subscription flood of issue 13: CLIENTS clients of one user, each
-subscribing to PATTERNS distinct SIZE-byte patterns; sbusd's VmRSS before,
-at the peak and after the clients leave.
+"""The subscription flood: CLIENTS clients of one user, each subscribing to
+PATTERNS distinct SIZE-byte patterns (by default 4 x 65,536 x 4,000 bytes);
+sbusd's VmRSS before, at the peak and after the clients leave.
 
     .venv/bin/python bench/sub_flood.py                      # 4 x 65536 x 4000 bytes
     .venv/bin/python bench/sub_flood.py --sbusd OTHER/sbusd  # another build ("before")
@@ -20,22 +20,15 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from harness import Sbusd, status_kib
+
 NOBODY = 65534
 BATCH = 256             # SUBs between barriers
-
-
-def rss_kib(pid: int, field: str = "VmRSS") -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
 
 
 def whoami(s: socket.socket) -> bool:
@@ -89,14 +82,13 @@ def main() -> int:
     d = Path(tempfile.mkdtemp(prefix="sbus-flood-", dir="/tmp"))
     os.chmod(d, 0o755)
     address = str(d / "sbus.socket")
-    broker = subprocess.Popen([args.sbusd, "-f", "-o", "-a", address, "--log-level", "warning",
-                               *args.sbusd_args], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL)
+    broker = Sbusd(d, ["-f", "-o", "-a", address, "--log-level", "warning", *args.sbusd_args],
+                   address=address, log_level=None, command=[args.sbusd])
     kids = []
     try:
-        broker.stdout.read()            # EOF: it listens
+        broker.ready(timeout=30)
         time.sleep(0.2)
-        base = rss_kib(broker.pid)
+        base = status_kib(broker.pid, "VmRSS")
         started = time.monotonic()
         r, w = os.pipe()
         for k in range(args.clients):
@@ -119,13 +111,13 @@ def main() -> int:
             for _ in range(args.clients):
                 held.append(int(f.readline()))
         seconds = time.monotonic() - started
-        peak = max(rss_kib(broker.pid), rss_kib(broker.pid, "VmHWM"))
+        peak = max(status_kib(broker.pid, "VmRSS"), status_kib(broker.pid, "VmHWM"))
         for pid, hold_w in kids:
             os.close(hold_w)
             os.waitpid(pid, 0)
         kids = []
         time.sleep(2.5)                 # a tick or two: the broker trims its heap
-        after = rss_kib(broker.pid)
+        after = status_kib(broker.pid, "VmRSS")
         figures = {"clients": args.clients, "patterns_each": args.patterns, "size": args.size,
                    "held": held, "rss_base_kib": base, "rss_peak_kib": peak,
                    "rss_after_kib": after, "seconds": round(seconds, 1),
@@ -139,8 +131,7 @@ def main() -> int:
         for pid, hold_w in kids:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-        broker.send_signal(signal.SIGTERM)
-        broker.wait(30)
+        broker.stop(timeout=30)
         shutil.rmtree(d, ignore_errors=True)
 
 

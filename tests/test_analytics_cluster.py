@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from test_analytics import LINES, MALFORMED, ROOT, sim_log, snapshot
+from support import ROOT, free_port
+from support.analytics_log import LINES, MALFORMED, sim_log, snapshot
 
 pytestmark = [
     pytest.mark.spark,
@@ -41,12 +41,6 @@ QUICK = {
     "spark.cores.max": "2",
     "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spark_home() -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_analytics import LINES, MALFORMED, expected_client_counters, sim_log, snapshot
+from support.analytics_log import LINES, MALFORMED, expected_client_counters, sim_log, snapshot
 
 pytestmark = [
     pytest.mark.spark,

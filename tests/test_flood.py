@@ -348,6 +348,7 @@ def test_error_mode_disconnects_the_slow_client_and_the_rest_carry_on(
     # It keeps what reached its socket, the oldest first, then EOF.
     assert [seq(p) for p in slow.until_closed(60)] == list(range(delivered))
     lost = counters["drops_disconnect"]
+    # At least these; more when the publisher was ahead of the broker's reads.
     if which == "soft":
         assert lost >= 1                      # the first that would have blocked
     else:
@@ -500,6 +501,8 @@ def test_disconnect_with_a_queue_counts_the_queue_as_dropped(sbusd, backend):
     assert queued > 0
     slow.close()
     rec = b.wait_for_event("client_disconnect", timeout=60, predicate=lambda r: r["client"] == sid)
+    # eof if the broker reads the hang-up first, error if it is writing the
+    # queue to the socket when the hang-up comes: the scheduler decides.
     assert rec["reason"] in ("eof", "error")
     assert rec["counters"]["drops_disconnect"] == queued
     totals = pub.stats_after()["totals"]
@@ -541,7 +544,7 @@ def test_blocked_client_that_disconnects_releases_the_bus_at_once(sbusd, backend
     assert got == list(range(n))
     assert pub.finish() == n
     rec = b.wait_for_event("client_disconnect", timeout=30, predicate=lambda r: r["client"] == sid)
-    assert rec["reason"] in ("eof", "error")
+    assert rec["reason"] in ("eof", "error")        # as above: read or write first, a race
 
 
 SELF_LOOP = r"""

@@ -57,5 +57,7 @@ def test_every_message_fanout_agrees_with_the_reference_matcher(tmp_path):
             # A client whose several patterns match is still one recipient.
             seen["overlapping"] += any(len(hits) > 1 for hits in held.values())
             seen["cred_keys"] += cred_form(key) is not None
+    # Lower bounds: enough of each case to exercise the property; the exact
+    # figures are the generator's choice, not what this test checks.
     assert seen["messages"] > 10_000 and seen["broker_start"] == 1
     assert seen["delivered"] > 1_000 and seen["overlapping"] > 100 and seen["cred_keys"] > 0

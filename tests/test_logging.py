@@ -170,19 +170,20 @@ def test_every_event_type_appears_with_its_documented_fields(tmp_path, open_dir)
     subs = [r for r in records if r["event"] == "subscribe"]
     assert any(r["accepted"] for r in subs)
     refused = [r for r in subs if not r["accepted"]]
-    assert {"cred_mismatch", "bang_misuse", "too_many_subscriptions"} <= {r["reason"] for r in refused}
+    assert {r["reason"] for r in refused} == {"cred_mismatch", "bang_misuse", "too_many_subscriptions"}
     unsubs = [r for r in records if r["event"] == "unsubscribe"]
     assert {(r["pattern"], r["accepted"]) for r in unsubs} == {("news/", True), ("never", False)}
     flood = [r for r in records if r["event"] == "flood"]
-    assert sum(r["drops_soft"] for r in flood) > 0
+    assert sum(r["drops_soft"] for r in flood) > 0        # how many: the socket buffers decide
     # One flood summary per client per interval, not one per message.
     per_client = {}
     for r in flood:
         per_client.setdefault(r["client"], []).append(r)
-    assert all(len(v) <= 5 for v in per_client.values()), per_client
+    assert all(len(v) <= 5 for v in per_client.values()), per_client     # intervals: wall-clock
     messages = [r for r in records if r["event"] == "message"]
-    assert len(messages) >= 5000 and messages[0]["sample_rate"] == 1.0
-    assert {r["fanout"] for r in messages if r["key"] == "news/today"} <= {1, 2}
+    # Every message is sampled: the 3000 on news/today and the 2000 on flood.
+    assert len(messages) == 5000 and messages[0]["sample_rate"] == 1.0
+    assert {r["fanout"] for r in messages if r["key"] == "news/today"} == {2}    # sub and slow
     stop = records[-1]
     assert stop["event"] == "broker_stop" and stop["reason"] == "SIGTERM"
     assert stop["totals"]["msgs_in"] == len(messages)
@@ -284,6 +285,7 @@ def test_sampled_message_records_follow_the_rate(start_broker):
     pub.sync()
     b.stop()
     sampled = b.events("message")
-    assert 200 <= len(sampled) <= 600          # 10% of 4000, with wide margins
+    # 10% of 4000, with wide margins: the draw is seeded from an address ASLR picks.
+    assert 200 <= len(sampled) <= 600
     assert all(r["sample_rate"] == 0.1 and r["fanout"] == 1 and r["key"].startswith("s/")
                for r in sampled)

@@ -7,7 +7,8 @@ from sbus._core import index as cindex
 from sbus._core import protocol as cproto
 from sbus._ref import protocol as rproto
 
-# (pattern, key, expected) -- the spec's own examples first, then the issue's.
+# (pattern, key, expected) -- the spec's own examples first, then edge cases of
+# '*', a trailing '/' and the empty pattern.
 CASES = [
     (b"a/*/c/", b"a/b/c/", True),
     (b"a/*/c/", b"a/b/c/d/e", True),

@@ -306,7 +306,7 @@ def test_unit_files():
     assert exec_start[:3] == ["/usr/bin/env", "sbusd", "-f"]
     assert exec_start[exec_start.index("--log-format") + 1] == "json"
     assert exec_start[exec_start.index("-a") + 1] == path, "-a should name the socket unit's path"
-    assert one(svc, "User") not in ("", "root") or one(svc, "DynamicUser") == "yes"
+    assert one(svc, "User") == "sbus"        # not root
     for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "PrivateDevices",
                 "MemoryDenyWriteExecute"):
         assert one(svc, key) == "yes", key

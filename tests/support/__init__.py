@@ -1,6 +1,11 @@
-"""What the tests share: a raw client, the sbusd and queue-service wrappers, waiting,
-/proc, a second user."""
+"""What the tests (and bench/harness.py) share: a raw client, the sbusd and queue-service
+wrappers, a free TCP port, waiting, /proc, a second user.
+
+Submodules not imported here: ``analytics_log`` (the analytics tests' hand-made log),
+``budget`` (time and example budgets), ``garbage`` (fuzz atoms), ``systemd`` (the unit files).
+"""
 from .conn import SO_SNDBUFFORCE, STATS, WHOAMI, Conn, recv_or_none
+from .nats import free_port
 from .queuesvc import QueueService
 from .procfs import (alive, cpu_seconds, fd_count, state, status_field, status_kib,
                      stop_process, wait_gone)
@@ -13,7 +18,8 @@ from .worker import start_worker, worker_report
 
 __all__ = [
     "BACKENDS", "BIN", "NOBODY", "OTHER_GID", "ROOT", "SBUS", "SBUSD", "SO_SNDBUFFORCE", "STATS", "TESTS", "WHOAMI",
-    "Child", "Conn", "QueueService", "Sbusd", "SteadyPair", "alive", "asroot", "cpu_seconds", "fd_count", "make_public_dir", "read_records",
+    "Child", "Conn", "QueueService", "Sbusd", "SteadyPair", "alive", "asroot", "cpu_seconds", "fd_count",
+    "free_port", "make_public_dir", "read_records",
     "read_to_eof", "recv_or_none", "report_line", "run_as", "spawn_children", "start_worker", "state", "status_field",
     "status_kib", "stop_process", "wait_for_record", "wait_gone", "wait_until", "worker_report",
 ]

@@ -1,4 +1,4 @@
-"""What /proc says about a process (the broker under test)."""
+"""What /proc says about a process (the broker under test, a server the bench measures) and the machine."""
 from __future__ import annotations
 
 import os
@@ -49,10 +49,32 @@ def wait_gone(pid: int, timeout=5.0) -> bool:
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, in seconds."""
+    """utime + stime of a process (every thread, exited ones too), in seconds (clock ticks)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK     # fields 14 and 15
+
+
+def thread_cpu_seconds(pid: int) -> float:
+    """CPU time of the live threads of ``pid``, from schedstat in nanoseconds: finer
+    than ``cpu_seconds``' clock ticks, for short intervals (a thread that has
+    exited no longer counts)."""
+    total = 0.0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0]) * 1e-9
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
+def machine_busy_seconds() -> float:
+    """CPU time spent by everything, on every core, since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / CLK_TCK
 
 
 def stop_process(pid: int) -> None:
