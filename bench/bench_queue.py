@@ -25,7 +25,6 @@ import asyncio
 import datetime as dt
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,9 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-RESULTS = BENCH / "results"
-BIN = Path(sys.executable).parent
+from harness import BENCH, NatsServer, Sbusd, end_process, results_path
+from support import QueueService
+
 PATTERN = "bench/"
 KEY = "bench/job"
 SUBJECT = "bench.job"
@@ -46,12 +45,6 @@ QUIET = 2.0         # a NATS subscriber stops after this long without a job
 
 def say(*args):
     print(*args, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job(seq: int, payload: int) -> bytes:
@@ -176,62 +169,42 @@ def row(name, args, results):
 
 def run_sbus(args, work):
     procs = []
-    address = str(work / "sbus.socket")
+    broker = Sbusd(work, ["-f", "-a", str(work / "sbus.socket")], address=str(work / "sbus.socket"),
+                   log_level="warning").ready()
+    service = None
     try:
-        broker = subprocess.Popen([str(BIN / "sbusd"), "-f", "-a", address, "--log-level",
-                                   "warning", "--log-format", "json", "--log-file",
-                                   str(work / "sbusd.log")], stdout=subprocess.PIPE)
-        procs.append(broker)
-        broker.stdout.read()    # sbusd closes its stdout once it listens
-        service = subprocess.Popen([str(BIN / "sbus"), "-a", address, "queue", PATTERN,
-                                    "--prefetch", str(args.prefetch), "--max-held",
-                                    str(args.count + args.consumers), "--log-format", "json",
-                                    "--log-file", str(work / "queue.log")])
-        procs.append(service)
-        for _ in range(200):
-            if (work / "queue.log").exists() and b"queue_start" in (work / "queue.log").read_bytes():
-                break
-            time.sleep(0.05)
-        consumers = [spawn(args, "sbus_consumer", address, procs)
+        service = QueueService.start(work, broker.address, PATTERN, "--prefetch", str(args.prefetch),
+                                     "--max-held", str(args.count + args.consumers))
+        consumers = [spawn(args, "sbus_consumer", broker.address, procs)
                      for _ in range(args.consumers)]
         for c in consumers:
             wait_ready(c)
         time.sleep(0.5)     # their hellos are in
-        publisher = spawn(args, "sbus_publisher", address, procs)
+        publisher = spawn(args, "sbus_publisher", broker.address, procs)
         report(publisher, 600)
         return row("queue_sbus", args, [report(c, 600) for c in consumers])
     finally:
         for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-                p.wait(10)
+            end_process(p)
+        if service is not None:
+            service.stop()
+        broker.stop()
 
 
 def run_nats(args, work):
     procs = []
-    port = free_port()
+    server = NatsServer(work)
     try:
-        server = subprocess.Popen([str(BIN / "nats-server"), "-a", "127.0.0.1", "-p", str(port)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(server)
-        for _ in range(200):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        url = f"nats://127.0.0.1:{port}"
-        consumers = [spawn(args, "nats_consumer", url, procs) for _ in range(args.consumers)]
+        consumers = [spawn(args, "nats_consumer", server.url, procs) for _ in range(args.consumers)]
         for c in consumers:
             wait_ready(c)
-        publisher = spawn(args, "nats_publisher", url, procs)
+        publisher = spawn(args, "nats_publisher", server.url, procs)
         report(publisher, 600)
         return row("queue_nats", args, [report(c, 600) for c in consumers])
     finally:
         for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-                p.wait(10)
+            end_process(p)
+        server.stop()
 
 
 def main():
@@ -268,8 +241,9 @@ def main():
               f"{rs[-1]['per_consumer']}")
     if medians["queue_sbus"] and medians["queue_nats"]:
         print(f"sbus / NATS: {medians['queue_sbus'] / medians['queue_nats']:.2f}x")
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = Path(args.json) if args.json else RESULTS / f"queue-{stamp}.json"
+    now = dt.datetime.now(dt.timezone.utc)
+    stamp = now.strftime("%Y%m%dT%H%M%SZ")
+    path = Path(args.json) if args.json else results_path("queue", now)
     path.parent.mkdir(parents=True, exist_ok=True)
     rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                          cwd=BENCH).stdout.strip()
