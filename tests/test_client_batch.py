@@ -17,6 +17,7 @@ from sbus.client import ControlMessage, Message, pack_publish
 from sbus.errors import BatchInterruptedError, KeyRefusedError, MessageRefusedError
 
 from support import Sbusd, recv_or_none
+from support.clientfeed import far_end_packets, feed, feed_aio
 
 TIMEOUT = 5.0
 LIMIT = 20_000      # a small --max-message keeps the largest payloads cheap to draw
@@ -181,29 +182,6 @@ def test_a_connection_failing_mid_batch_says_how_many_went_out():
         assert 50 <= info.value.sent < 5000
         assert f"after {info.value.sent} of " in str(info.value)
     assert read == [pack_publish(f"k/{i}", b"v" * 1000) for i in range(50)]
-
-
-def far_end_packets():
-    """What a broker could send, oddities included."""
-    out = []
-    for i in range(300):
-        out.append(b"MSG k/%d\0" % (i % 7) + b"p" * (i * 37 % 900))
-        if i % 50 == 3:
-            out.append(b"CMSG stats\0{}")
-        if i % 90 == 5:
-            out.append(b"CMSG bare")
-    out.insert(120, b"NOPE")
-    out.insert(200, b"MSG no-nul")
-    return out
-
-
-def feed(packets):
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-    for p in packets:
-        theirs.send(p)
-    theirs.close()
-    return Client(f"/dev/fd/{ours.detach()}")
 
 
 def collect(next_item):
@@ -405,15 +383,6 @@ def test_asyncio_receive_many_and_async_for_return_what_receive_returns():
     assert len(reference) == len(packets)
     assert arun(one()) == reference
     assert arun(many()) == reference
-
-
-def feed_aio(packets):
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-    for p in packets:
-        theirs.send(p)
-    theirs.close()
-    return aio.Client(f"/dev/fd/{ours.detach()}")
 
 
 def test_asyncio_refused_message_mid_batch(broker):
