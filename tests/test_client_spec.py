@@ -18,17 +18,9 @@ from sbus import AddressError, BusClosedError, MessageTooLargeError, ProtocolErr
 from sbus.client import MAX_MESSAGE, ControlMessage, Credentials, Message
 
 from support import recv_or_none
-from support.drivers import KINDS, Clients
+from support.drivers import connect  # noqa: F401 (the fixture: each test runs with both clients)
 
 TIMEOUT = 5.0
-
-
-@pytest.fixture(params=KINDS)
-def connect(request):
-    """Factory for clients of one kind (the parameter), closed at teardown."""
-    clients = Clients(request.param)
-    yield clients
-    clients.close_all()
 
 
 @pytest.fixture

@@ -14,9 +14,20 @@ import asyncio
 import inspect
 from typing import Any, List
 
+import pytest
+
 from sbus import Client, aio
 
 KINDS = ("sync", "aio")
+
+
+@pytest.fixture(params=KINDS)
+def connect(request):
+    """Factory for clients of one kind (the parameter), closed at teardown;
+    a test module imports it to run its tests against both clients."""
+    clients = Clients(request.param)
+    yield clients
+    clients.close_all()
 
 
 class AioDriver:
