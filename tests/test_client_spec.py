@@ -18,9 +18,15 @@ from sbus import AddressError, BusClosedError, MessageTooLargeError, ProtocolErr
 from sbus.client import MAX_MESSAGE, ControlMessage, Credentials, Message
 
 from support import recv_or_none
-from support.drivers import connect  # noqa: F401 (the fixture: each test runs with both clients)
+from support.drivers import KINDS, clients_of
 
 TIMEOUT = 5.0
+
+
+@pytest.fixture(params=KINDS)
+def connect(request):
+    """Factory for clients of one kind (the parameter: each test taking it runs with both)."""
+    yield from clients_of(request.param)
 
 
 @pytest.fixture

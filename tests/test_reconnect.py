@@ -13,9 +13,15 @@ from sbus.client import Message
 from sbus.errors import BacklogFullError
 from sbus.client.reconnect import Reconnect, Session
 
-from support.drivers import connect  # noqa: F401 (the fixture: tests that take it run with both clients)
+from support.drivers import KINDS, clients_of
 
 TIMEOUT = 10.0
+
+
+@pytest.fixture(params=KINDS)
+def connect(request):
+    """Factory for clients of one kind (the parameter: each test taking it runs with both)."""
+    yield from clients_of(request.param)
 
 
 def restartable(start_broker, backend="epoll"):

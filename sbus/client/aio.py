@@ -8,8 +8,11 @@
         async for message in bus:
             ...
 
-The socket is the blocking client's socket put in non-blocking mode. A send
-that finds it full waits for ``add_writer`` readiness (back-pressure), and
+A driver over the I/O-free :class:`sbus.client.core.Core`, which holds the
+state and decides what to send, keep or raise; this module does the
+syscalls on the event loop. The socket is opened by
+:func:`~sbus.client.core.open_socket` and put in non-blocking mode; a
+reconnect runs in a background task. A send that finds it full waits for ``add_writer`` readiness (back-pressure), and
 senders go out in the order they called. Packets are read with recvmmsg(2)
 until the socket is empty, by an ``add_reader`` callback only while someone
 waits for one, into a queue that receivers take from after they wake, so
@@ -158,7 +161,6 @@ class Client(Core):
     async def send_packet(self, packet: bytes, flags: int = 0) -> None:
         """Send one raw packet, waiting while the socket is full (buffered:
         pack it behind the buffered messages)."""
-        self._too_large(packet)
         if self._closed:
             raise self._gone()
         if self._admit(packet) and self._sock is None:

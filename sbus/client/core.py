@@ -148,11 +148,12 @@ class Core:
 
     @buffered.setter
     def buffered(self, on: bool) -> None:
-        self._buffered = on
         if not on and len(self._out):
             self._unbuffer()
+        self._buffered = on
 
     def _unbuffer(self) -> None:
+        """Buffered mode was turned off: send what is packed (each driver its way)."""
         raise NotImplementedError
 
     @property

@@ -1,10 +1,11 @@
 """A blocking sbus client: one connected ``SOCK_SEQPACKET`` socket, one packet per message.
 
-The client keeps the socket, a queue of messages that arrived while it
-waited for a control reply (see :meth:`Client.query`) or that a batch read
-took ahead, the packets its buffered mode packed, and, with a reconnect
-policy, its subscriptions and a backlog (see :mod:`sbus.client.reconnect`).
-Batches go through :mod:`sbus._core.batch` (sendmmsg/recvmmsg); the plain
+A driver over the I/O-free :class:`sbus.client.core.Core`, which keeps the
+queue of messages that arrived while the client waited for a control reply
+(see :meth:`Client.query`) or that a batch read took ahead, the packets its
+buffered mode packed, and, with a reconnect policy, its subscriptions and a
+backlog (see :mod:`sbus.client.reconnect`); this module makes the blocking
+syscalls, and reconnects inside the call that needs the broker. Batches go through :mod:`sbus._core.batch` (sendmmsg/recvmmsg); the plain
 Python :func:`~sbus.client.protocol.pack_publish` and :func:`~sbus.client.protocol.parse`
 are their reference.
 Every call takes the send(2)/recv(2) flags and passes them to the kernel, so

@@ -12,22 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any, List
-
-import pytest
+from typing import Any, Iterator, List
 
 from sbus import Client, aio
 
 KINDS = ("sync", "aio")
-
-
-@pytest.fixture(params=KINDS)
-def connect(request):
-    """Factory for clients of one kind (the parameter), closed at teardown;
-    a test module imports it to run its tests against both clients."""
-    clients = Clients(request.param)
-    yield clients
-    clients.close_all()
 
 
 class AioDriver:
@@ -98,3 +87,11 @@ class Clients:
         if self.loop is not None:
             self.loop.run_until_complete(asyncio.sleep(0))    # let cancelled tasks finish
             self.loop.close()
+
+
+def clients_of(kind: str) -> Iterator[Clients]:
+    """The body of a ``connect`` fixture parametrised over :data:`KINDS`:
+    a factory for clients of ``kind``, all closed at teardown."""
+    clients = Clients(kind)
+    yield clients
+    clients.close_all()
