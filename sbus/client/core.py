@@ -302,10 +302,9 @@ class Core:
             return None
         return max(0.0, self._next_attempt - now)
 
-    def _attempt_failed(self) -> bool:
+    def _attempt_failed(self) -> None:
         self._failures += 1
         self._next_attempt = time.monotonic() + self._policy.delay(self._failures)
-        return False
 
     def _replay(self) -> List[bytes]:
         """What a new connection is sent first: the session, then a whoami
