@@ -16,7 +16,8 @@ wait in their own way, the core decides what to send, keep or raise:
   attempts (:meth:`Core._pause`, :meth:`Core._attempt_failed`) -> replay
   and whoami (:meth:`Core._replay`) -> restored (:meth:`Core._restored`),
   after which the driver delivers the backlog;
-- every error a client raises, worded once.
+- the errors the clients raise themselves, each worded once (the compiled
+  batch code words its own).
 
 :func:`open_socket` turns an address into a connected socket whose buffers
 hold the largest packet.
