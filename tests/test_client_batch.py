@@ -18,9 +18,16 @@ from sbus.errors import BatchInterruptedError, KeyRefusedError, MessageRefusedEr
 
 from support import Sbusd, recv_or_none
 from support.clientfeed import far_end_packets, feed, feed_aio
+from support.drivers import KINDS, clients_of
 
 TIMEOUT = 5.0
 LIMIT = 20_000      # a small --max-message keeps the largest payloads cheap to draw
+
+
+@pytest.fixture(params=KINDS)
+def connect(request):
+    """Factory for clients of one kind (the parameter: each test taking it runs with both)."""
+    yield from clients_of(request.param)
 
 
 def key_strategy():
@@ -130,10 +137,11 @@ def test_packed_batches_are_the_reference_packets(pairs):
     (("!/cred/x/1/2/k", b""), KeyRefusedError),
     (("big", b"x" * LIMIT), MessageTooLargeError),
 ])
-def test_a_refused_message_mid_batch_is_reported_with_its_index(start_broker, bad, error):
+def test_a_refused_message_mid_batch_is_reported_with_its_index(start_broker, bad, error,
+                                                                connect):
     b = start_broker("--max-message", str(LIMIT))
     sub = raw_subscriber(b)
-    with Client(b.address, max_message=LIMIT) as c:
+    with connect(b.address, max_message=LIMIT) as c:
         batch = [(f"ok/{i}", b"%d" % i) for i in range(700)]
         batch.insert(600, bad)
         with pytest.raises(error) as info:
@@ -149,13 +157,13 @@ def test_a_refused_message_mid_batch_is_reported_with_its_index(start_broker, ba
         r.get("reason") in ("eof", None) for r in b.events("client_disconnect"))
 
 
-def test_single_calls_refuse_what_the_broker_would_refuse_before_sending(broker):
-    with Client(broker.address, buffered=True) as c:
+def test_single_calls_refuse_what_the_broker_would_refuse_before_sending(broker, connect):
+    with connect(broker.address, buffered=True) as c:
         with pytest.raises(KeyRefusedError):
             c.publish("x/!", b"")
         with pytest.raises(KeyRefusedError):
             c.subscribe("!/cred/1/2")
-    with Client(broker.address) as c:
+    with connect(broker.address) as c:
         with pytest.raises(KeyRefusedError):
             c.publish("!", b"")
         assert c.whoami(timeout=TIMEOUT).pid > 0     # still connected
@@ -273,8 +281,8 @@ def test_flags_pass_through_the_batched_calls():
         theirs.close()
 
 
-def test_control_replies_reach_their_query_between_batches(broker):
-    with Client(broker.address) as c:
+def test_control_replies_reach_their_query_between_batches(broker, connect):
+    with connect(broker.address) as c:
         c.subscribe("")
         c.publish_many((f"self/{i}", b"") for i in range(200))
         creds = c.whoami(timeout=TIMEOUT)          # the 200 are queued meanwhile
@@ -286,9 +294,9 @@ def test_control_replies_reach_their_query_between_batches(broker):
     assert [m.key for m in got] == [b"self/%d" % i for i in range(300)]
 
 
-def test_buffered_sync_client_flushes_before_a_query_and_on_close(broker):
+def test_buffered_client_flushes_before_a_query_and_on_close(broker, connect):
     sub = raw_subscriber(broker)
-    with Client(broker.address, buffered=True) as c:
+    with connect(broker.address, buffered=True) as c:
         c.publish("b/1", b"one")
         assert recv_or_none(sub, 0.1) is None      # still packed
         c.stats(timeout=TIMEOUT)
@@ -383,17 +391,6 @@ def test_asyncio_receive_many_and_async_for_return_what_receive_returns():
     assert len(reference) == len(packets)
     assert arun(one()) == reference
     assert arun(many()) == reference
-
-
-def test_asyncio_refused_message_mid_batch(broker):
-    async def main():
-        async with aio.Client(broker.address) as c:
-            with pytest.raises(KeyRefusedError) as info:
-                await c.publish_many([("a", b""), ("b", b""), ("c/!", b""), ("d", b"")])
-            assert (info.value.index, info.value.sent) == (2, 2)
-            return (await c.whoami()).pid
-
-    assert arun(main()) > 0
 
 
 def test_buffered_packets_keep_their_order_with_subscriptions(broker):
