@@ -92,6 +92,7 @@ class Client(Core):
     def _shut(self) -> None:
         self._closed = True
         self._out.clear()
+        self._requests.clear()
         if self._backlog is not None:
             self._backlog.clear()
         self._detach()
