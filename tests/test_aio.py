@@ -1,4 +1,7 @@
-"""sbus.aio against real sbusd processes; back-pressure against a socket pair."""
+"""What only sbus.aio.Client does, against real sbusd processes: async
+iteration, concurrent tasks, cancellation, back-pressure on a full socket
+(against a socket pair) and the buffered mode's flush timer. The behaviour
+both clients share is specified in test_client_spec.py."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +11,7 @@ import socket
 
 import pytest
 
-from sbus import BusClosedError, MessageTooLargeError, aio
+from sbus import BusClosedError, aio
 from sbus.client import MAX_MESSAGE, ControlMessage, Message, pack_publish
 
 TIMEOUT = 10.0
@@ -41,23 +44,6 @@ def test_publish_subscribe_and_async_for(broker):
             return got
 
     assert run(main()) == [Message(b"t/%d" % i, b"%d" % i) for i in range(5)]
-
-
-def test_whoami_stats_and_buffered_messages(broker):
-    async def main():
-        async with await subscriber(broker.address, "") as c:
-            await c.publish("self/1", b"a")
-            await c.publish("self/2", b"b")
-            creds = await c.whoami()
-            stats = await c.stats()
-            first = await c.receive()
-            second = await c.receive()
-            return creds, stats, [first, second]
-
-    creds, stats, messages = run(main())
-    assert (creds.gid, creds.uid, creds.pid) == (os.getgid(), os.getuid(), os.getpid())
-    assert isinstance(stats, dict)
-    assert messages == [Message(b"self/1", b"a"), Message(b"self/2", b"b")]
 
 
 def test_many_concurrent_publishers(broker):
@@ -303,28 +289,6 @@ def test_close_wakes_waiters(broker):
         c.close()
 
     run(main())
-
-
-def test_oversized_messages_raise():
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * MAX_MESSAGE)
-
-    async def main():
-        async with aio.Client(f"/dev/fd/{ours.detach()}") as c:
-            with pytest.raises(MessageTooLargeError):
-                await c.publish("k", b"x" * MAX_MESSAGE)
-            receiver = asyncio.ensure_future(c.receive())
-            await asyncio.sleep(0.01)
-            theirs.send(b"MSG k\0" + b"x" * MAX_MESSAGE)
-            theirs.send(b"MSG k\0next")
-            with pytest.raises(MessageTooLargeError):
-                await receiver
-            return await c.receive()
-
-    try:
-        assert run(main()) == Message(b"k", b"next")
-    finally:
-        theirs.close()
 
 
 def test_the_client_needs_a_running_loop(broker):

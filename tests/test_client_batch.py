@@ -17,9 +17,17 @@ from sbus.client import ControlMessage, Message, pack_publish
 from sbus.errors import BatchInterruptedError, KeyRefusedError, MessageRefusedError
 
 from support import Sbusd, recv_or_none
+from support.clientfeed import far_end_packets, feed, feed_aio
+from support.drivers import KINDS, clients_of
 
 TIMEOUT = 5.0
 LIMIT = 20_000      # a small --max-message keeps the largest payloads cheap to draw
+
+
+@pytest.fixture(params=KINDS)
+def connect(request):
+    """Factory for clients of one kind (the parameter: each test taking it runs with both)."""
+    yield from clients_of(request.param)
 
 
 def key_strategy():
@@ -129,10 +137,11 @@ def test_packed_batches_are_the_reference_packets(pairs):
     (("!/cred/x/1/2/k", b""), KeyRefusedError),
     (("big", b"x" * LIMIT), MessageTooLargeError),
 ])
-def test_a_refused_message_mid_batch_is_reported_with_its_index(start_broker, bad, error):
+def test_a_refused_message_mid_batch_is_reported_with_its_index(start_broker, bad, error,
+                                                                connect):
     b = start_broker("--max-message", str(LIMIT))
     sub = raw_subscriber(b)
-    with Client(b.address, max_message=LIMIT) as c:
+    with connect(b.address, max_message=LIMIT) as c:
         batch = [(f"ok/{i}", b"%d" % i) for i in range(700)]
         batch.insert(600, bad)
         with pytest.raises(error) as info:
@@ -148,13 +157,13 @@ def test_a_refused_message_mid_batch_is_reported_with_its_index(start_broker, ba
         r.get("reason") in ("eof", None) for r in b.events("client_disconnect"))
 
 
-def test_single_calls_refuse_what_the_broker_would_refuse_before_sending(broker):
-    with Client(broker.address, buffered=True) as c:
+def test_single_calls_refuse_what_the_broker_would_refuse_before_sending(broker, connect):
+    with connect(broker.address, buffered=True) as c:
         with pytest.raises(KeyRefusedError):
             c.publish("x/!", b"")
         with pytest.raises(KeyRefusedError):
             c.subscribe("!/cred/1/2")
-    with Client(broker.address) as c:
+    with connect(broker.address) as c:
         with pytest.raises(KeyRefusedError):
             c.publish("!", b"")
         assert c.whoami(timeout=TIMEOUT).pid > 0     # still connected
@@ -181,29 +190,6 @@ def test_a_connection_failing_mid_batch_says_how_many_went_out():
         assert 50 <= info.value.sent < 5000
         assert f"after {info.value.sent} of " in str(info.value)
     assert read == [pack_publish(f"k/{i}", b"v" * 1000) for i in range(50)]
-
-
-def far_end_packets():
-    """What a broker could send, oddities included."""
-    out = []
-    for i in range(300):
-        out.append(b"MSG k/%d\0" % (i % 7) + b"p" * (i * 37 % 900))
-        if i % 50 == 3:
-            out.append(b"CMSG stats\0{}")
-        if i % 90 == 5:
-            out.append(b"CMSG bare")
-    out.insert(120, b"NOPE")
-    out.insert(200, b"MSG no-nul")
-    return out
-
-
-def feed(packets):
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-    for p in packets:
-        theirs.send(p)
-    theirs.close()
-    return Client(f"/dev/fd/{ours.detach()}")
 
 
 def collect(next_item):
@@ -295,8 +281,8 @@ def test_flags_pass_through_the_batched_calls():
         theirs.close()
 
 
-def test_control_replies_reach_their_query_between_batches(broker):
-    with Client(broker.address) as c:
+def test_control_replies_reach_their_query_between_batches(broker, connect):
+    with connect(broker.address) as c:
         c.subscribe("")
         c.publish_many((f"self/{i}", b"") for i in range(200))
         creds = c.whoami(timeout=TIMEOUT)          # the 200 are queued meanwhile
@@ -308,9 +294,9 @@ def test_control_replies_reach_their_query_between_batches(broker):
     assert [m.key for m in got] == [b"self/%d" % i for i in range(300)]
 
 
-def test_buffered_sync_client_flushes_before_a_query_and_on_close(broker):
+def test_buffered_client_flushes_before_a_query_and_on_close(broker, connect):
     sub = raw_subscriber(broker)
-    with Client(broker.address, buffered=True) as c:
+    with connect(broker.address, buffered=True) as c:
         c.publish("b/1", b"one")
         assert recv_or_none(sub, 0.1) is None      # still packed
         c.stats(timeout=TIMEOUT)
@@ -405,26 +391,6 @@ def test_asyncio_receive_many_and_async_for_return_what_receive_returns():
     assert len(reference) == len(packets)
     assert arun(one()) == reference
     assert arun(many()) == reference
-
-
-def feed_aio(packets):
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-    for p in packets:
-        theirs.send(p)
-    theirs.close()
-    return aio.Client(f"/dev/fd/{ours.detach()}")
-
-
-def test_asyncio_refused_message_mid_batch(broker):
-    async def main():
-        async with aio.Client(broker.address) as c:
-            with pytest.raises(KeyRefusedError) as info:
-                await c.publish_many([("a", b""), ("b", b""), ("c/!", b""), ("d", b"")])
-            assert (info.value.index, info.value.sent) == (2, 2)
-            return (await c.whoami()).pid
-
-    assert arun(main()) > 0
 
 
 def test_buffered_packets_keep_their_order_with_subscriptions(broker):

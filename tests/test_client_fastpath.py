@@ -18,7 +18,7 @@ from sbus._core import batch
 from sbus.client import ControlMessage, Message
 from sbus.client.reconnect import Reconnect
 
-from test_client_batch import far_end_packets, feed, feed_aio
+from support.clientfeed import far_end_packets, feed, feed_aio
 
 TIMEOUT = 5.0
 ERRORS = (ProtocolError, MessageTooLargeError)

@@ -475,7 +475,7 @@ cdef class Inbox:
                 irregular += 1
                 self.release(i)
                 continue
-            if size > 4 and memcmp(p, b"MSG ", 4) == 0:
+            if size >= 4 and memcmp(p, b"MSG ", 4) == 0:
                 nul = <const char *>memchr(p + 4, 0, size - 4)
                 if nul == NULL:
                     out.append(ProtocolError(

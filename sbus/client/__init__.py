@@ -2,10 +2,14 @@
 
 - ``protocol``: packet types (``Message``, ``ControlMessage``, ``Credentials``),
   packing and parsing; every side that speaks the protocol in Python uses it.
-- ``sync``: ``Client``, the blocking client.
-- ``aio``: the asyncio client (also importable as ``sbus.aio``).
+- ``core``: ``Core``, what both clients keep and decide with no I/O of its
+  own (buffered mode, received queue, queries and abandoned ones, the
+  reconnect state machine, error texts), and ``open_socket``.
+- ``sync``: ``Client``, the blocking client: a driver over ``Core``.
+- ``aio``: the asyncio client, a driver over ``Core`` (also importable as
+  ``sbus.aio``).
 - ``reconnect``: ``Reconnect``, the policy for coming back after the broker
-  went away, and the session (subscriptions, backlog) it restores.
+  went away; the session it replays and the backlog it delivers.
 
 ``from sbus.client import Client`` and the protocol names work as before the
 package was split; the clients are imported on first use, so a program that

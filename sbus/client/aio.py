@@ -8,8 +8,11 @@
         async for message in bus:
             ...
 
-The socket is the blocking client's socket put in non-blocking mode. A send
-that finds it full waits for ``add_writer`` readiness (back-pressure), and
+A driver over the I/O-free :class:`sbus.client.core.Core`, which holds the
+state and decides what to send, keep or raise; this module does the
+syscalls on the event loop. The socket is opened by
+:func:`~sbus.client.core.open_socket` and put in non-blocking mode; a
+reconnect runs in a background task. A send that finds it full waits for ``add_writer`` readiness (back-pressure), and
 senders go out in the order they called. Packets are read with recvmmsg(2)
 until the socket is empty, by an ``add_reader`` callback only while someone
 waits for one, into a queue that receivers take from after they wake, so
@@ -26,37 +29,18 @@ them was packed, once the loop gets to run.
 from __future__ import annotations
 
 import asyncio
-import collections
-import errno
-import time
-from typing import Any, AsyncIterator, Deque, Iterable, List, Optional, Tuple, Union
+import socket
+from typing import Any, AsyncIterator, Iterable, List, Optional, Tuple, Union
 
-from . import reconnect as _reconnect
-from .._core.batch import AsyncMessages, Inbox, Outbox, Sink, check_pattern
+from .._core.batch import AsyncMessages, Outbox, Sink
 from .._core.batch import take as _take
 from .._core.batch import pack_publish as _pack_publish
 from .._core.batch import send_publish as _send_publish
-from .sync import Client as _BlockingClient
-from .protocol import (
-    MAX_MESSAGE,
-    WHOAMI,
-    ControlMessage,
-    Credentials,
-    Message,
-    Text,
-    pack_control,
-    pack_subscribe,
-    pack_unsubscribe,
-    parse_stats,
-)
-from ..errors import (
-    BacklogFullError,
-    BatchInterruptedError,
-    BusClosedError,
-    MessageRefusedError,
-    MessageTooLargeError,
-    SbusError,
-)
+from ..errors import BusClosedError, MessageRefusedError, SbusError
+from .core import GONE, Core, Request, open_socket
+from .protocol import (MAX_MESSAGE, WHOAMI, ControlMessage, Credentials, Message, Text,
+                       _routing_key, pack_control, pack_subscribe, pack_unsubscribe,
+                       parse_stats)
 from .reconnect import Reconnect
 
 __all__ = ["Client", "ControlMessage", "Credentials", "Message", "Reconnect", "connect",
@@ -69,12 +53,10 @@ FLUSH_DELAY = 0.002
 # rest waits in the socket, where it is the broker's back-pressure.
 _INBOX_HIGH = 4096
 
-_GONE = frozenset((errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF))
-
 Received = Union[Message, ControlMessage]
 
 
-class Client:
+class Client(Core):
     """An asyncio connection to an sbus broker; create it inside a running loop.
 
     The arguments are those of :class:`sbus.Client`, and ``flush_delay``
@@ -84,35 +66,19 @@ class Client:
     backlog, receivers wait and queries are asked again of the new broker.
     """
 
+    _NAME = "sbus.aio.Client"
+
     def __init__(self, address: Optional[str] = None, *, max_message: int = MAX_MESSAGE,
                  buffered: bool = False, flush_delay: float = FLUSH_DELAY,
                  reconnect: Union[None, bool, Reconnect] = None) -> None:
         self._loop = asyncio.get_running_loop()
-        self._policy = _reconnect.policy(reconnect)
-        self._session = _reconnect.Session() if self._policy else None
-        self._backlog = _reconnect.Backlog(self._policy.max_backlog) if self._policy else None
-        self.buffered = buffered
+        super().__init__(address, max_message, buffered, reconnect)
         self.flush_delay = flush_delay
-        self._bus: Optional[_BlockingClient] = None
-        self._attach(_BlockingClient(address, max_message=max_message))
-        self.address = self._bus.address
-        self.max_message = max_message
-        self._closed = False
         self._send_lock = asyncio.Lock()
         self._write_waiter: Optional[asyncio.Future] = None
-        self._out = Outbox(max_message)
-        self._out_flags = 0
         self._flush_timer: Optional[asyncio.TimerHandle] = None
-        self._in = Inbox(max_message, Message, ControlMessage)
-        # What was received and nobody took yet: messages, or the exception
-        # a receive() should raise at that point.
-        self._inbox: Deque[Union[Received, BaseException]] = collections.deque()
         self._receivers: List[asyncio.Future] = []
         self._sink_waiters = 0      # of the receivers, those in receive_into
-        # One (key, future, request) per query() whose request was sent, in
-        # request order (the broker answers in order); cancelled ones still
-        # own a reply.
-        self._queries: Deque[Tuple[bytes, asyncio.Future, bytes]] = collections.deque()
         self._reading = False
         self._eof = False
         self._reconnecting: Optional[asyncio.Task] = None
@@ -122,28 +88,15 @@ class Client:
         self._live = True
         self._delivering = False
         self._restoring: Optional[asyncio.Future] = None
+        self._attach(open_socket(self.address, max_message))
 
-    def _attach(self, bus: _BlockingClient) -> None:
-        bus.socket.setblocking(False)
-        self._bus = bus
-        self._fd = bus.fileno()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def connected(self) -> bool:
-        return self._bus is not None
-
-    @property
-    def backlog(self) -> int:
-        """Bytes published while the broker was away and not yet sent."""
-        return self._backlog.nbytes if self._backlog is not None else 0
+    def _attach(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self._sock, self._fd = sock, sock.fileno()
 
     def fileno(self) -> int:
-        if self._bus is None:
-            raise BusClosedError("the client is closed" if self._closed else "not connected")
+        if self._sock is None:
+            raise self._gone() if self._closed else BusClosedError("not connected")
         return self._fd
 
     def close(self) -> None:
@@ -154,12 +107,13 @@ class Client:
         """
         if self._closed:
             return
-        if len(self._out) and self._bus is not None:
+        if len(self._out) and self._sock is not None:
             try:
                 self._out.send(self._fd, self._out_flags)
             except OSError:
                 pass
-        self._shut(BusClosedError("the client is closed"))
+        self._closed = True
+        self._shut(self._gone())
 
     def _shut(self, exc: BusClosedError) -> None:
         self._closed = True
@@ -170,10 +124,10 @@ class Client:
         self._out.clear()
         self._detach()
         waiters = [self._write_waiter, self._connected, *self._receivers,
-                   *(f for _, f, _ in self._queries)]
+                   *(r.waiter for r in self._requests)]
         self._write_waiter = self._connected = None
         self._receivers.clear()
-        self._queries.clear()
+        self._requests.clear()
         for fut in waiters:
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
@@ -185,9 +139,9 @@ class Client:
             if not self._write_waiter.done():
                 self._write_waiter.set_result(None)    # its sender finds the socket gone
             self._write_waiter = None
-        if self._bus is not None:
-            self._bus.close()
-            self._bus = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
         self._fd = -1
         self._live = False
 
@@ -202,36 +156,22 @@ class Client:
                 pass
         self.close()
 
-    def __repr__(self) -> str:
-        state = ("closed" if self._closed else "disconnected" if self._bus is None
-                 else f"fd={self._fd}")
-        return f"<sbus.aio.Client {self.address!r} {state}>"
-
     # -- sending ---------------------------------------------------------------
-
-    def _gone(self, exc: Optional[BaseException] = None) -> BusClosedError:
-        if self._closed:
-            return BusClosedError("the client is closed")
-        return BusClosedError("the broker closed the connection")
 
     async def send_packet(self, packet: bytes, flags: int = 0) -> None:
         """Send one raw packet, waiting while the socket is full (buffered:
         pack it behind the buffered messages)."""
-        if len(packet) > self.max_message:
-            raise MessageTooLargeError(
-                f"packet of {len(packet)} bytes exceeds the bus limit of {self.max_message}")
         if self._closed:
             raise self._gone()
-        if self._session is not None:
-            if packet.startswith(b"SUB "):
-                check_pattern(packet[4:])   # replayed on every reconnect: never a refused one
-            if self._session.note(packet) and self._bus is None:
-                return      # replayed once the broker is back
-        if self.buffered:
-            await self._pack(packet, flags)
+        if self._admit(packet) and self._sock is None:
+            return      # replayed once the broker is back
+        if self._buffered:
+            while not self._pack(packet, flags):
+                await self.flush()
+            self._arm_timer()
             return
         if not self._live:
-            return self._keep(packet)
+            return self._keep_while_away(packet)
         if not self._send_lock.locked() and not len(self._out):
             try:
                 return self._send_now(packet, flags)
@@ -249,34 +189,24 @@ class Client:
     def _send_now(self, packet: bytes, flags: int) -> None:
         """One send(2); BlockingIOError if the socket is full."""
         if not self._live:
-            if self._closed or self._policy is None:
-                raise self._gone()
-            return self._keep(packet)
+            return self._keep_while_away(packet)
         try:
-            self._bus.socket.send(packet, flags | 0x4000)   # MSG_NOSIGNAL
+            self._sock.send(packet, flags | socket.MSG_NOSIGNAL)
         except BlockingIOError:
             raise
         except OSError as exc:
-            self._send_failed(exc, packet)
+            self._failed_send(exc, packet)
 
-    def _send_failed(self, exc: OSError, packet: Optional[bytes]) -> None:
-        if exc.errno == errno.EMSGSIZE:
-            raise MessageTooLargeError(
-                f"the kernel refused a {len(packet or b'')}-byte packet (socket send buffer "
-                f"too small; see net.core.wmem_max)") from exc
-        if exc.errno not in _GONE:
-            raise exc
-        if self._closed or self._policy is None:
-            raise self._gone() from exc
+    def _failed_send(self, exc: OSError, packet: Optional[bytes]) -> None:
+        self._send_failed(exc, packet)
         self._lost(exc)
         if packet is not None:
             self._keep(packet)
 
-    def _keep(self, packet: bytes) -> None:
-        if self._policy is None:
+    def _keep_while_away(self, packet: bytes) -> None:
+        if self._closed or self._policy is None:
             raise self._gone()
-        if not self._session.covers(packet):
-            self._backlog.add(packet)
+        self._keep(packet)
 
     async def _writable(self) -> None:
         fut = self._loop.create_future()
@@ -289,12 +219,7 @@ class Client:
                 self._write_waiter = None
                 self._loop.remove_writer(self._fd)
 
-    async def _pack(self, packet: bytes, flags: int) -> None:
-        if flags != self._out_flags and len(self._out):
-            await self.flush()
-        self._out_flags = flags
-        while not self._out.add_packet(packet):
-            await self.flush()
+    def _unbuffer(self) -> None:
         self._arm_timer()
 
     def _arm_timer(self) -> None:
@@ -345,7 +270,7 @@ class Client:
                 if self._closed or self._policy is None:
                     out.clear()
                     raise self._gone()
-                self._lost_outbox(out)
+                self._keep_owed(out)
                 return
             before = out.head
             try:
@@ -353,43 +278,15 @@ class Client:
             except BlockingIOError:
                 await self._writable()
             except OSError as exc:
-                if exc.errno not in _GONE:
+                if exc.errno not in GONE:
                     raise
-                sent = done + out.head - before
                 if self._closed or self._policy is None:
-                    total = done + len(out) + out.head - before
+                    sent, total = done + out.head - before, done + len(out) + out.head - before
                     out.clear()
                     self._fail(self._gone())
-                    raise BatchInterruptedError(
-                        f"the broker closed the connection after {sent} of {total} messages "
-                        f"of the batch were sent", sent) from exc
+                    raise self._interrupted(sent, total) from exc
                 self._lost(exc)
                 return
-
-    def _keep_outbox(self, out: Outbox, done: int) -> None:
-        """The broker is away: what ``out`` holds goes behind the backlog, in
-        order, within max_backlog. BacklogFullError at the first packet that
-        does not fit (``index`` and ``sent``: ``done`` plus the packets kept
-        before it; it and the rest are not kept)."""
-        try:
-            for i, packet in enumerate(out.unsent()):
-                if not self._session.covers(packet):
-                    self._backlog.add(packet)
-        except BacklogFullError as exc:
-            exc.index = exc.sent = done + i
-            raise
-        finally:
-            out.clear()
-
-    def _lost_outbox(self, out: Optional[Outbox] = None) -> None:
-        """Keep what the outbox (or ``out``) still owes, in front of the backlog."""
-        if out is None:
-            out = self._out
-        unsent = [p for p in out.unsent() if not self._session.covers(p)]
-        out.clear()
-        for packet in reversed(unsent):
-            self._backlog.packets.appendleft(packet)
-            self._backlog.nbytes += len(packet)
 
     async def subscribe(self, pattern: Text, flags: int = 0) -> None:
         await self.send_packet(pack_subscribe(pattern), flags)
@@ -401,13 +298,11 @@ class Client:
         """Publish one message (buffered: pack it). KeyRefusedError or
         MessageTooLargeError, before anything is sent, for a message the
         broker would refuse."""
-        if self.buffered:
-            if flags != self._out_flags and len(self._out):
-                await self.flush()
-            self._out_flags = flags
-            if not self._out.add_publish(key, payload):
-                await self.flush()
-                self._out.add_publish(key, payload)
+        if self._buffered:
+            if flags != self._out_flags or not self._out.add_publish(key, payload):
+                packet = _pack_publish(key, payload, self.max_message)
+                while not self._pack(packet, flags):
+                    await self.flush()
             if self._flush_timer is None:
                 self._arm_timer()
             return
@@ -417,7 +312,7 @@ class Client:
             except BlockingIOError:
                 pass
             except OSError as exc:
-                return self._send_failed(exc, _pack_publish(key, payload, self.max_message))
+                return self._failed_send(exc, _pack_publish(key, payload, self.max_message))
         if self._closed:
             raise self._gone()
         await self.send_packet(_pack_publish(key, payload, self.max_message), flags)
@@ -468,7 +363,7 @@ class Client:
                 return count
             await self._drain(0, box)
             if len(box):    # owed when the connection broke: before what is kept since
-                self._lost_outbox(box)
+                self._keep_owed(box)
         return count
 
     async def send_cmsg(self, key: Text, payload: Optional[Text] = None, flags: int = 0) -> None:
@@ -481,7 +376,7 @@ class Client:
         while not self._inbox:
             if self._closed or (self._eof and self._policy is None):
                 raise self._gone()
-            if not self._reading and self._bus is not None:
+            if not self._reading and self._sock is not None:
                 self._read_until_empty()    # no future when something is there already
                 if self._inbox:
                     break
@@ -505,7 +400,7 @@ class Client:
         inbox = self._inbox
         if not inbox or isinstance(inbox[0], BaseException):
             inbox.appendleft(await self.receive())  # waits, or raises the error
-        if len(inbox) < max and not self._reading and self._bus is not None:
+        if len(inbox) < max and not self._reading and self._sock is not None:
             self._read_until_empty()
         return _take(inbox, max)
 
@@ -523,7 +418,7 @@ class Client:
                 return [m for m in items if type(m) is not Message]
             if self._closed or (self._eof and self._policy is None):
                 raise self._gone()
-            if not self._reading and self._bus is not None:
+            if not self._reading and self._sock is not None:
                 if self._read_until_empty(max, sink):
                     return []
                 if self._inbox:
@@ -568,7 +463,7 @@ class Client:
             raise StopAsyncIteration from None
 
     def _start_reading(self) -> None:
-        if not self._reading and self._bus is not None:
+        if not self._reading and self._sock is not None:
             self._loop.add_reader(self._fd, self._on_readable)
             self._reading = True
 
@@ -583,7 +478,7 @@ class Client:
             self._stop_reading()
 
     def _querying(self) -> bool:
-        return any(not f.done() for _, f, _ in self._queries)
+        return any(r.waiter is not None and not r.waiter.done() for r in self._requests)
 
     def _on_readable(self) -> None:
         if self._sink_waiters == len(self._receivers) > 0 and not self._querying():
@@ -606,13 +501,13 @@ class Client:
         queued (so nothing overtakes what is); returns how many it took."""
         inbox = self._inbox
         taken = 0
-        while self._bus is not None and len(inbox) < _INBOX_HIGH and taken < _INBOX_HIGH:
+        while self._sock is not None and len(inbox) < _INBOX_HIGH and taken < _INBOX_HIGH:
             try:
                 batch = self._in.receive(self._fd, limit, 0, -1.0, sink)
             except BlockingIOError:
                 return taken
             except OSError as exc:
-                if exc.errno in _GONE and self._policy is not None:
+                if exc.errno in GONE and self._policy is not None:
                     self._lost(exc)
                     return taken
                 inbox.append(exc)
@@ -624,8 +519,11 @@ class Client:
                 continue
             for item in batch:
                 if type(item) is ControlMessage:
-                    if not self._answer(item):
+                    request = self._answer(item) if self._requests else None
+                    if request is None:
                         inbox.append(item)
+                    elif request.waiter is not None and not request.waiter.done():
+                        request.waiter.set_result(item.payload)  # an abandoned one's is dropped
                 elif type(item) is BusClosedError:
                     if self._policy is not None and not self._closed:
                         self._lost(item)
@@ -639,71 +537,55 @@ class Client:
                 return taken
         return taken
 
-    def _answer(self, reply: ControlMessage) -> bool:
-        """Hand a control message to the oldest query with its key, if there is one."""
-        for i, (key, fut, _) in enumerate(self._queries):
-            if key == reply.key:
-                del self._queries[i]
-                if not fut.done():  # a cancelled query's reply is dropped
-                    fut.set_result(reply.payload)
-                return True
-        return False
-
     def _fail(self, exc: BusClosedError) -> None:
         self._eof = True
         self._stop_reading()
-        for _, fut, _ in self._queries:
-            if not fut.done():
-                fut.set_exception(exc)
-        self._queries.clear()
+        for request in self._requests:
+            if request.waiter is not None and not request.waiter.done():
+                request.waiter.set_exception(exc)
+        self._requests.clear()
         for fut in self._receivers:
             if not fut.done():
                 fut.set_result(None)
 
-    # -- losing and finding the broker ---------------------------------------------
+    # -- losing and finding the broker (the state machine is the core's) -----------
 
     def _lost(self, exc: BaseException) -> None:
         """The broker went away: keep what was not sent, reconnect in the background."""
-        if self._bus is None:
+        if self._sock is None:
             return
-        self._lost_outbox()
         self._detach()
-        # The new broker is asked again what the old one left unanswered;
-        # cancelled queries need no answer.
-        self._queries = collections.deque(q for q in self._queries if not q[1].done())
+        self._lose(exc)
         if self._restoring is not None and not self._restoring.done():
-            self._restoring.set_exception(BusClosedError("the broker closed the connection"))
+            self._restoring.set_exception(self._gone())
         if self._reconnecting is None:
             if self._connected is None:
                 self._connected = self._loop.create_future()
-            if self._policy.on_disconnect is not None:
-                self._policy.on_disconnect(exc)
             self._reconnecting = self._loop.create_task(self._reconnect())
             self._reconnecting.add_done_callback(_retrieve)
 
     async def _reconnect(self) -> None:
-        policy = self._policy
-        failures = 0
-        down_since = time.monotonic()
         try:
-            while self._bus is None:
-                if policy.exhausted(failures, time.monotonic() - down_since):
-                    self._shut(BusClosedError(
-                        f"{self.address}: no broker after {failures} attempts to reconnect"))
+            while self._sock is None:
+                pause = self._pause()
+                if pause is None:
+                    self._shut(self._gave_up())
                     return
-                await asyncio.sleep(policy.delay(failures))
-                try:
-                    self._attach(_BlockingClient(self.address, max_message=self.max_message))
-                except OSError:
-                    failures += 1
+                if pause:
+                    await asyncio.sleep(pause)
                     continue
                 try:
-                    await asyncio.wait_for(self._restore(), policy.confirm_timeout)
+                    self._attach(open_socket(self.address, self.max_message))
+                except OSError:
+                    self._attempt_failed()
+                    continue
+                try:
+                    await asyncio.wait_for(self._restore(), self._policy.confirm_timeout)
                 except (OSError, SbusError, asyncio.TimeoutError):
                     self._detach()
-                    failures += 1
+                    self._attempt_failed()
                     continue
-                failures = 0
+                self._restored()
                 await self._deliver()
         finally:
             if self._reconnecting is asyncio.current_task():
@@ -711,19 +593,17 @@ class Client:
         connected, self._connected = self._connected, None
         if connected is not None and not connected.done():
             connected.set_result(None)
-        if policy.on_reconnect is not None:
-            policy.on_reconnect()
 
     async def _restore(self) -> None:
-        """Replay the session, then wait for the answer to a whoami asked
-        after it: then the subscriptions are in place."""
+        """Send the replay, then wait for the answer to its whoami: then the
+        subscriptions are in place."""
         self._eof = False
         fut = self._restoring = self._loop.create_future()
-        entry = (WHOAMI, fut, b"")
-        # First in line: the broker answers it before any re-asked query.
-        self._queries.appendleft(entry)
+        whoami = Request(WHOAMI, b"", fut)
+        # First in line: the broker answers it before any request asked again.
+        self._requests.appendleft(whoami)
         try:
-            for packet in self._session.replay() + [pack_control(WHOAMI)]:
+            for packet in self._replay():
                 while not self._out.add_packet(packet):
                     self._send_all()
             self._send_all()
@@ -731,8 +611,7 @@ class Client:
             await fut
         finally:
             self._restoring = None
-            if entry in self._queries:
-                self._queries.remove(entry)
+            self._unask(whoami)
             self._update_reading()
 
     def _send_all(self) -> None:
@@ -743,25 +622,20 @@ class Client:
             raise BusClosedError(f"the new connection failed: {exc}") from exc
 
     async def _deliver(self) -> None:
-        """Ask the queries the old broker never answered, then send the
-        backlog (and what is published meanwhile) until it is empty."""
-        backlog, out = self._backlog, self._out
-        for _, _, request in self._queries:
-            backlog.packets.appendleft(request)
-            backlog.nbytes += len(request)
-        if self._queries or self._receivers:
+        """Send the backlog (with the requests asked again first, and what
+        is published meanwhile) until it is empty."""
+        if self._requests or self._receivers:
             self._start_reading()
         async with self._send_lock:
             self._delivering = True
             self._out_flags = 0
             try:
-                while backlog.packets and self._bus is not None:
-                    while backlog.packets and out.add_packet(backlog.packets[0]):
-                        backlog.taken(1)
+                while self._backlog and self._sock is not None:
+                    self._backlog.move_to(self._out)
                     await self._drain(0)
             finally:
                 self._delivering = False
-            if self._bus is not None:
+            if self._sock is not None:
                 self._live = True
 
     # -- requests to the broker --------------------------------------------------
@@ -770,10 +644,12 @@ class Client:
         """Send a control message and return the payload of the broker's reply with that key.
 
         Messages that arrive first are kept for :meth:`receive`. Buffered
-        packets are sent first.
+        packets are sent first. A reply that comes after the query was
+        cancelled is dropped.
         """
-        packet = pack_control(key, payload)
-        raw_key = packet[5:].partition(b"\0")[0]
+        raw_key = _routing_key(key, "key")
+        packet = pack_control(raw_key, payload)
+        self._too_large(packet)
         if len(self._out):
             await self.flush()
         if self._closed or (self._eof and self._policy is None):
@@ -781,19 +657,18 @@ class Client:
         # Registered before the request goes out, so its reply finds it; while
         # the broker is away, the reconnect asks the new one.
         fut = self._loop.create_future()
-        entry = (raw_key, fut, packet)
-        self._queries.append(entry)
+        request = self._asked(raw_key, packet, fut)
         try:
             if self._live:
                 await self._send_request(packet, flags)
         except BaseException:
-            if entry in self._queries:     # never sent: no reply to wait for
-                self._queries.remove(entry)
+            self._unask(request)
             raise
         self._start_reading()
         try:
             return await fut
         finally:
+            self._abandon(request)
             self._update_reading()
 
     async def _send_request(self, packet: bytes, flags: int) -> None:
@@ -802,19 +677,19 @@ class Client:
                 await self._drain(0)
             while self._live:
                 try:
-                    self._bus.socket.send(packet, flags | 0x4000)   # MSG_NOSIGNAL
+                    self._sock.send(packet, flags | socket.MSG_NOSIGNAL)
                     return
                 except BlockingIOError:
                     await self._writable()
                 except OSError as exc:
-                    if exc.errno in _GONE and self._policy is not None and not self._closed:
-                        self._lost(exc)
-                        return
                     self._send_failed(exc, None)
+                    self._lost(exc)
+                    return
             if self._policy is None:
                 raise self._gone()
 
     async def whoami(self, flags: int = 0) -> Credentials:
+        """Ask the broker for this client's credentials (``!/cred/GID/UID/PID...``)."""
         reply = await self.query(WHOAMI, None, flags)
         return Credentials.parse(reply.decode("ascii", "replace"))
 

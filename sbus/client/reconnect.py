@@ -1,8 +1,8 @@
 """What a client needs to ride out a broker restart: the policy, the session
 it replays, and the backlog of what was published while the broker was away.
 
-Shared by :class:`sbus.Client` and :class:`sbus.aio.Client`; nothing here
-does I/O. What other clients published while the broker was away is gone:
+Held by the client core (:mod:`sbus.client.core`) for both clients; nothing
+here does I/O. What other clients published while the broker was away is gone:
 a broker keeps no messages, and a new one starts with no subscriptions.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ import collections
 from dataclasses import dataclass
 from typing import Callable, Counter, Deque, Dict, Iterable, List, Optional, Union
 
+from .._core.batch import Outbox
 from ..errors import BacklogFullError
 
 __all__ = ["Backlog", "Reconnect", "Session", "policy"]
@@ -115,39 +116,41 @@ class Session:
 
 class Backlog:
     """Packets published while the broker was away, oldest first, at most
-    ``max_bytes`` of them."""
+    ``max_bytes`` of them. ``nbytes`` is what it holds."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self.packets: Deque[bytes] = collections.deque()
+        self._packets: Deque[bytes] = collections.deque()
 
     def __len__(self) -> int:
-        return len(self.packets)
+        return len(self._packets)
 
     def add(self, packet: bytes) -> None:
+        """Keep ``packet`` last; BacklogFullError (it is not kept) past ``max_bytes``."""
         if self.nbytes + len(packet) > self.max_bytes:
             raise BacklogFullError(
                 f"the broker is away and the backlog holds {self.nbytes} of its "
                 f"{self.max_bytes} bytes; a {len(packet)}-byte packet was not kept")
-        self.packets.append(packet)
+        self._packets.append(packet)
         self.nbytes += len(packet)
 
-    def add_all(self, packets: Iterable[bytes]) -> None:
-        """Add in order; BacklogFullError at the first that does not fit
-        (``index``: its position; the ones before it were kept)."""
-        for i, packet in enumerate(packets):
-            try:
-                self.add(packet)
-            except BacklogFullError as exc:
-                exc.index = i
-                raise
+    def add_front(self, packets: Iterable[bytes]) -> None:
+        """Put ``packets`` (in their order) before the others, whatever the
+        bound: they were packed or asked before anything the backlog holds."""
+        packets = list(packets)
+        self._packets.extendleft(reversed(packets))
+        self.nbytes += sum(map(len, packets))
 
-    def taken(self, count: int) -> None:
-        """The oldest ``count`` packets were sent."""
-        for _ in range(count):
-            self.nbytes -= len(self.packets.popleft())
+    def move_to(self, out: Outbox) -> int:
+        """Move the oldest packets into ``out`` while it takes them; how many moved."""
+        moved = 0
+        packets = self._packets
+        while packets and out.add_packet(packets[0]):
+            self.nbytes -= len(packets.popleft())
+            moved += 1
+        return moved
 
     def clear(self) -> None:
-        self.packets.clear()
+        self._packets.clear()
         self.nbytes = 0
