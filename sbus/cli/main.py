@@ -12,7 +12,7 @@
     sbus top                        a live view of the broker's counters
     sbus bench pair|fanout N|latency
                                     measure this broker's throughput or latency
-    sbus stats [--format prometheus] [--no-clients]
+    sbus stats [--format prometheus] [--no-clients] [-o PATH]
                                     print the broker's counters as JSON, or in the
                                     Prometheus text format
     sbus bridge --nats URL [--export PATTERN] [--import SUBJECT] ...
@@ -153,13 +153,37 @@ def cmd_stats(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bi
         from .metrics import to_prometheus
         # The scrape's own connection is no client worth a series.
         stats["clients"] = [c for c in stats.get("clients", ()) if not is_own(c)]
-        stdout.write(to_prometheus(stats, clients=not args.no_clients).encode())
+        text = to_prometheus(stats, clients=not args.no_clients).encode()
     else:
         for c in stats.get("clients", ()):
             if is_own(c):
                 c[OWN_MARK] = True
-        stdout.write(json.dumps(stats, indent=2).encode() + b"\n")
+        text = json.dumps(stats, indent=2).encode() + b"\n"
+    if args.output is None:
+        stdout.write(text)
+    else:
+        try:
+            replace_file(args.output, text)
+        except OSError as exc:
+            return _fail(f"stats --output {args.output}: {exc.strerror or exc}")
     return 0
+
+
+def replace_file(path: str, data: bytes) -> None:
+    """Write ``path`` whole or not at all: a reader (node_exporter's textfile
+    collector) never sees half of it. Readable by all (0644)."""
+    temp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
 
 
 def cmd_top(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
@@ -261,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(for node_exporter's textfile collector)")
     stats.add_argument("--no-clients", action="store_true",
                        help="leave out the per-client counters (series)")
+    stats.add_argument("-o", "--output", metavar="PATH",
+                       help="write to PATH, replaced whole (through a temporary file and a "
+                            "rename), instead of stdout: for node_exporter's textfile "
+                            "collector")
     stats.set_defaults(run=cmd_stats)
     top = commands.add_parser("top", parents=[common],
                               help="a live view of the broker: totals, rates, busiest clients")
