@@ -5,7 +5,7 @@
 
 Run as a file, this module is not part of its package, so it imports the
 package by its absolute name: ``sbus`` must be installed where the driver's
-Python runs (``pip install 'pysbus[analytics]'``).  Executors need only Java:
+Python runs (the analytics extra, ``pysbus[analytics]``).  Executors need only Java:
 the job uses no Python functions on them.
 """
 from __future__ import annotations

@@ -131,7 +131,7 @@ def where_listening(cfg: Config, listener) -> str:
     if listener.printed_address:
         return listener.printed_address
     if listener.path is not None:
-        return os.path.abspath(listener.path)
+        return os.path.abspath(os.fsdecode(listener.path))
     return cfg.address
 
 
