@@ -152,3 +152,19 @@ def test_max_malformed_must_be_a_fraction():
                                          "got '50%'")
 
 
+
+
+def test_the_malformed_limit_and_what_the_refusal_says():
+    from sbus.analytics.job import TooMalformed, check_malformed
+    examples = [{"source": "file:/x.log", "line": "hello"}, {"source": "file:/x.log", "line": "{"}]
+    # At the limit: accepted, and the examples are not even asked for.
+    check_malformed({"records": 5, "malformed": 5}, 0.5, lambda: 1 / 0)
+    check_malformed({"records": 0, "malformed": 0}, 0.0, lambda: 1 / 0)
+    with pytest.raises(TooMalformed) as info:
+        check_malformed({"records": 4, "malformed": 6}, 0.5, lambda: examples)
+    assert str(info.value).splitlines() == [
+        "6 of 10 lines are not sbusd JSON records, more than --max-malformed 0.5 of them; "
+        "nothing was written",
+        "  malformed: file:/x.log: 'hello'",
+        "  malformed: file:/x.log: '{'",
+    ]

@@ -4,10 +4,12 @@
                                     publish MESSAGE (default empty; '-' reads stdin;
                                     --lines: one message per line); exits 1 if the
                                     broker refuses one
-    sbus sub [--json | -F TEMPLATE | -v | --raw] [-n N] [-W S] [--no-reconnect] PATTERN...
-                                    print messages as they arrive; with -W, exit 3
+    sbus sub [--json | -F TEMPLATE | -v | --raw] [-n N] [-W S] [--no-reconnect] [--strict]
+             PATTERN...             print messages as they arrive; with -W, exit 3
                                     if N messages did not come within S seconds;
-                                    rides out a broker restart unless --no-reconnect
+                                    rides out a broker restart unless --no-reconnect;
+                                    warns about (--strict: refuses) patterns of
+                                    other buses (sbus.cli.patterns)
     sbus whoami                     print this client's credentials
     sbus top                        a live view of the broker's counters
     sbus bench pair|fanout N|latency
