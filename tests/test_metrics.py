@@ -139,4 +139,4 @@ def test_stats_json_marks_the_asking_connection(start_broker):
                           timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr.decode()
     clients = json.loads(proc.stdout)["clients"]
-    assert [x.get("sbus_stats", False) for x in clients] == [False, True]
+    assert [x.get("asking", False) for x in clients] == [False, True]

@@ -44,8 +44,8 @@ from . import connecterrors, patterns, render
 REPLY_TIMEOUT = 10.0
 # `sbus sub -W` ran out of time before --count messages came.
 TIMEOUT_EXIT = 3
-# The field `sbus stats` adds to its own connection's entry in the JSON.
-OWN_MARK = "sbus_stats"
+# The field `sbus stats` adds, true, to its own connection's entry in the JSON.
+OWN_MARK = "asking"
 
 
 def payloads(args: argparse.Namespace, stdin: BinaryIO) -> Iterator[bytes]:
@@ -125,7 +125,7 @@ def cmd_sub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bina
                 # -W ended it: a success only if no --count was left unmet.
                 if args.count is None:
                     _say(f"-W {args.timeout:g}: stopped after {args.timeout:g} s "
-                         f"({seen} messages)")
+                         f"({seen} message{'' if seen == 1 else 's'})")
                     return 0
                 _say(f"-W {args.timeout:g}: timed out: {seen} of {args.count} messages "
                      f"came within {args.timeout:g} s")
@@ -177,6 +177,7 @@ def replace_file(path: str, data: bytes) -> None:
     temp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
+        os.fchmod(fd, 0o644)    # whatever the umask: node_exporter is another user
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(temp, path)
