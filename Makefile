@@ -5,9 +5,12 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-DEV_SOCKET := .run/sbus.socket
+DEV_SOCKET   := .run/sbus.socket
+DEV_PIDFILE  := .run/sbusd.pid
+# The same records as JSON lines, for `python -m sbus.analytics`.
+DEV_JSON_LOG := .run/sbusd.json
 # tests/test_console_log.py runs sbusd with these flags too.
-RUN_FLAGS  := -f -r -a $(DEV_SOCKET) --log-format console
+RUN_FLAGS  := -f -r -a $(DEV_SOCKET) -p $(DEV_PIDFILE) --log-format console --json-log $(DEV_JSON_LOG)
 
 .PHONY: run test test-nats-latest build bench bench-deps fuzz soak wheel clean distclean check-java
 
@@ -17,7 +20,7 @@ $(STAMP): pyproject.toml setup.py
 	@mkdir -p build
 	@{ $(PYTHON) -m venv $(VENV) && \
 	   $(PY) -m pip install -q --upgrade pip setuptools wheel && \
-	   $(PY) -m pip install -q -e '.[dev,analytics]'; } >$(INSTALL_LOG) 2>&1 || \
+	   $(PY) -m pip install -q -e '.[dev,analytics,notebook]'; } >$(INSTALL_LOG) 2>&1 || \
 	  { cat $(INSTALL_LOG); echo "make: setting up $(VENV) failed; the output above is in $(INSTALL_LOG)" >&2; exit 1; }
 	@touch $@
 
@@ -30,13 +33,25 @@ build: $(STAMP)
 	@$(PY) setup.py -q build_ext --inplace -j 2 >$(BUILD_LOG) 2>&1 || \
 	  { cat $(BUILD_LOG); echo "make build: failed; the output above is in $(BUILD_LOG)" >&2; exit 1; }
 
+# "listening" is printed once sbusd listens: it closes its stdout then, or
+# when it fails to start, which leaves no pidfile.
 run: build
 	@mkdir -p .run
-	@echo "sbusd: listening on $(CURDIR)/$(DEV_SOCKET)"
-	@echo "  connect with:  SBUS_ADDRESS=$(CURDIR)/$(DEV_SOCKET) $(VENV)/bin/sbus sub ''"
-	@echo "  publish with:  SBUS_ADDRESS=$(CURDIR)/$(DEV_SOCKET) $(VENV)/bin/sbus pub hello/world 'hi'"
-	@echo "  live view:     SBUS_ADDRESS=$(CURDIR)/$(DEV_SOCKET) $(VENV)/bin/sbus top"
-	@exec $(VENV)/bin/sbusd $(RUN_FLAGS)
+	@if $(VENV)/bin/sbus -a $(DEV_SOCKET) whoami >/dev/null 2>&1; then \
+	  echo "make run: a broker is already listening on $(abspath $(DEV_SOCKET)) (pid $$(cat $(DEV_PIDFILE) 2>/dev/null || echo unknown))" >&2; \
+	  echo "  use it, or stop it (Ctrl-C in its terminal, or: kill $$(cat $(DEV_PIDFILE) 2>/dev/null || echo PID)) and run make run again" >&2; \
+	  exit 1; fi
+	@rm -f $(DEV_PIDFILE)
+	@$(VENV)/bin/sbusd $(RUN_FLAGS) | { cat >/dev/null; \
+	  test -s $(DEV_PIDFILE) || exit 1; \
+	  echo "sbusd: listening on $(abspath $(DEV_SOCKET)) as pid $$(cat $(DEV_PIDFILE)); Ctrl-C stops it"; \
+	  echo "  in another terminal:"; \
+	  echo "    . $(abspath $(VENV))/bin/activate"; \
+	  echo "    export SBUS_ADDRESS=$(abspath $(DEV_SOCKET))"; \
+	  echo "    sbus sub ''                # print every message"; \
+	  echo "    sbus pub hello/world 'hi'  # publish one"; \
+	  echo "    sbus top                   # live view"; \
+	  echo "    python -m sbus.analytics $(abspath $(DEV_JSON_LOG)) --out $(abspath .run/dataset)"; }
 
 check-java:
 	@command -v java >/dev/null 2>&1 || { \

@@ -10,6 +10,8 @@ settings that differ from sbusd's defaults. JSON logs are not affected.
 """
 from __future__ import annotations
 
+import os
+import re
 import time
 from typing import Any, Dict, List, Optional
 
@@ -39,6 +41,15 @@ _FIELDS = {
 }
 
 
+_LINE_START = re.compile(r"(\x1b\[[0-9;]*m)?\d\d:\d\d:\d\d\.\d{3} (DEBUG|INFO |WARN |ERROR) \w")
+
+
+def looks_like_console(line: str) -> bool:
+    """Whether ``line`` begins as this renderer's lines do (the analytics job
+    names a console log it is given instead of JSON)."""
+    return _LINE_START.match(line) is not None
+
+
 def _show(value: Any, tail: bool = False) -> str:
     """A value in at most VALUE_MAX characters; ``tail`` keeps the end (paths)."""
     if isinstance(value, float):
@@ -54,11 +65,23 @@ def _show(value: Any, tail: bool = False) -> str:
     return "…" + text[1 - VALUE_MAX:] if tail else text[:VALUE_MAX - 1] + "…"
 
 
-_PATHS = frozenset({"address", "log_file", "pidfile", "path"})
+_PATHS = frozenset({"address", "log_file", "json_log", "pidfile", "path"})
+
+
+def _path(value: Any) -> Any:
+    """A path under the working directory as a relative one (`make run`'s
+    files are all in .run/); a daemon's working directory is /, kept whole."""
+    if not isinstance(value, str) or not value.startswith("/"):
+        return value
+    here = os.getcwd()
+    if here != "/" and value.startswith(here + "/"):
+        return value[len(here) + 1:]
+    return value
 
 
 def _pairs(items) -> str:
-    return " ".join(f"{k}={_show(v, k in _PATHS)}" for k, v in items if v is not None)
+    return " ".join(f"{k}={_show(_path(v), True) if k in _PATHS else _show(v)}"
+                    for k, v in items if v is not None)
 
 
 def _traffic(counts: Dict[str, int], prefix: str = "") -> List[tuple]:

@@ -2,8 +2,10 @@
 
 Records follow the versioned schema in ``sbus.logschema`` (docs/logging.md).
 ``json`` writes one object per line; ``console`` (``sbus.console``) one short
-line per event, for people. The output
-file can be reopened (SIGHUP in a daemon, for logrotate).
+line per event, for people. A second sink may take a JSON copy of every
+record whatever the main format (``--json-log``: a console for people and a
+file for the analytics job). Output files can be reopened (SIGHUP in a
+daemon, for logrotate).
 """
 from __future__ import annotations
 
@@ -95,18 +97,42 @@ def default_format(stream: ReopenableStream) -> str:
     return "console" if stream.isatty() else "json"
 
 
-def configure(fmt: str, level: str, stream: ReopenableStream):
-    """Configure structlog for the whole process; returns the bound logger."""
+def _json_line():
+    import json
+    encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
+    return lambda event_dict: encode(_order_keys(None, None, event_dict))
+
+
+class JsonCopy:
+    """A processor that writes each record as a JSON line to ``sink`` and
+    passes it on unchanged to the main renderer."""
+
+    def __init__(self, sink: ReopenableStream):
+        self.sink = sink
+        self._line = _json_line()
+
+    def __call__(self, logger, method_name, event_dict):
+        self.sink.write(self._line(dict(event_dict)) + "\n")
+        self.sink.flush()
+        return event_dict
+
+
+def configure(fmt: str, level: str, stream: ReopenableStream,
+              json_copy: Optional[ReopenableStream] = None):
+    """Configure structlog for the whole process; returns the bound logger.
+
+    With ``json_copy``, every record is also written there as a JSON line.
+    """
     processors = [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         _add_common(os.getpid()),
     ]
+    if json_copy is not None:
+        processors.append(JsonCopy(json_copy))
     if fmt == "json":
-        import json
-        encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
-        processors += [_order_keys, structlog.processors.JSONRenderer(
-            serializer=lambda obj, **kw: encode(obj))]
+        line = _json_line()
+        processors.append(lambda logger, method_name, event_dict: line(event_dict))
     else:
         from .console import CompactRenderer
         processors.append(CompactRenderer(colours=stream.isatty()))
@@ -130,14 +156,15 @@ class _Deferred:
         pass
 
 
-def message_logger(fmt: str, level: str, stream: ReopenableStream):
+def message_logger(fmt: str, level: str, stream: ReopenableStream, json_copy: bool = False):
     """A lean structlog logger for sampled ``message`` records.
 
-    In JSON its one processor renders the record straight to a line with the
+    With a JSON copy, or in the console format, it is the general logger. In
+    JSON alone its one processor renders the record straight to a line with the
     same fields and order as every other record; it costs a fraction of the
     general pipeline, which keeps sampling cheap for the broker.
     """
-    if fmt != "json":
+    if fmt != "json" or json_copy:
         return structlog.get_logger()
     import json
     import time

@@ -64,7 +64,7 @@ def open_broker(tmp_path):
 @pytest.fixture(scope="session")
 def spark():
     """One local Spark session for every analytics test file."""
-    pytest.importorskip("pyspark", reason="needs the extra: pip install 'sbus[analytics]'")
+    pytest.importorskip("pyspark", reason="needs the extra: pip install 'pysbus[analytics]'")
     from pyspark.sql import SparkSession
 
     from sbus.analytics import spark_session

@@ -10,12 +10,20 @@ STATS_INTERVAL = 0.2
 IDLE_INTERVALS = 6
 
 
+def make_variable(name: str) -> str:
+    m = re.search(rf"^{name}\s*:=\s*(.+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert m, f"the Makefile has no {name}"
+    return m[1].strip()
+
+
 def make_run_flags(socket_path: str) -> list:
-    """The sbusd flags of `make run` (RUN_FLAGS in the Makefile), on our socket."""
-    text = (ROOT / "Makefile").read_text()
-    m = re.search(r"^RUN_FLAGS\s*:=\s*(.+)$", text, re.M)
-    assert m, "the Makefile has no RUN_FLAGS"
-    return m[1].replace("$(DEV_SOCKET)", socket_path).split()
+    """The sbusd flags of `make run` (RUN_FLAGS in the Makefile), on our socket;
+    its other files keep their paths, relative to sbusd's working directory."""
+    flags = make_variable("RUN_FLAGS").replace("$(DEV_SOCKET)", socket_path)
+    for name in ("DEV_PIDFILE", "DEV_JSON_LOG"):
+        flags = flags.replace(f"$({name})", make_variable(name))
+    assert "$(" not in flags, flags
+    return flags.split()
 
 
 def lines_of(b: Sbusd) -> list:
@@ -26,6 +34,7 @@ def test_console_log_of_a_session_is_short_and_quiet_when_idle(tmp_path):
     # As `make run`: a socket path relative to the working directory.
     flags = make_run_flags("bus.socket")
     assert "--log-format" in flags and "console" in flags
+    (tmp_path / ".run").mkdir()
     b = Sbusd(tmp_path, [*flags, "--stats-interval", str(STATS_INTERVAL)],
               address=str(tmp_path / "bus.socket"), log_level=None, cwd=tmp_path).ready()
     try:

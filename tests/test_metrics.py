@@ -1,13 +1,15 @@
 """`sbus stats --format prometheus`, read back with prometheus_client's own parser."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sbus.cli.metrics import to_prometheus
+from sbus import logschema
+from sbus.cli.metrics import CLIENT, COUNTER, TOTALS, to_prometheus
 
 from support import SBUS
 
@@ -45,7 +47,16 @@ def test_prometheus_totals_and_per_client_series(start_broker):
     pub.sync()
     sub.whoami()                                    # the deliveries are made
     m = scrape(b.address)
-    # Counters are typed as such and (by the parser's convention) named without _total.
+    # Counters are typed as such; the parser names a counter's family without
+    # its _total, which every sample carries.
+    counters = [f for f in m.values() if f.type == "counter"]
+    assert {f.name for f in counters} >= {
+        "sbus_messages_received", "sbus_connects", "sbus_budget_connections_refused",
+        "sbus_budget_subscriptions_refused", "sbus_client_messages_delivered"}
+    for family in counters:
+        assert {s.name for s in family.samples} == {family.name + "_total"}, family
+    assert value(m["sbus_budget_subscriptions_refused"]) == 0
+    assert m["sbus_subscription_bytes"].type == "gauge"
     assert m["sbus_messages_received"].type == "counter"
     assert value(m["sbus_messages_received"]) == 5
     assert value(m["sbus_messages_delivered"]) == 5
@@ -62,9 +73,9 @@ def test_prometheus_totals_and_per_client_series(start_broker):
     # Per client: labelled by client id, pid and uid.
     got = m["sbus_client_messages_delivered"]
     ours = samples(got, pid=os.getpid(), uid=os.getuid())
-    assert {s.labels["client"] for s in got.samples} == {"1", "2", "3"}
-    assert sorted(s.value for s in ours) == [0, 5]      # pub and sub; the scraper is
-    assert len(got.samples) == 3                         # another process
+    assert {s.labels["client"] for s in got.samples} == {"1", "2"}
+    assert sorted(s.value for s in ours) == [0, 5]      # pub and sub
+    assert len(got.samples) == 2        # the scraper's own connection is left out
     assert value(m["sbus_client_messages_received"], client=2) == 5
     assert value(m["sbus_client_subscriptions"], client=1) == 1
     assert value(m["sbus_client_info"], client=1, soft="discard", hard="discard") == 1
@@ -87,13 +98,15 @@ def test_budget_use_per_uid_and_new_totals_are_exported_when_present():
     still exported, a null budget (none) is left out."""
     stats = {
         "uptime_s": 1.5, "backend": "select",
-        "totals": {"clients": 1, "msgs_in": 2, "drops_soft": 0, "sub_bytes": 300},
+        "totals": {"clients": 1, "msgs_in": 2, "drops_soft": 0, "sub_bytes": 300,
+                   "a_later_field": 7},
         "clients": [], "clients_omitted": 4,
         "users": [{"uid": 0, "connections": 1, "max_connections": None, "sub_bytes": 300},
                   {"uid": 1000, "connections": 2, "max_connections": 64, "sub_bytes": 0}],
     }
     m = {f.name: f for f in text_string_to_metric_families(to_prometheus(stats))}
-    assert value(m["sbus_sub_bytes"]) == 300
+    assert value(m["sbus_subscription_bytes"]) == 300
+    assert value(m["sbus_a_later_field"]) == 7
     assert value(m["sbus_clients_omitted"]) == 4
     assert value(m["sbus_user_connections"], uid=1000) == 2
     assert [s.labels["uid"] for s in m["sbus_user_max_connections"].samples] == ["1000"]
@@ -105,3 +118,25 @@ def test_label_values_are_escaped(bad):
     (family,) = [f for f in text_string_to_metric_families(to_prometheus(stats))
                  if f.name == "sbus_broker_info"]
     assert family.samples[0].labels["backend"] == bad
+
+
+def test_every_field_the_broker_reports_has_its_name_and_type():
+    """No counter of the schema falls back to an untyped gauge: each is named
+    and typed in the table, and a counter's name ends in _total."""
+    values = lambda fields: [f for f in fields if f not in ("client", "pid", "uid", "gid")
+                             and f not in logschema.DROP_KINDS]
+    assert not [f for f in values(logschema.TOTALS_FIELDS) if f not in TOTALS]
+    assert not [f for f in values(logschema.CLIENT_COUNTER_FIELDS) if f not in CLIENT]
+    for name, kind, _ in [*TOTALS.values(), *CLIENT.values()]:
+        assert name.endswith("_total") == (kind == COUNTER), name
+
+
+def test_stats_json_marks_the_asking_connection(start_broker):
+    b = start_broker()
+    c = b.connect()
+    c.sync()
+    proc = subprocess.run([SBUS, "stats", "-a", b.address], capture_output=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr.decode()
+    clients = json.loads(proc.stdout)["clients"]
+    assert [x.get("asking", False) for x in clients] == [False, True]

@@ -33,7 +33,7 @@ import pytest
 
 from sbus import Client
 
-from support import SBUSD, Conn, wait_until
+from support import ROOT, SBUS, SBUSD, Conn, wait_until
 from support.systemd import UNITS, read_unit
 
 TIMEOUT = 10.0
@@ -507,3 +507,64 @@ def test_sbusd_in_the_units_sandbox(tmp_path, spawn, sandbox):
     expect_notify(notify, "STOPPING=1", p.pid, p)
     notify.close()
     listener.close()
+
+
+# ---------------------------------------------------------------- metrics and documentation
+
+def test_metrics_units_write_the_textfile_node_exporter_reads(tmp_path, start_broker):
+    from prometheus_client.parser import text_string_to_metric_families
+    timer = read_unit("sbus-metrics.timer")
+    assert one(timer["Timer"], "OnUnitActiveSec") == "15s"
+    assert one(timer["Install"], "WantedBy") == "timers.target"
+    unit = read_unit("sbus-metrics.service")
+    svc = unit["Service"]
+    assert one(svc, "Type") == "oneshot"
+    assert "sbusd.socket" in one(unit["Unit"], "Requires").split()
+    assert one(svc, "User") == "sbus"
+    argv = one(svc, "ExecStart").split()
+    assert argv[:4] == ["/usr/bin/env", "sbus", "-a", "/run/sbus.socket"]
+    output = Path(argv[argv.index("--output") + 1])
+    assert output.suffix == ".prom"
+    assert one(svc, "ReadWritePaths") == str(output.parent), "the only place it may write"
+    assert one(svc, "RestrictAddressFamilies") == "AF_UNIX"
+    assert one(svc, "ProtectSystem") == "strict" and one(svc, "PrivateNetwork") == "yes"
+    # The unit's command, on a test broker and a test directory: a file
+    # Prometheus's parser reads, written whole, nothing else left beside it.
+    b = start_broker()
+    textdir = tmp_path / "textfile-collector"
+    textdir.mkdir()
+    textfile = textdir / output.name
+    command = [SBUS, "-a", b.address,
+               *argv[argv.index("-a") + 2:argv.index("--output") + 1], str(textfile)]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+    families = {f.name: f for f in text_string_to_metric_families(textfile.read_text())}
+    assert families["sbus_messages_received"].type == "counter"
+    assert [p.name for p in textdir.iterdir()] == [textfile.name]
+    assert textfile.stat().st_mode & 0o777 == 0o644
+    analyze = shutil.which("systemd-analyze")
+    if analyze:
+        r = subprocess.run([analyze, "verify", *(str(UNITS / n) for n in (
+            "sbusd.socket", "sbusd.service", "sbus-metrics.service", "sbus-metrics.timer"))],
+            capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+# What tools/systemd/README.md installs under /usr/share/doc/sbus/, from the
+# sources (the sdist carries docs/ and tools/systemd/).
+INSTALLED_DOCS = {"systemd.md": UNITS / "README.md",
+                  **{p.name: p for p in (ROOT / "docs").glob("*.md")}}
+
+
+def test_every_units_documentation_is_installed_by_the_readme():
+    readme = (UNITS / "README.md").read_text()
+    assert "install -D -m 0644 tools/systemd/README.md /usr/share/doc/sbus/systemd.md" in readme
+    assert "install -m 0644 docs/*.md /usr/share/doc/sbus/" in readme
+    units = sorted(p.name for p in UNITS.iterdir() if p.suffix in (".service", ".socket", ".timer"))
+    assert "sbus-bridge.service" in units and "sbus-metrics.timer" in units
+    for name in units:
+        for section in read_unit(name).values():
+            for link in " ".join(values(section, "Documentation")).split():
+                prefix = "file:///usr/share/doc/sbus/"
+                assert link.startswith(prefix), (name, link)
+                assert INSTALLED_DOCS[link[len(prefix):]].is_file(), (name, link)

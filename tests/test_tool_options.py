@@ -170,7 +170,8 @@ def test_pub_file_payload(broker, listener, tmp_path):
     assert proc.returncode == 2 and b"not two of them" in proc.stderr
     proc = sbus("pub", "-a", broker.address, "--file", str(tmp_path / "missing"), "f",
                 check=False)
-    assert proc.returncode == 1 and b"No such file" in proc.stderr
+    assert proc.returncode == 1
+    assert proc.stderr.decode() == f"sbus: pub --file {tmp_path / 'missing'}: No such file or directory\n"
 
 
 def test_pub_lines_stops_with_an_error_when_a_line_is_refused(start_broker):

@@ -16,7 +16,7 @@ repaired manylinux wheel per supported CPython whose interpreter pyenv has
 * the sdist is installed with pip on a version other than ours (this host
   may compile; pip fetches the build requirements from the index) and runs
   the same way;
-* ``sbus[analytics]`` is installed from the wheel with the PySpark wheel pip
+* ``pysbus[analytics]`` is installed from the wheel with the PySpark wheel pip
   already built into its cache, and ``python -m sbus.analytics`` aggregates
   the log the installed broker wrote.
 """
@@ -89,6 +89,11 @@ def pyproject() -> dict:
     if tomllib is None:
         pytest.skip("tomllib needs Python 3.11")
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+# The distribution's name (the import package is sbus): wheels, sdist and
+# dist-info are named after it.
+NAME = re.search(r'^name = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M)[1]
 
 
 def version() -> str:
@@ -173,7 +178,7 @@ def test_wheel_files(dist, ver):
     assert not [m for m in modules if m not in names], "modules missing from the wheel"
     assert "sbus/py.typed" in names
     top_level = {n.split("/")[0] for n in names}
-    assert top_level == {"sbus", f"sbus-{version()}.dist-info"}, top_level
+    assert top_level == {"sbus", f"{NAME}-{version()}.dist-info"}, top_level
     # Stripped, and nothing of the build host left in the ELF files.
     elffile = pytest.importorskip("elftools.elf.elffile")
     for name, data in sos.items():
@@ -212,7 +217,7 @@ def needed_glibc(data: bytes) -> tuple:
 @versions
 def test_wheel_tags(dist, ver):
     wheel = wheel_for(dist, ver)
-    m = re.fullmatch(r"sbus-(?P<version>[^-]+)-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl",
+    m = re.fullmatch(NAME + r"-(?P<version>[^-]+)-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl",
                      wheel.name)
     assert m, wheel.name
     assert m["version"] == version()
@@ -225,7 +230,7 @@ def test_wheel_tags(dist, ver):
     glibcs = [(int(a), int(b)) for a, b in re.findall(r"manylinux_(\d+)_(\d+)_", m["plat"])]
     assert glibcs and max(glibcs) <= glibc_version(), "the wheel wants a newer glibc than ours"
     with zipfile.ZipFile(wheel) as zf:
-        wheel_info = email.message_from_bytes(zf.read(f"sbus-{version()}.dist-info/WHEEL"))
+        wheel_info = email.message_from_bytes(zf.read(f"{NAME}-{version()}.dist-info/WHEEL"))
         needs = max(needed_glibc(zf.read(n)) for n in zf.namelist() if n.endswith(".so"))
     # The tag names the oldest glibc the extensions need (manylinux2014 is 2.17,
     # the oldest policy auditwheel knows for x86_64 today).
@@ -238,12 +243,12 @@ def test_wheel_tags(dist, ver):
 def test_wheel_metadata(dist, ver):
     wheel = wheel_for(dist, ver)
     project = pyproject()
-    info = f"sbus-{version()}.dist-info"
+    info = f"{NAME}-{version()}.dist-info"
     with zipfile.ZipFile(wheel) as zf:
         # Core metadata is UTF-8 (the README is not all ASCII).
         meta = email.message_from_string(zf.read(f"{info}/METADATA").decode("utf-8"))
         entry_points = zf.read(f"{info}/entry_points.txt").decode()
-    assert meta["Name"] == "sbus"
+    assert meta["Name"] == NAME
     assert meta["Version"] == version()
     assert meta["Summary"] == project["description"]
     assert meta["Requires-Python"] == project["requires-python"]
@@ -270,12 +275,12 @@ def test_wheel_metadata(dist, ver):
 
 
 def test_sdist_files(dist):
-    root = f"sbus-{version()}"
+    root = f"{NAME}-{version()}"
     assert dist.sdist.name == f"{root}.tar.gz"
     with tarfile.open(dist.sdist) as tf:
         names = {m.name[len(root) + 1:] for m in tf.getmembers() if m.isfile()}
         pkg_info = email.message_from_bytes(tf.extractfile(f"{root}/PKG-INFO").read())
-    assert (pkg_info["Name"], pkg_info["Version"]) == ("sbus", version())
+    assert (pkg_info["Name"], pkg_info["Version"]) == (NAME, version())
     wanted = {"pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "PKG-INFO",
               "tools/systemd/sbusd.socket", "tools/systemd/sbusd.service",
               "tools/systemd/README.md"}
@@ -347,7 +352,7 @@ def runtime_requirements() -> list:
     return pyproject()["dependencies"]
 
 
-def install_wheel(dist, deps: Path, venv: Path, env: dict, requirement="sbus", *find_links,
+def install_wheel(dist, deps: Path, venv: Path, env: dict, requirement=NAME, *find_links,
                   extra=()) -> None:
     links = [a for d in (dist.dir, deps, *find_links) for a in ("--find-links", d)]
     run([venv / "bin" / "python", "-m", "pip", "install", "--no-index", "--only-binary=:all:",
@@ -527,7 +532,7 @@ def test_analytics_extra_from_the_wheel(dist, dependency_wheels, tmp_path):
     if pyspark is None:
         deps = dependency_wheels(ver, f"pyspark=={pyspark_version}")  # a long download
     # --no-compile: byte-compiling PySpark's thousands of modules is most of the time.
-    install_wheel(dist, deps, venv, env, "sbus[analytics]", *spark_links, extra=["--no-compile"])
+    install_wheel(dist, deps, venv, env, f"{NAME}[analytics]", *spark_links, extra=["--no-compile"])
     check_installed(venv, home, env)
     py = venv / "bin" / "python"
     usage = run([py, "-m", "sbus.analytics", "--help"], env=env, cwd=home).stdout

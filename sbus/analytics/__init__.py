@@ -1,11 +1,12 @@
-"""Spark analytics over sbusd's JSON-lines logs (needs ``pip install 'sbus[analytics]'``).
+"""Spark analytics over sbusd's JSON-lines logs (needs the analytics extra, ``pysbus[analytics]``).
 
 The broker never imports this package; ``import sbus`` does not either.
 """
 try:
     import pyspark  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError("sbus.analytics needs PySpark: pip install 'sbus[analytics]'") from exc
+    raise ImportError("sbus.analytics needs PySpark, the analytics extra of pysbus: "
+                      "pip install pyspark pyarrow") from exc
 
 from .job import (TABLES, events_of, line_summary, parse, read_events, read_lines,
                   read_files, read_malformed, read_table, render, run, spark_session)

@@ -1,11 +1,11 @@
 """The command line of the analytics job, and the file to give ``spark-submit``.
 
-    python -m sbus.analytics LOGS... --out DATASET [--master URL] [--csv]
+    python -m sbus.analytics LOGS... --out DATASET [--master URL] [--csv] [--max-malformed F]
     spark-submit [--master URL] .../sbus/analytics/cli.py LOGS... --out DATASET
 
 Run as a file, this module is not part of its package, so it imports the
 package by its absolute name: ``sbus`` must be installed where the driver's
-Python runs (``pip install 'sbus[analytics]'``).  Executors need only Java:
+Python runs (the analytics extra, ``pysbus[analytics]``).  Executors need only Java:
 the job uses no Python functions on them.
 """
 from __future__ import annotations
@@ -14,7 +14,18 @@ import argparse
 import sys
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 1, got {text!r}")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
+    from sbus.analytics.job import MAX_MALFORMED
     p = argparse.ArgumentParser(
         prog="python -m sbus.analytics",
         description="Aggregate sbusd JSON-lines logs with Spark into a dataset of tables "
@@ -31,6 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rows to print per table, 0 to print only the summary (default 20)")
     p.add_argument("--csv", action="store_true",
                    help="also write every table as CSV under DATASET/csv/ (one file a day)")
+    p.add_argument("--max-malformed", type=_fraction, default=MAX_MALFORMED, metavar="FRACTION",
+                   help="fail, writing nothing, when more than this fraction of the new "
+                        "files' non-blank lines are not sbusd JSON records (default "
+                        f"{MAX_MALFORMED:g}; 1: never)")
     p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Spark setting, repeatable")
     return p.parse_args(argv)
@@ -56,7 +71,11 @@ def main(argv=None) -> int:
     owned = SparkSession.getActiveSession() is None
     spark = job.spark_session(args.master, conf=conf)
     try:
-        job.run(spark, args.logs, args.out, show=args.show, csv=args.csv)
+        job.run(spark, args.logs, args.out, show=args.show, csv=args.csv,
+                max_malformed=args.max_malformed)
+    except job.TooMalformed as exc:
+        print(f"sbus.analytics: {exc}", file=sys.stderr)
+        return 1
     except AnalysisException as exc:
         # Typically a path that does not exist; the Java stack trace helps no one.
         print(f"sbus.analytics: {str(exc).splitlines()[0]}", file=sys.stderr)

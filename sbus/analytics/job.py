@@ -39,6 +39,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from sbus import logschema
+from sbus.console import looks_like_console
 from sbus.analytics import daytables, tablefiles
 from sbus.analytics import transforms as tf
 from sbus.analytics.daytables import Stored
@@ -57,6 +58,9 @@ BUCKET = f"{BUCKET_S} seconds"
 # Measured at 730,000: 2.4 s and 340 MB of Python on the driver, and still
 # 6.6 s faster than Spark's way in a new JVM.
 DRIVER_ROWS = 500_000
+# The share of the new files' non-blank lines that may be malformed: past it
+# the run writes nothing and fails (most likely not sbusd's JSON log at all).
+MAX_MALFORMED = 0.5
 
 
 @dataclass(frozen=True)
@@ -223,6 +227,29 @@ def _line_counts(rows) -> dict:
     }
 
 
+class TooMalformed(Exception):
+    """More of the new files' lines are malformed than the run allows; the
+    text says how many, and what the files look like."""
+
+
+def check_malformed(summary: dict, max_malformed: float, examples: Callable[[], list]) -> None:
+    """Raise TooMalformed if more than ``max_malformed`` of the non-blank
+    lines counted in ``summary`` are malformed; ``examples()`` gives a few."""
+    nonblank = summary["records"] + summary["malformed"]
+    if summary["malformed"] <= max_malformed * nonblank:
+        return
+    shown = examples()
+    text = (f"{summary['malformed']} of {nonblank} lines are not sbusd JSON records, more than "
+            f"--max-malformed {max_malformed:g} of them; nothing was written")
+    if sum(looks_like_console(ex["line"]) for ex in shown) * 2 > len(shown):
+        text += ("\n  they look like sbusd's console format (--log-format console); give the job "
+                 "its JSON log: sbusd --log-format json, or --json-log PATH beside the console "
+                 "(make run writes .run/sbusd.json)")
+    else:
+        text += "".join(f"\n  malformed: {ex['source']}: {ex['line']!r}" for ex in shown)
+    raise TooMalformed(text)
+
+
 def _examples(parsed: DataFrame, n: int) -> list:
     bad = parsed.where(F.col(STATUS) == BAD).select("value", SOURCE).limit(n)
     return [{"source": r[SOURCE], "line": r["value"][:200]} for r in bad.collect()]
@@ -309,10 +336,14 @@ def _state(partial: Partial, stored: DataFrame, by: Sequence[str],
 
 
 def run(spark: SparkSession, paths: Sequence[str], out: str, *, show: int = 20,
-        csv: bool = False, echo: Callable[[str], None] = print) -> dict:
+        csv: bool = False, echo: Callable[[str], None] = print,
+        max_malformed: float = MAX_MALFORMED) -> dict:
     """Bring the dataset ``out`` up to date with the logs under ``paths``: read
     the files it has not read, rebuild the days they cover, print those days'
     tables (``show`` rows each) and return a summary of the run.
+
+    Raises TooMalformed, before writing anything, when more than
+    ``max_malformed`` of the new files' non-blank lines are malformed.
 
     The summary's ``stored_rows`` is the size of the days rebuilt, as
     measured against ``DRIVER_ROWS``, and ``tables_by`` who finished their
@@ -326,7 +357,7 @@ def run(spark: SparkSession, paths: Sequence[str], out: str, *, show: int = 20,
                "malformed_examples": [], "stored_rows": 0, "tables_by": None}
     days: set = set()
     if plan.new:
-        summary, days = _ingest(spark, store, manifest, plan)
+        summary, days = _ingest(spark, store, manifest, plan, max_malformed)
     if plan.new or manifest.changed:
         if csv:
             write_csv(spark, out)
@@ -346,13 +377,15 @@ def run(spark: SparkSession, paths: Sequence[str], out: str, *, show: int = 20,
     return summary
 
 
-def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan) -> tuple[dict, set]:
+def _ingest(spark: SparkSession, store: Store, manifest: Manifest, plan,
+            max_malformed: float) -> tuple[dict, set]:
     """Read the plan's new files once, store their rows, rebuild the days they touch."""
     frame = _compact_frame(spark, plan.new)
     try:
         counts = frame.groupBy(FILE, DAY, STATUS, "schema").agg(
             F.sum(COUNT).alias("n"), *_size_of()).collect()  # also fills the cache
         summary = _line_counts(counts)
+        check_malformed(summary, max_malformed, lambda: _examples(frame, 5))
         days = _record_files(store, manifest, plan, counts)
         fresh = _stored(frame)
         _SCHEMAS.setdefault("stored", fresh.schema)  # analysed already: spares a second

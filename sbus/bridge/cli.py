@@ -93,7 +93,8 @@ def main(args: argparse.Namespace, address: str) -> int:
         sys.stderr.write(f"sbus bridge: {exc}\n")
         return 2
     except ImportError:
-        sys.stderr.write("sbus bridge: needs nats-py: pip install 'sbus[bridge]'\n")
+        sys.stderr.write("sbus bridge: needs nats-py, the bridge extra of pysbus: "
+                         "pip install nats-py\n")
         return 1
     stream = _log.ReopenableStream(args.log_file, _log.fallback_stream())
     logger = _log.configure(args.log_format or _log.default_format(stream), args.log_level,

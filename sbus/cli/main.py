@@ -4,15 +4,17 @@
                                     publish MESSAGE (default empty; '-' reads stdin;
                                     --lines: one message per line); exits 1 if the
                                     broker refuses one
-    sbus sub [--json | -F TEMPLATE | -v | --raw] [-n N] [-W S] [--no-reconnect] PATTERN...
-                                    print messages as they arrive; with -W, exit 3
+    sbus sub [--json | -F TEMPLATE | -v | --raw] [-n N] [-W S] [--no-reconnect] [--strict]
+             PATTERN...             print messages as they arrive; with -W, exit 3
                                     if N messages did not come within S seconds;
-                                    rides out a broker restart unless --no-reconnect
+                                    rides out a broker restart unless --no-reconnect;
+                                    warns about (--strict: refuses) patterns of
+                                    other buses (sbus.cli.patterns)
     sbus whoami                     print this client's credentials
     sbus top                        a live view of the broker's counters
     sbus bench pair|fanout N|latency
                                     measure this broker's throughput or latency
-    sbus stats [--format prometheus] [--no-clients]
+    sbus stats [--format prometheus] [--no-clients] [-o PATH]
                                     print the broker's counters as JSON, or in the
                                     Prometheus text format
     sbus bridge --nats URL [--export PATTERN] [--import SUBJECT] ...
@@ -42,12 +44,14 @@ from ..client.reconnect import Reconnect
 from ..client.sync import Client
 from ..errors import BusClosedError, SbusError
 from ..queue.defaults import CLI_PREFETCH
-from . import render
+from . import connecterrors, patterns, render
 
 # How long whoami and stats wait for the broker's reply.
 REPLY_TIMEOUT = 10.0
 # `sbus sub -W` ran out of time before --count messages came.
 TIMEOUT_EXIT = 3
+# The field `sbus stats` adds, true, to its own connection's entry in the JSON.
+OWN_MARK = "asking"
 
 
 def payloads(args: argparse.Namespace, stdin: BinaryIO) -> Iterator[bytes]:
@@ -58,8 +62,7 @@ def payloads(args: argparse.Namespace, stdin: BinaryIO) -> Iterator[bytes]:
             yield line[:-1] if line.endswith(b"\n") else line
         return
     if args.file is not None:
-        with open(args.file, "rb") as f:
-            payload = f.read()
+        payload = args.file_content
     elif args.message == "-":
         payload = stdin.read()
     else:
@@ -91,6 +94,21 @@ def sub_renderer(args: argparse.Namespace) -> render.Renderer:
     return render.format_plain
 
 
+def check_patterns(args: argparse.Namespace) -> bool:
+    """Warn about each pattern written for another bus; False if --strict
+    refuses one."""
+    ok = True
+    for pattern in args.patterns:
+        problem = patterns.foreign(pattern)
+        if problem is not None:
+            if args.strict:
+                _say(f"{problem.text(pattern)} (refused: --strict)")
+                ok = False
+            else:
+                _say(f"warning: {problem.text(pattern)}")
+    return ok
+
+
 def cmd_sub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     for pattern in args.patterns:
@@ -111,7 +129,13 @@ def cmd_sub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bina
                 message = bus.receive(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 # -W ended it: a success only if no --count was left unmet.
-                return 0 if args.count is None else TIMEOUT_EXIT
+                if args.count is None:
+                    _say(f"-W {args.timeout:g}: stopped after {args.timeout:g} s "
+                         f"({seen} message{'' if seen == 1 else 's'})")
+                    return 0
+                _say(f"-W {args.timeout:g}: timed out: {seen} of {args.count} messages "
+                     f"came within {args.timeout:g} s")
+                return TIMEOUT_EXIT
         stdout.write(render_one(message))
         stdout.flush()
         seen += type(message) is Message
@@ -142,16 +166,52 @@ def cmd_whoami(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: B
     return 0
 
 
+def is_own(client: dict) -> bool:
+    """Whether a stats reply's client entry is this process's own connection
+    (the one asking: an sbus command makes only one)."""
+    return client.get("pid") == os.getpid() and client.get("uid") == os.getuid()
+
+
 def cmd_stats(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
     stats = bus.stats(timeout=REPLY_TIMEOUT)
     if args.no_clients:
         stats.pop("clients", None)
     if args.format == "prometheus":
         from .metrics import to_prometheus
-        stdout.write(to_prometheus(stats, clients=not args.no_clients).encode())
+        # The scrape's own connection is no client worth a series.
+        stats["clients"] = [c for c in stats.get("clients", ()) if not is_own(c)]
+        text = to_prometheus(stats, clients=not args.no_clients).encode()
     else:
-        stdout.write(json.dumps(stats, indent=2).encode() + b"\n")
+        for c in stats.get("clients", ()):
+            if is_own(c):
+                c[OWN_MARK] = True
+        text = json.dumps(stats, indent=2).encode() + b"\n"
+    if args.output is None:
+        stdout.write(text)
+    else:
+        try:
+            replace_file(args.output, text)
+        except OSError as exc:
+            return _fail(f"stats --output {args.output}: {exc.strerror or exc}")
     return 0
+
+
+def replace_file(path: str, data: bytes) -> None:
+    """Write ``path`` whole or not at all: a reader (node_exporter's textfile
+    collector) never sees half of it. Readable by all (0644)."""
+    temp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.fchmod(fd, 0o644)    # whatever the umask: node_exporter is another user
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
 
 
 def cmd_top(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
@@ -159,7 +219,7 @@ def cmd_top(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bina
         return _fail("top: needs a terminal (try: sbus stats)")
     from .top import run
     return run(lambda: bus.stats(timeout=REPLY_TIMEOUT), str(from_environment(args.address)),
-               args.interval)
+               args.interval, is_own)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -236,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("-W", "--timeout", type=argtypes.seconds, metavar="SECONDS",
                      help=f"exit after SECONDS; the exit status is {TIMEOUT_EXIT} if --count "
                           "messages had not come by then")
+    sub.add_argument("--strict", action="store_true",
+                     help="refuse a pattern written for another bus (MQTT's '#' and '+', "
+                          "NATS's '.' and '>', a '*' followed by more of its segment) "
+                          "instead of warning")
     sub.add_argument("--ready", action="store_true",
                      help="print 'ready' on stderr once the broker has registered the patterns")
     sub.add_argument("--no-reconnect", dest="reconnect", action="store_false",
@@ -254,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(for node_exporter's textfile collector)")
     stats.add_argument("--no-clients", action="store_true",
                        help="leave out the per-client counters (series)")
+    stats.add_argument("-o", "--output", metavar="PATH",
+                       help="write to PATH, replaced whole (through a temporary file and a "
+                            "rename), instead of stdout: for node_exporter's textfile "
+                            "collector")
     stats.set_defaults(run=cmd_stats)
     top = commands.add_parser("top", parents=[common],
                               help="a live view of the broker: totals, rates, busiest clients")
@@ -304,16 +372,29 @@ def build_parser() -> argparse.ArgumentParser:
     from ..queue.cli import add_parser as add_queue_parser
     add_bridge_parser(commands, common)
     add_queue_parser(commands, common)
+    for command in commands.choices.values():
+        command.set_defaults(parser=command)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    # A command's mistakes get that command's usage, not the top level's.
+    if unknown:
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "pub" and (args.lines or args.file is not None) and args.message:
-        parser.error("pub: give MESSAGE, --file or --lines, not two of them")
+        args.parser.error("give MESSAGE, --file or --lines, not two of them")
     if args.command == "bench":     # its processes make their own connections
         return cmd_bench(args)
+    if args.command == "sub" and not check_patterns(args):
+        return 2
+    if args.command == "pub" and args.file is not None:
+        try:
+            with open(args.file, "rb") as f:
+                args.file_content = f.read()
+        except OSError as exc:
+            return _fail(f"pub --file {args.file}: {exc.strerror or exc}")
     where = from_environment(args.address)
     if hasattr(args, "standalone"):     # a long-running command with its own client (bridge, queue)
         return args.standalone(args, where)
@@ -325,7 +406,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             on_disconnect=lambda exc: _say(f"{where}: the broker went away; reconnecting"),
             on_reconnect=lambda: _say(f"{where}: reconnected; subscriptions restored"))
     try:
-        with Client(where, max_message=args.max_message, reconnect=reconnect) as bus:
+        bus = Client(where, max_message=args.max_message, reconnect=reconnect)
+    except OSError as exc:
+        return _fail(connecterrors.explain(where, connecterrors.origin(args.address), exc))
+    except (SbusError, ValueError) as exc:
+        return _fail(str(exc))
+    try:
+        with bus:
             return args.run(bus, args, sys.stdin.buffer, stdout)
     except KeyboardInterrupt:
         return 130

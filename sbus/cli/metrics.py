@@ -3,8 +3,10 @@
 ``sbus stats --format prometheus`` prints it; node_exporter's textfile
 collector reads it as is (``sbus stats --format prometheus > x.prom.$$ &&
 mv x.prom.$$ /var/lib/node_exporter/sbus.prom``). Metric names are
-``sbus_…``; counters end in ``_total``; per-client series carry the labels
-``client``, ``pid`` and ``uid``, per-user series ``uid``. A field the stats
+``sbus_…``; counters are typed ``counter`` and end in ``_total``, as the
+Prometheus naming conventions ask; per-client series carry the labels
+``client``, ``pid`` and ``uid``, per-user series ``uid``. Every field the
+broker reports (``logschema``) has its name and type here; one the stats
 reply gains later is still exported, as a gauge named after it.
 """
 from __future__ import annotations
@@ -34,6 +36,12 @@ TOTALS = {
     "disconnects": ("disconnects_total", COUNTER, "admitted connections closed"),
     **_TRAFFIC,
     "queued_bytes_peak": ("queued_bytes_peak", GAUGE, "highest queued bytes seen"),
+    "sub_bytes": ("subscription_bytes", GAUGE,
+                  "subscription bytes charged to budgets (patterns and their index)"),
+    "budget_conns_refused": ("budget_connections_refused_total", COUNTER,
+                             "connections refused for a uid's connection budget"),
+    "budget_subs_refused": ("budget_subscriptions_refused_total", COUNTER,
+                            "SUBs refused for a subscription-bytes budget"),
 }
 CLIENT = dict(_TRAFFIC)
 # Fields that are labels or identity, not values.

@@ -71,9 +71,12 @@ HELP = "s/> S/< sort column, or its key: c p u i o I O Q d n m   q quit"
 class View:
     """The state between frames: the last snapshot (for rates) and the sort."""
 
-    def __init__(self, address: str, sort: int = DEFAULT_SORT):
+    def __init__(self, address: str, sort: int = DEFAULT_SORT,
+                 is_own: Callable[[Row], bool] = lambda client: False):
         self.address = address
         self.sort = sort
+        self.is_own = is_own        # this view's own connection: counted, not listed
+        self.own_listed = False
         self.last: Optional[Tuple[float, Dict[str, Any]]] = None
         self.rates: Dict[str, float] = {}
         self.clients: List[Row] = []
@@ -93,7 +96,11 @@ class View:
                       for k in ("msgs_in", "msgs_out", "bytes_in", "bytes_out")}
         self.rates["drops"] = rate(_drops(totals), _drops(old_totals))
         self.clients = []
+        self.own_listed = False
         for c in stats.get("clients", ()):
+            if self.is_own(c):
+                self.own_listed = True
+                continue
             old = before.get(c["client"], c)
             self.clients.append({**c, "in_rate": rate(c.get("msgs_in", 0), old.get("msgs_in", 0)),
                                  "out_rate": rate(c.get("msgs_out", 0), old.get("msgs_out", 0))})
@@ -120,7 +127,8 @@ class View:
         out: List[Tuple[str, bool]] = [
             (f"sbus top  {self.address}  up {_duration(s.get('uptime_s', 0))}  "
              f"{s.get('backend', '')}  {time.strftime('%H:%M:%S')}", True),
-            (f"clients {t.get('clients', 0)}  subscriptions {t.get('subscriptions', 0)}  "
+            (f"clients {t.get('clients', 0)}{' (one is this view)' if self.own_listed else ''}"
+             f"  subscriptions {t.get('subscriptions', 0)}  "
              f"connects {t.get('connects', 0)}", False),
             (f"in  {human(r.get('msgs_in', 0))} msg/s {human(r.get('bytes_in', 0))}B/s  "
              f"total {human(t.get('msgs_in', 0))}   "
@@ -182,9 +190,11 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def run(fetch: Callable[[], Dict[str, Any]], address: str, interval: float = 1.0) -> int:
-    """Draw until ``q``; ``fetch()`` returns a stats snapshot."""
-    view = View(address)
+def run(fetch: Callable[[], Dict[str, Any]], address: str, interval: float = 1.0,
+        is_own: Callable[[Row], bool] = lambda client: False) -> int:
+    """Draw until ``q``; ``fetch()`` returns a stats snapshot, in which
+    ``is_own`` picks out our own connection (left out of the client list)."""
+    view = View(address, is_own=is_own)
     interval = max(interval, 0.1)
 
     def loop(screen) -> int:

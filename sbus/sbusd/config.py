@@ -177,6 +177,9 @@ OPTIONS = (
            help="{choices} (default: json unless stderr is a terminal)"),
     Option("log_file", "log-file", arg="PATH", default=None,
            help="log here instead of stderr (reopened on SIGHUP as a daemon)"),
+    Option("json_log", "json-log", arg="PATH", default=None,
+           help="also write every record to PATH as JSON lines, whatever\n--log-format "
+                "says (for the analytics job; reopened\non SIGHUP as a daemon)"),
     Option("log_level", "log-level", arg="LEVEL", default="info",
            choices=(*logschema.LEVELS, "off"), help="{choices} (default {default})"),
     Option("stats_interval", "stats-interval", arg="S", default=10.0, parse=number(float, low=0),

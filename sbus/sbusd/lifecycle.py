@@ -173,17 +173,21 @@ def write_pidfile(path: str) -> None:
         f.write(f"{os.getpid()}\n")
 
 
-def daemonise() -> Callable[[], None]:
+def daemonise(on_ready: Optional[Callable[[int], None]] = None) -> Callable[[], None]:
     """Double-fork into the background. Returns, in the daemon, a function to
-    call once it is ready; the launcher exits 0 when it is called, 1 if the
-    daemon dies first."""
+    call once it is ready; the launcher then calls ``on_ready(daemon_pid)``
+    and exits 0, or exits 1 if the daemon dies first."""
     r, w = os.pipe()
     pid = os.fork()
     if pid > 0:
         os.close(w)
         os.waitpid(pid, 0)
-        ok = os.read(r, 1)
-        os._exit(0 if ok == b"\x01" else 1)
+        news = os.read(r, 32)
+        if news[:1] != b"\x01":
+            os._exit(1)
+        if on_ready is not None:
+            on_ready(int(news[1:]))
+        os._exit(0)
     os.close(r)
     os.setsid()
     if os.fork() > 0:
@@ -191,7 +195,8 @@ def daemonise() -> Callable[[], None]:
     os.chdir("/")
 
     def ready() -> None:
-        os.write(w, b"\x01")
+        # One write: the launcher reads once.
+        os.write(w, b"\x01%d" % os.getpid())
         os.close(w)
     return ready
 

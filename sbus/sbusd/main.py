@@ -65,14 +65,16 @@ def run(cfg: Config) -> int:
     # A daemon chdirs to "/": every path it keeps using must be absolute.
     if cfg.pidfile:
         cfg.pidfile = os.path.abspath(cfg.pidfile)
-    if cfg.log_file:
-        cfg.log_file = os.path.abspath(cfg.log_file)
-        try:
-            from ..log import open_log
-            open_log(cfg.log_file).close()
-        except OSError as e:
-            warn(f"--log-file {cfg.log_file}: {e.strerror}")
-            return 1
+    for flag, field in (("--log-file", "log_file"), ("--json-log", "json_log")):
+        path = getattr(cfg, field)
+        if path:
+            setattr(cfg, field, os.path.abspath(path))
+            try:
+                from ..log import open_log
+                open_log(getattr(cfg, field)).close()
+            except OSError as e:
+                warn(f"{flag} {getattr(cfg, field)}: {e.strerror}")
+                return 1
     try:
         addr = addresses.parse(cfg.address)
         allowed = lifecycle.resolve_users(cfg.users)
@@ -98,7 +100,11 @@ def run(cfg: Config) -> int:
             lifecycle.write_pidfile(cfg.pidfile)
             pidfile_written = True
         if not cfg.foreground:
-            ready = lifecycle.daemonise()
+            # A person who typed sbusd sees where it went; a script or a
+            # service manager reads nothing new.
+            ready = lifecycle.daemonise(
+                on_ready=_tell_terminal(where_listening(cfg, listener))
+                if sys.stderr.isatty() else None)
             if cfg.pidfile:
                 lifecycle.write_pidfile(cfg.pidfile)
                 pidfile_written = True
@@ -120,6 +126,23 @@ def run(cfg: Config) -> int:
             lifecycle.remove_quietly(cfg.pidfile)
 
 
+def where_listening(cfg: Config, listener) -> str:
+    """The address as a person can give it to ``sbus -a``."""
+    if listener.printed_address:
+        return listener.printed_address
+    if listener.path is not None:
+        return os.path.abspath(os.fsdecode(listener.path))
+    return cfg.address
+
+
+def _tell_terminal(where: str):
+    def tell(pid: int) -> None:
+        sys.stderr.write(f"sbusd: listening on {where} in the background as pid {pid}; "
+                         f"stop it with: kill {pid}\n")
+        sys.stderr.flush()
+    return tell
+
+
 def serve(cfg: Config, listener, allowed, ready, early_stop=(), warnings=()) -> int:
     from functools import partial
 
@@ -129,14 +152,16 @@ def serve(cfg: Config, listener, allowed, ready, early_stop=(), warnings=()) -> 
     from .events import Service
 
     stream = logging_.ReopenableStream(cfg.log_file, logging_.fallback_stream())
+    json_copy = logging_.ReopenableStream(cfg.json_log, stream) if cfg.json_log else None
     fmt = cfg.log_format or logging_.default_format(stream)
-    log = logging_.configure(fmt, cfg.log_level, stream)
+    log = logging_.configure(fmt, cfg.log_level, stream, json_copy)
     wakeup = lifecycle.SignalWakeup()
     make_broker = partial(Broker, listener.sock.fileno(), cfg, allowed_uids=allowed,
                           access_mode=cfg.mode if listener.abstract else -1,
                           wakeup_fd=wakeup.fileno())
     service = Service(cfg, log=log, stream=stream, make_broker=make_broker,
-                      message_log=logging_.message_logger(fmt, cfg.log_level, stream))
+                      message_log=logging_.message_logger(fmt, cfg.log_level, stream,
+                                                          json_copy is not None))
     broker = service.broker
 
     def stop(signo, frame):
@@ -144,6 +169,8 @@ def serve(cfg: Config, listener, allowed, ready, early_stop=(), warnings=()) -> 
 
     def reopen(signo, frame):
         stream.reopen()
+        if json_copy is not None:
+            json_copy.reopen()
         log.info(schema.LOG_REOPENED, path=cfg.log_file)
 
     signal.signal(signal.SIGINT, stop)
