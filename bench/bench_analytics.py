@@ -298,7 +298,8 @@ def main(argv=None) -> int:
           f"({result['lines_per_s']} lines/s, {result['jvm_cpu_s']} s of JVM CPU); "
           f"baseline (read + parse + count) {result['baseline_s']} s: ratio {result['ratio']} "
           f"(target <= 2), CPU ratio {result['cpu_ratio']} (medians of {a.rounds - 1} warm "
-          f"rounds; the JSON source parses in {result['baseline_json_s']} s); first round: job {result['job_cold_s']} s, baseline "
+          f"rounds; the JSON source parses in {result['baseline_json_s']} s); "
+          f"first round: job {result['job_cold_s']} s, baseline "
           f"{result['baseline_cold_s']} s{fresh}; re-run {result['rerun_s']} s; session start "
           f"{result['session_start_s']} s; load {result['load_avg'][0]} -> "
           f"{result['load_avg'][1]} on {result['cpus']} CPUs",

@@ -128,7 +128,7 @@ def main() -> int:
               f"{after >> 10} MiB after they left ({seconds:.1f}s)", file=sys.stderr)
         return 0
     finally:
-        for pid, hold_w in kids:
+        for pid, _hold_w in kids:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         broker.stop(timeout=30)

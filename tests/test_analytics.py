@@ -105,7 +105,7 @@ def test_the_hand_made_log_is_schema_conformant():
     """The oracle's input must itself follow the schema, or the comparison proves little."""
     for r in RECORDS:
         assert r["event"] and "timestamp" in r
-        for name, tag in ls.EVENT_FIELDS.get(r["event"], ()):
+        for name, _tag in ls.EVENT_FIELDS.get(r["event"], ()):
             assert name in r, (r["event"], name)
     # Lower bounds: enough of each event for the comparisons below to mean something.
     assert len(of("message")) > 100 and len(of("stats")) >= 10 and len(of("flood")) > 3

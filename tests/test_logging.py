@@ -261,8 +261,8 @@ def test_console_format_is_for_people_and_json_is_the_default_off_a_terminal(tmp
         c.close()
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=10)
-        lines = [l for l in err.decode().splitlines() if l.strip()]
-        assert any("client_connect" in l for l in lines)
+        lines = [ln for ln in err.decode().splitlines() if ln.strip()]
+        assert any("client_connect" in ln for ln in lines)
         parsed = []
         for line in lines:
             try:

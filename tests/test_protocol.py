@@ -158,7 +158,7 @@ def test_unknown_control_message_is_ignored_and_client_stays(broker):
 
 
 def test_flood_control_messages_are_remembered_per_client(broker):
-    a, b = client(broker), client(broker)
+    a, _ = client(broker), client(broker)
     for cmsg in (b"CMSG blocking/soft/discard", b"CMSG blocking/hard/error",
                  b"CMSG order/stack\0ignored tail", b"CMSG echo/off"):
         a.send(cmsg)

@@ -733,7 +733,7 @@ def test_stop_signal_right_after_readiness_is_honoured(sbusd, daemon, tmp_path, 
                 b.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"attempt {attempt}: SIGTERM right after readiness "
-                                     "was ignored; sbusd still runs")
+                                     "was ignored; sbusd still runs") from None
             assert b.proc.returncode == 0
         else:
             assert wait_gone(pid, timeout=3), (

@@ -281,7 +281,7 @@ def test_subscriber_closing_mid_send_and_kill_pipe_do_not_kill_the_broker(start_
     sub2.send(b"SUB big")
     sub2.sync()
     sub2.shutdown(socket.SHUT_RD)
-    for i in range(30):
+    for _ in range(30):
         pub.send(b"MSG big\0" + b"y" * 100000)
     pub.sync()
     assert b.proc.poll() is None, b.stderr_text()[-3000:]

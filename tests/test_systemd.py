@@ -153,7 +153,7 @@ def stop(p, timeout=TIMEOUT) -> int:
     except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
-        raise AssertionError(f"sbusd ignored SIGTERM; stderr: {stderr_of(p)}")
+        raise AssertionError(f"sbusd ignored SIGTERM; stderr: {stderr_of(p)}") from None
 
 
 def expect_notify(notify: Notify, state: str, pid: int, proc) -> None:

@@ -72,7 +72,7 @@ def test_top_shows_clients_switches_sort_and_quits(start_broker, term):
     sub, pub = b.connect(), b.connect()
     sub.sub("t/*")
     sub.sync()
-    for i in range(30):
+    for _ in range(30):
         pub.pub("t/x", b"payload")
     pub.sync()
     sub.whoami()                        # the 30 deliveries are made

@@ -89,7 +89,7 @@ def main(args, address: str, out) -> int:
                         args.seconds, args.window)
     name = f"fanout {subscribers}" if args.workload == "fanout" else args.workload
     status = 0
-    for n in range(args.runs):
+    for _ in range(args.runs):
         result = run_once(argv, args.timeout)
         result["workload"] = name
         if args.json:

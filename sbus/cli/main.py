@@ -236,7 +236,7 @@ def _template(text: str) -> str:
     try:
         return render.check_template(text)
     except (ValueError, IndexError) as exc:
-        raise argparse.ArgumentTypeError(str(exc))
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_shape_options(parser: argparse.ArgumentParser) -> None:

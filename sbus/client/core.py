@@ -235,11 +235,13 @@ class Core:
         """What ``out`` holds goes behind the backlog, in order. BacklogFullError
         at the first packet that does not fit (``index`` and ``sent``: ``done``
         plus the packets kept before it; it and the rest are not kept)."""
+        kept = 0
         try:
-            for i, packet in enumerate(out.unsent()):
+            for packet in out.unsent():
                 self._keep(packet)
+                kept += 1
         except BacklogFullError as exc:
-            exc.index = exc.sent = done + i
+            exc.index = exc.sent = done + kept
             raise
         finally:
             out.clear()

@@ -5,9 +5,10 @@ queue of messages that arrived while the client waited for a control reply
 (see :meth:`Client.query`) or that a batch read took ahead, the packets its
 buffered mode packed, and, with a reconnect policy, its subscriptions and a
 backlog (see :mod:`sbus.client.reconnect`); this module makes the blocking
-syscalls, and reconnects inside the call that needs the broker. Batches go through :mod:`sbus._core.batch` (sendmmsg/recvmmsg); the plain
-Python :func:`~sbus.client.protocol.pack_publish` and :func:`~sbus.client.protocol.parse`
-are their reference.
+syscalls, and reconnects inside the call that needs the broker. Batches go
+through :mod:`sbus._core.batch` (sendmmsg/recvmmsg); the plain Python
+:func:`~sbus.client.protocol.pack_publish` and :func:`~sbus.client.protocol.parse` are their
+reference.
 Every call takes the send(2)/recv(2) flags and passes them to the kernel, so
 ``MSG_DONTWAIT``, ``MSG_PEEK`` and friends behave as they do on a bare
 socket; :meth:`Client.fileno` makes the client usable with select, poll,

@@ -46,7 +46,7 @@ def _systemd_socket() -> Optional[socket.socket]:
             return None          # meant for another process (e.g. our parent)
         count = int(fds)
     except ValueError:
-        raise StartupError(f"bad LISTEN_FDS/LISTEN_PID: {fds!r}/{pid!r}")
+        raise StartupError(f"bad LISTEN_FDS/LISTEN_PID: {fds!r}/{pid!r}") from None
     for name in ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"):
         os.environ.pop(name, None)   # not inherited by anything we start
     if count != 1:
@@ -58,7 +58,7 @@ def _adopt_fd(fd: int) -> socket.socket:
     try:
         sock = socket.socket(fileno=fd)
     except OSError as e:
-        raise StartupError(f"/dev/fd/{fd}: {e.strerror}")
+        raise StartupError(f"/dev/fd/{fd}: {e.strerror}") from None
     if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
         raise StartupError(f"/dev/fd/{fd} is not a Unix-domain SOCK_SEQPACKET socket")
     if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
@@ -86,7 +86,7 @@ def make_listener(addr: Address, *, reuse: bool, mode: int, warn: Callable[[str]
                 break
             except OSError as e:
                 if e.errno != errno.EADDRINUSE:
-                    raise StartupError(f"bind <random abstract address>: {e.strerror}")
+                    raise StartupError(f"bind <random abstract address>: {e.strerror}") from None
         sock.listen(socket.SOMAXCONN)
         sock.setblocking(False)
         return Listener(sock, None, printed_address=format_abstract(name), abstract=True)
@@ -97,7 +97,7 @@ def make_listener(addr: Address, *, reuse: bool, mode: int, warn: Callable[[str]
         try:
             sock.bind(path)
         except OSError as e:
-            raise StartupError(f"bind {addr.text}: {e.strerror}")
+            raise StartupError(f"bind {addr.text}: {e.strerror}") from None
     else:
         _prepare_path(path, reuse)
         # bind creates the file with mode 0777 & ~umask: set the umask so it
@@ -107,7 +107,7 @@ def make_listener(addr: Address, *, reuse: bool, mode: int, warn: Callable[[str]
         try:
             sock.bind(path)
         except OSError as e:
-            raise StartupError(f"bind {os.fsdecode(path)}: {e.strerror}")
+            raise StartupError(f"bind {os.fsdecode(path)}: {e.strerror}") from None
         finally:
             os.umask(old_umask)
     sock.listen(socket.SOMAXCONN)
@@ -135,7 +135,7 @@ def _prepare_path(path: bytes, reuse: bool) -> None:
         except ConnectionRefusedError:
             pass
         except OSError as e:
-            raise StartupError(f"{shown}: cannot tell whether it is in use ({e.strerror})")
+            raise StartupError(f"{shown}: cannot tell whether it is in use ({e.strerror})") from None
         else:
             raise StartupError(f"{shown} is in use by a running broker; not replacing it")
     os.unlink(path)
@@ -152,7 +152,7 @@ def resolve_users(specs) -> list:
         try:
             uids.append(pwd.getpwnam(spec).pw_uid)
         except KeyError:
-            raise StartupError(f"unknown user {spec!r}")
+            raise StartupError(f"unknown user {spec!r}") from None
     return uids
 
 
@@ -168,7 +168,7 @@ def write_pidfile(path: str) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        raise StartupError(f"pidfile {path}: {e.strerror}")
+        raise StartupError(f"pidfile {path}: {e.strerror}") from None
     with os.fdopen(fd, "w") as f:
         f.write(f"{os.getpid()}\n")
 

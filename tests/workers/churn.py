@@ -100,7 +100,7 @@ def _hoard(rng, address, stats):
     so nothing is shared): memory abuse the broker must give back."""
     hoarders, pub = [], _connect(address)
     pub.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 4 << 20)
-    for i in range(2):
+    for _ in range(2):
         key = b"hoard/%d/%d" % (os.getpid(), rng.randrange(1 << 30))
         h = _connect(address)
         h.send(b"SUB " + key)
