@@ -17,6 +17,10 @@
                                     Prometheus text format
     sbus bridge --nats URL [--export PATTERN] [--import SUBJECT] ...
                                     join this bus to others through NATS
+    sbus store --dir DIR --record PATTERN ...
+                                    record messages and answer replays (docs/store.md)
+    sbus replay PATTERN [--since T] [--until T] [--follow]
+    sbus last PATTERN               recorded messages, or each key's last one
 
 Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
 ``/run/sbus.socket``.
@@ -258,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ..bridge.cli import add_parser as add_bridge_parser
     add_bridge_parser(commands, common)
+    from ..store.cli import add_parsers as add_store_parsers
+    add_store_parsers(commands, common)
     return parser
 
 
@@ -269,7 +275,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "bench":     # its processes make their own connections
         return cmd_bench(args)
     where = from_environment(args.address)
-    if hasattr(args, "standalone"):     # a long-running command with its own client (bridge)
+    if hasattr(args, "standalone"):     # a long-running command with its own client (bridge, store)
         return args.standalone(args, where)
     stdout = sys.stdout.buffer
     reconnect = None
