@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import threading
@@ -164,7 +165,9 @@ def test_torn_tail_is_cut_and_reported(bus, start_store):
     publish(bus.address, [(b"t/x", b"%d" % i) for i in range(100)])
     with sbus.Client(bus.address) as c:
         settle(c)
-    store.stop()
+    assert store.stop() == 0
+    (stopped,) = store.events("store_stop")
+    assert (stopped["reason"], stopped["recorded"], stopped["last_seq"]) == ("signal", 100, 100)
     seg = sorted(store.directory.glob("*" + SUFFIX))[-1]
     whole = seg.stat().st_size
     torn = b"\x40\0\0\0garbage: half a record"
@@ -342,3 +345,28 @@ def test_pattern_cover(outer, inner, expected):
 def test_pattern_match(pattern, key, expected):
     from sbus._ref.protocol import matches
     assert compile_pattern(pattern)(key) is expected is matches(pattern, key)
+
+
+def test_messages_the_broker_drops_for_a_slow_store_are_a_counted_gap(tmp_path, start_broker):
+    import signal
+    b = start_broker("--queue-max-msgs", "100")
+    store = StoreProcess(tmp_path, b.address, tmp_path / "log", ["g/"], "--stats-interval", "0").ready()
+    try:
+        publish(b.address, [(b"g/n", b"first")])
+        with sbus.Client(b.address) as c:
+            settle(c)
+            os.kill(store.pid, signal.SIGSTOP)
+            try:
+                c.publish_many((b"g/n", b"%d" % i) for i in range(3000))
+                c.whoami(timeout=10)
+            finally:
+                os.kill(store.pid, signal.SIGCONT)
+            event = store.wait_for_event("store_gap", timeout=10)
+            gaps = []
+            got = [m.payload for m in replay(c, "g/", on_gap=gaps.append)]
+        kept = [int(p) for p in got[1:]]
+        assert got[0] == b"first" and kept == sorted(kept)
+        assert [(g.reason, g.lost) for g in gaps] == [("flood", 3000 - len(kept))]
+        assert event["lost"] == 3000 - len(kept) > 0
+    finally:
+        store.stop()

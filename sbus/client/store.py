@@ -108,20 +108,25 @@ class _Session:
             self.ended = True
         return None
 
-    def records(self) -> List[Message]:
-        """The whole records in the buffer, as Messages; ``seqs``/``times`` beside."""
+    def records(self) -> List[Any]:
+        """The whole records in the buffer: (seq, time_ns, Message) each,
+        or (seq, time_ns, Gap) for a note from the store."""
         data, pos, end = self.buffer, 0, len(self.buffer)
         out: List[Any] = []
+        append = out.append
         unpack = RECORD.unpack_from
         while end - pos >= HEADER:
             size, _, seq, time_ns, key_len = unpack(data, pos)
             if end - pos < size:
                 break
-            k = pos + HEADER
-            key = data[k:k + key_len]
-            out.append((seq, time_ns, key, data[k + key_len:pos + size]))
+            k = pos + HEADER + key_len
+            key = data[pos + HEADER:k]
+            if key[:1] == b"!":
+                append((seq, time_ns, self.gap(seq, data[k:pos + size])))
+            else:
+                append((seq, time_ns, Message(key, data[k:pos + size])))
             pos += size
-        self.buffer = data[pos:]
+        self.buffer = data[pos:] if pos < end else b""
         return out
 
     def gap(self, seq: int, payload: bytes) -> Gap:
@@ -185,12 +190,10 @@ class Replay:
     def _generate(self) -> Iterator[Message]:
         s = self._s
         while True:
-            for seq, time_ns, key, payload in s.records():
-                if key[:1] == b"!":
-                    s.gap(seq, payload)
-                    continue
-                s.seq, s.time = seq, time_ns / 1e9
-                yield Message(key, payload)
+            for seq, time_ns, message in s.records():
+                if type(message) is Message:
+                    s.seq, s.time = seq, time_ns / 1e9
+                    yield message
             if s.ended:
                 return
             # The store keeps answering while it has data; a follower waits.
@@ -322,13 +325,11 @@ class AsyncReplay:
         s = self._s
         while True:
             while self._i < len(self._ready):
-                seq, time_ns, key, payload = self._ready[self._i]
+                seq, time_ns, message = self._ready[self._i]
                 self._i += 1
-                if key[:1] == b"!":
-                    s.gap(seq, payload)
-                    continue
-                s.seq, s.time = seq, time_ns / 1e9
-                return Message(key, payload)
+                if type(message) is Message:
+                    s.seq, s.time = seq, time_ns / 1e9
+                    return message
             self._ready, self._i = s.records(), 0
             if self._ready:
                 continue

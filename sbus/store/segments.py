@@ -30,13 +30,15 @@ import struct
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 RECORD = struct.Struct("<IIQqI")
 HEADER = RECORD.size
+_HEAD = struct.Struct("<II")     # size, crc32
+_BODY = struct.Struct("<QqI")    # seq, time_ns, key_len: where the checksum starts
 SUFFIX = ".seg"
 GAP_KEY = b"!gap"
-INDEX_EVERY = 64 * 1024     # bytes between sparse index entries
+INDEX_EVERY = 32 * 1024     # bytes between sparse index entries
 READ_CHUNK = 1 << 20
 
 FSYNC_ALWAYS = "always"
@@ -44,8 +46,8 @@ FSYNC_NEVER = "never"
 
 
 def pack_record(seq: int, time_ns: int, key: bytes, payload: bytes) -> bytes:
-    body = RECORD.pack(0, 0, seq, time_ns, len(key))[8:] + key + payload
-    return struct.pack("<II", HEADER + len(key) + len(payload), zlib.crc32(body)) + body
+    body = _BODY.pack(seq, time_ns, len(key)) + key + payload
+    return _HEAD.pack(8 + len(body), zlib.crc32(body)) + body
 
 
 def gap_payload(lost: int, reason: str) -> bytes:
@@ -276,18 +278,25 @@ class Log:
         if seg.size >= self.segment_bytes:
             seg = self._roll()
         t = max(time.time_ns() if now_ns is None else now_ns, self.last_time)
+        first = seg.first_seq
         seq = self.next_seq
         offset = seg.size
+        indexed_at = seg._indexed_at
         parts = []
-        notes = []
+        index = []
+        values = []
         crc32 = zlib.crc32
-        pack = RECORD.pack
+        pack_body, pack_head = _BODY.pack, _HEAD.pack
         for key, payload in entries:
-            body = pack(0, 0, seq, t, len(key))[8:] + key + payload
-            size = HEADER + len(key) + len(payload)
-            parts.append(struct.pack("<II", size, crc32(body)))
+            body = pack_body(seq, t, len(key)) + key + payload
+            size = 8 + len(body)
+            parts.append(pack_head(size, crc32(body)))
             parts.append(body)
-            notes.append((key, seq, offset))
+            if offset - indexed_at >= INDEX_EVERY:
+                index.append((seq, offset))
+                indexed_at = offset
+            if key[:1] != b"!":
+                values.append((key, (seq, first, offset)))
             seq += 1
             offset += size
         data = b"".join(parts)
@@ -301,12 +310,16 @@ class Log:
             # A short write: the disk filled up during it.
             os.ftruncate(self._fd, seg.size)
             raise DiskFull(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
-        last_values = self.last_values
-        first = seg.first_seq
-        for key, s, off in notes:
-            seg.note(s, t, off)
-            if key[:1] != b"!":
-                last_values[key] = (s, first, off)
+        if not seg.records:
+            seg.first_time = t
+        seg.records += len(entries)
+        seg.last_seq, seg.last_time = seq - 1, t
+        for s, off in index:
+            seg.idx_seq.append(s)
+            seg.idx_time.append(t)
+            seg.idx_off.append(off)
+        seg._indexed_at = indexed_at
+        self.last_values.update(values)
         seg.size = offset
         self.next_seq = seq
         self.last_time = t
@@ -401,20 +414,55 @@ class Log:
         i = bisect.bisect_left(firsts, first_seq)
         return self.segments[i] if i < len(firsts) and firsts[i] == first_seq else None
 
-    def locate(self, after: int = 0, since_ns: Optional[int] = None) -> Tuple[int, int]:
-        """The position (segment's first seq, offset) where a read of records
-        with seq > after and time >= since_ns starts; the reader skips the
-        few records between it and the first wanted one."""
+    def _walk(self, position: Tuple[int, int], stop: Callable[[int, int], bool]
+              ) -> Tuple[Tuple[int, int], int]:
+        """From ``position``, the position of the first record for which
+        ``stop(seq, time_ns)`` is true, and its seq (the end of the log and
+        next_seq if none is)."""
+        while True:
+            data, following, _ = self.read(position, READ_CHUNK)
+            if not data:
+                return position, self.next_seq
+            pos = 0
+            while pos < len(data):
+                size, _, seq, time_ns, _ = RECORD.unpack_from(data, pos)
+                if stop(seq, time_ns):
+                    return (position[0], position[1] + pos), seq
+                pos += size
+            position = following
+
+    def seek(self, after: int = 0, since_ns: Optional[int] = None
+             ) -> Tuple[Tuple[int, int], int]:
+        """The position and seq of the first record with seq > after and
+        time >= since_ns (the end of the log and next_seq if none)."""
         segs = self.segments
-        if since_ns is not None:
-            for seg in segs:
-                if seg.records and seg.last_time >= since_ns and seg.last_seq > after:
-                    return seg.first_seq, max(seg.offset_for_time(since_ns),
-                                              seg.offset_for_seq(after + 1))
-            return segs[-1].first_seq, segs[-1].size
-        firsts = [s.first_seq for s in segs]
-        seg = segs[max(0, bisect.bisect_right(firsts, after + 1) - 1)]
-        return seg.first_seq, seg.offset_for_seq(after + 1)
+        position = (segs[-1].first_seq, segs[-1].size)
+        for seg in segs:
+            if seg.records and seg.last_seq > after and (since_ns is None
+                                                         or seg.last_time >= since_ns):
+                offset = seg.offset_for_seq(after + 1)
+                if since_ns is not None:
+                    offset = max(offset, seg.offset_for_time(since_ns))
+                position = (seg.first_seq, offset)
+                break
+        return self._walk(position, lambda seq, t: seq > after and (
+            since_ns is None or t >= since_ns))
+
+    def seek_after_time(self, start: Tuple[int, int], until_ns: int
+                        ) -> Tuple[Tuple[int, int], int]:
+        """The position and seq of the first record at or after ``start``
+        received later than ``until_ns``."""
+        position = start
+        for seg in self.segments:
+            if seg.first_seq >= start[0] and seg.records and seg.last_time > until_ns:
+                if seg.first_seq > start[0]:
+                    position = (seg.first_seq, seg.offset_for_time(until_ns))
+                else:
+                    position = (seg.first_seq, max(start[1], seg.offset_for_time(until_ns)))
+                break
+        else:
+            return (self.segments[-1].first_seq, self.segments[-1].size), self.next_seq
+        return self._walk(position, lambda seq, t: t > until_ns)
 
     def expired(self, position: Tuple[int, int]) -> bool:
         """Has retention removed the segment ``position`` is in?"""
@@ -423,32 +471,51 @@ class Log:
     def start(self) -> Tuple[int, int]:
         return self.segments[0].first_seq, 0
 
-    def read(self, position: Tuple[int, int], max_bytes: int) -> Tuple[bytes, Tuple[int, int]]:
-        """Whole records from ``position``, up to ``max_bytes`` (at least one
-        record), and the position after them; no data at the end of the log.
-        ``position`` must not be :meth:`expired`."""
+    def end(self) -> Tuple[int, int]:
+        return self.segments[-1].first_seq, self.segments[-1].size
+
+    def read(self, position: Tuple[int, int], max_bytes: int,
+             stop: Optional[Tuple[Tuple[int, int], int]] = None
+             ) -> Tuple[bytes, Tuple[int, int], int]:
+        """Whole records from ``position``, up to about ``max_bytes`` (at
+        least one record), the position after them and the seq of the last;
+        no data at the end of the log, or at ``stop`` (a position and the seq
+        of the record there). The chunk ends where the segment does or at a
+        sparse index entry, so no record is parsed unless a single record
+        is larger than that. ``position`` must not be :meth:`expired`."""
         seg = self._segment(position[0])
         offset = position[1]
         while seg is not None:
-            if offset < seg.size:
+            if stop is not None and stop[0][0] == seg.first_seq:
+                seg_end, seg_last = stop[0][1], stop[1] - 1
+            else:
+                seg_end, seg_last = seg.size, seg.last_seq
+            if offset < seg_end:
                 fd = self._reader(seg)
-                data = os.pread(fd, min(max_bytes, seg.size - offset), offset)
-                end = 0
+                if seg_end - offset <= max_bytes:
+                    return os.pread(fd, seg_end - offset, offset), (seg.first_seq, seg_end), seg_last
+                i = bisect.bisect_right(seg.idx_off, offset + max_bytes) - 1
+                if i >= 0 and seg.idx_off[i] > offset:
+                    end = seg.idx_off[i]
+                    return os.pread(fd, end - offset, offset), (seg.first_seq, end), seg.idx_seq[i] - 1
+                data = os.pread(fd, max_bytes, offset)
+                end = last = 0
                 while end + HEADER <= len(data):
-                    size = RECORD.unpack_from(data, end)[0]
+                    size, _, seq, _, _ = RECORD.unpack_from(data, end)
                     if end + size > len(data):
                         break
-                    end += size
+                    end, last = end + size, seq
                 if end == 0:        # one record larger than max_bytes
-                    size = RECORD.unpack_from(os.pread(fd, HEADER, offset))[0]
-                    data = os.pread(fd, size, offset)
-                    end = size
-                return data[:end], (seg.first_seq, offset + end)
+                    size, _, last, _, _ = RECORD.unpack_from(os.pread(fd, HEADER, offset))
+                    data, end = os.pread(fd, size, offset), size
+                return data[:end], (seg.first_seq, offset + end), last
+            if stop is not None and stop[0][0] == seg.first_seq:
+                break
             i = self.segments.index(seg) + 1
             if i == len(self.segments):
                 break
             seg, offset = self.segments[i], 0
-        return b"", position
+        return b"", position, 0
 
     def record_at(self, first_seq: int, offset: int) -> bytes:
         for seg in self.segments:
