@@ -24,20 +24,19 @@ def bus(start_broker):
     return start_broker()
 
 
+@pytest.fixture(autouse=True)
+def no_store_left():
+    yield
+    StoreProcess.stop_all()
+
+
 @pytest.fixture
 def start_store(tmp_path, bus):
-    started = []
-
     def start(*patterns, args=(), directory=None):
-        s = StoreProcess(tmp_path, bus.address, directory or tmp_path / "log", patterns,
-                         "--stats-interval", "0", *args).ready()
-        started.append(s)
-        return s
+        return StoreProcess(tmp_path, bus.address, directory or tmp_path / "log", patterns,
+                            "--stats-interval", "0", *args).ready()
 
-    yield start
-    for s in started:
-        if s.proc.poll() is None:
-            s.stop()
+    return start
 
 
 def settle(client):
@@ -328,6 +327,10 @@ def test_cli_replay_and_last(bus, start_store):
     assert run("replay", "c/x", "--raw").stdout == b"onethree"
     r = run("replay", "nope/")
     assert r.returncode == 1 and b"not recorded" in r.stderr
+    r = run("store", "--stats")
+    assert r.returncode == 0, r.stderr
+    counters = json.loads(r.stdout)
+    assert (counters["recorded"], counters["keys"], counters["last_seq"]) == (3, 2, 3)
 
 
 @pytest.mark.parametrize("outer,inner,expected", [
@@ -370,3 +373,15 @@ def test_messages_the_broker_drops_for_a_slow_store_are_a_counted_gap(tmp_path, 
         assert event["lost"] == 3000 - len(kept) > 0
     finally:
         store.stop()
+
+
+def test_sigterm_stops_the_store_while_the_broker_is_away(bus, start_store):
+    store = start_store("w/")
+    publish(bus.address, [(b"w/x", b"1")])
+    with sbus.Client(bus.address) as c:
+        settle(c)
+    bus.stop()
+    store.wait_for_event("store_broker_lost")
+    assert store.stop() == 0
+    (stopped,) = store.events("store_stop")
+    assert (stopped["reason"], stopped["recorded"]) == ("signal", 1)

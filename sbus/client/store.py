@@ -139,7 +139,43 @@ class _Session:
         return g
 
 
-class Replay:
+class _Position:
+    """What an iteration has reached (both iterators)."""
+
+    _s: _Session
+
+    @property
+    def seq(self) -> int:
+        """The seq of the last message yielded (resume with ``after=seq``)."""
+        return self._s.seq
+
+    @property
+    def time(self) -> float:
+        """When the store received the last message yielded (seconds since the epoch)."""
+        return self._s.time
+
+    @property
+    def gaps(self) -> int:
+        """Gaps met so far."""
+        return self._s.gaps
+
+    @property
+    def lost(self) -> int:
+        """Messages those gaps lost, as far as known."""
+        return self._s.lost
+
+    @property
+    def first(self) -> int:
+        """The first seq in the log when the store took the request."""
+        return self._s.first
+
+    @property
+    def last(self) -> int:
+        """The last seq in the log when the store took the request."""
+        return self._s.last
+
+
+class Replay(_Position):
     """An iterator of the recorded :class:`Message`s, in store order.
 
     After each message, ``seq`` and ``time`` are its sequence number and
@@ -170,11 +206,6 @@ class Replay:
             self._bus.close()
             raise
         self._it = self._generate()
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("seq", "time", "gaps", "lost", "first", "last"):
-            return getattr(self._s, name)
-        raise AttributeError(name)
 
     def _next_answer(self, timeout: Optional[float]) -> None:
         try:
@@ -273,7 +304,7 @@ def _stats_answer(payload: bytes, ident: str) -> Dict[str, Any]:
 # -- asyncio -----------------------------------------------------------------------------
 
 
-class AsyncReplay:
+class AsyncReplay(_Position):
     """:class:`Replay` for :class:`sbus.client.aio.Client`: ``async for``,
     ``await close()``, ``async with``. Made by :func:`areplay`."""
 
@@ -302,11 +333,6 @@ class AsyncReplay:
             bus.close()
             raise
         return self
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("seq", "time", "gaps", "lost", "first", "last"):
-            return getattr(self._s, name)
-        raise AttributeError(name)
 
     async def _next_answer(self, timeout: Optional[float]) -> None:
         try:

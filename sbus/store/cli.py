@@ -173,21 +173,23 @@ def cmd_last(bus, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -
     return 0
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGINT arrived: the store stops where it is."""
+
+
 def main(args: argparse.Namespace, address: str) -> int:
     """Run the store until SIGTERM/SIGINT (or print its stats with --stats)."""
     if args.stats:
         from ..client.store import StoreError, store_stats
-
-        class _At:
-            pass
-        at = _At()
-        at.address, at.max_message = address, args.max_message
+        from ..client.sync import Client
+        from ..errors import SbusError
         try:
-            sys.stdout.write(json.dumps(store_stats(at, request_key=args.request_key),
-                                        indent=2) + "\n")
-        except (StoreError, OSError) as exc:
+            with Client(address, max_message=args.max_message) as bus:
+                counters = store_stats(bus, request_key=args.request_key)
+        except (StoreError, SbusError, OSError) as exc:
             sys.stderr.write(f"sbus store: {exc}\n")
             return 1
+        sys.stdout.write(json.dumps(counters, indent=2) + "\n")
         return 0
     if not args.dir or not args.record:
         sys.stderr.write("sbus store: needs --dir DIR and at least one --record PATTERN\n")
@@ -203,18 +205,28 @@ def main(args: argparse.Namespace, address: str) -> int:
     stream = _log.ReopenableStream(args.log_file, _log.fallback_stream())
     logger = _log.configure(args.log_format or _log.default_format(stream), args.log_level,
                             stream)
-    stop = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.append(True))
-    signal.signal(signal.SIGHUP, lambda *_: stream.reopen())
     try:
         store = Store(settings, logger)
     except OSError as exc:
         sys.stderr.write(f"sbus store: {args.dir}: {exc.strerror or exc}\n")
         return 1
+    stop = []
+
+    def on_signal(signum, frame) -> None:
+        stop.append(signum)
+        # Between writes, leave whatever waits (the broker may be away and
+        # the client reconnecting); a write in progress finishes first.
+        if not store.writing:
+            raise Stopped()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    signal.signal(signal.SIGHUP, lambda *_: stream.reopen())
     reason = "signal"
     try:
         reason = store.run(lambda: bool(stop))
+    except Stopped:
+        pass
     except OSError as exc:
         reason = f"error: {exc}"
         sys.stderr.write(f"sbus store: {address}: {exc.strerror or exc}\n")

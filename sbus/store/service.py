@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -104,6 +105,8 @@ class Store:
                   last_seq=self.log.last_seq, keys=len(self.log.last_values),
                   level="warning" if rec.cut_bytes else "info")
         self.bus: Optional[Client] = None
+        self.requests: Optional[Client] = None
+        self.writing = False    # inside a write to the log: a stop signal waits for its end
 
     # -- logging and counters -----------------------------------------------------
 
@@ -123,7 +126,7 @@ class Store:
 
     # -- the loop -----------------------------------------------------------------
 
-    def connect(self) -> Client:
+    def connect(self, patterns: List[bytes]) -> Client:
         def lost(exc: BaseException) -> None:
             self.emit(schema.STORE_BROKER_LOST, level="warning", address=self.s.address,
                       error=str(exc))
@@ -140,50 +143,76 @@ class Store:
         # the disk, and the drop count becomes a gap record.
         bus.send_cmsg("blocking/soft/queue")
         bus.send_cmsg("blocking/hard/discard")
-        for pattern in self.recording.patterns:
+        for pattern in patterns:
             bus.subscribe(pattern)
-        bus.subscribe(self.s.request_key)
         bus.whoami(timeout=10.0)
         return bus
 
     def run(self, stopping: Callable[[], bool]) -> str:
-        self.bus = bus = self.connect()
+        # Two connections: recorded messages on one, requests (and acks) on
+        # the other, so that a flood of data neither delays nor drops them.
+        self.bus = self.connect(self.recording.patterns)
+        self.requests = requests = self.connect([self.s.request_key])
         self.emit(schema.STORE_START, version=_version(), path=self.s.directory,
                   address=self.s.address,
                   record=" ".join(p.decode("utf-8", "backslashreplace") for p in self.s.patterns),
                   request_key=self.s.request_key.decode("utf-8", "backslashreplace"),
                   fsync=self.s.fsync, segment_bytes=self.s.segment_bytes,
                   max_bytes=self.s.max_bytes, max_age_s=self.s.max_age_s)
-        request_key = self.s.request_key
         while not stopping():
-            try:
-                batch = bus.receive_many(RECEIVE_BATCH, timeout=self.wait())
-            except TimeoutError:
-                batch = []
-            entries: List[Tuple[bytes, bytes]] = []
-            for m in batch:
-                if type(m) is not Message:
-                    continue
-                key = m.key
-                if key == request_key:
-                    self.record(entries)
-                    entries = []
-                    self.on_request(m.payload)
-                elif key[:1] == b"!":
-                    self.counters["private_skipped"] += 1
-                else:
-                    entries.append((key, m.payload))
-            self.record(entries)
+            self.wait_readable(self.wait())
+            asked = _take(requests, RECEIVE_BATCH)
+            if asked:
+                # Messages published before a request are in the data
+                # socket already: record them first, so the answer sees them.
+                for _ in range(64):
+                    if not self.take_data():
+                        break
+                for m in asked:
+                    if type(m) is Message and m.key == self.s.request_key:
+                        self.on_request(m.payload)
+            else:
+                self.take_data()
             self.serve()
             self.housekeeping()
         return "signal"
+
+    def wait_readable(self, timeout: float) -> None:
+        buses = (self.bus, self.requests)
+        if timeout <= 0 or any(b.pending for b in buses):
+            return
+        if not all(b.connected for b in buses):
+            # The clients reconnect while they are read: no busy loop meanwhile.
+            time.sleep(min(timeout, 0.1))
+            return
+        try:
+            select.select([b.fileno() for b in buses], [], [], timeout)
+        except (OSError, ValueError):
+            pass    # a connection was lost: the next read reconnects
+
+    def take_data(self) -> int:
+        """Record one batch from the data connection; how many messages it had."""
+        batch = _take(self.bus, RECEIVE_BATCH)
+        request_key = self.s.request_key
+        entries: List[Tuple[bytes, bytes]] = []
+        for m in batch:
+            if type(m) is not Message:
+                continue
+            key = m.key
+            if key[:1] == b"!":
+                self.counters["private_skipped"] += 1
+            elif key != request_key:    # a --record pattern that matches it
+                entries.append((key, m.payload))
+        self.record(entries)
+        return len(batch)
 
     def stop(self, reason: str) -> None:
         try:
             self.log.close()
         finally:
-            if self.bus is not None:
-                self.bus.close()
+            for bus in (self.bus, self.requests):
+                if bus is not None:
+                    bus.close()
             self.emit(schema.STORE_STOP, reason=reason, **self.stats())
 
     def wait(self) -> float:
@@ -203,6 +232,13 @@ class Store:
     def record(self, entries: List[Tuple[bytes, bytes]]) -> None:
         if not entries:
             return
+        self.writing = True
+        try:
+            self._record(entries)
+        finally:
+            self.writing = False
+
+    def _record(self, entries: List[Tuple[bytes, bytes]]) -> None:
         if self.disk_full_since is not None and time.monotonic() < self.disk_retry_at:
             self.missed(entries)
             return
@@ -237,10 +273,13 @@ class Store:
                 by[name] = by.get(name, 0) + 1
 
     def gap(self, lost: int, reason: str) -> None:
+        self.writing = True
         try:
             self.log.append([(GAP_KEY, gap_payload(lost, reason))])
         except DiskFull:
             self.disk_missed += max(lost, 0)
+        finally:
+            self.writing = False
         self.counters["gaps"] += 1
         self.counters["lost_unknown" if lost < 0 else "lost_flood"] += max(lost, 1 if lost < 0 else 0)
         self.emit(schema.STORE_GAP, level="warning", lost=lost, reason=reason,
@@ -325,7 +364,7 @@ class Store:
 
     def answer(self, reply: bytes, payload: bytes) -> None:
         self.counters["answers"] += 1
-        self.bus.publish(reply, payload)
+        self.requests.publish(reply, payload)
 
     def on_ack(self, req: wire.Request) -> None:
         session = self.sessions.get(req.session)
@@ -393,7 +432,7 @@ class Store:
                 del self.sessions[token]
             if out:
                 self.counters["answers"] += len(out)
-                self.bus.publish_many(out)
+                self.requests.publish_many(out)
 
     def fill(self, session: Session, limit: int) -> None:
         """Read matching records into ``session.pending`` until it holds
@@ -448,6 +487,14 @@ class Store:
                     pos += size
             session.position, session.last_sent = position, last
         session.pending = b"".join(parts)
+
+
+def _take(bus: Client, limit: int) -> list:
+    """What the client has or the socket holds now, up to ``limit``."""
+    try:
+        return bus.receive_many(limit, timeout=0)
+    except TimeoutError:
+        return []
 
 
 def _cached(matches: Callable[[bytes], bool]) -> Callable[[bytes], bool]:

@@ -16,6 +16,7 @@ class StoreProcess:
     JSON to its own file in ``workdir``; ``ready()`` waits for store_start."""
 
     _seq = 0
+    every: list = []        # every one started, for fixtures to stop what a test left running
 
     def __init__(self, workdir: Path, address: str, directory, patterns, *args,
                  log_level="debug"):
@@ -35,6 +36,15 @@ class StoreProcess:
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=err)
+        StoreProcess.every.append(self)
+
+    @classmethod
+    def stop_all(cls) -> None:
+        """Stop every store still running (restarted ones included)."""
+        while cls.every:
+            s = cls.every.pop()
+            if s.proc.poll() is None:
+                s.stop()
 
     def ready(self, timeout=20.0) -> "StoreProcess":
         try:
