@@ -277,7 +277,7 @@ STORE_BROKER_LOST = "store_broker_lost"    # the broker went away; the store rec
 STORE_BROKER_BACK = "store_broker_back"
 
 # Why messages are missing from the log (``store_gap.reason``, ``!gap`` records).
-STORE_GAP_REASONS = ("flood", "broker_restart", "disk_full", "retention")
+STORE_GAP_REASONS = ("flood", "disconnected", "disk_full", "retention")
 
 _STORE_COUNTERS = tuple((name, INT) for name in (
     "recorded", "recorded_bytes", "gaps", "lost_flood", "lost_unknown", "missed_disk_full",
@@ -290,7 +290,7 @@ _STORE_COUNTERS = tuple((name, INT) for name in (
 STORE_EVENT_FIELDS = {
     STORE_START: (("version", STR), ("path", STR), ("address", STR), ("record", STR),
                   ("request_key", STR), ("fsync", STR), ("segment_bytes", INT),
-                  ("max_bytes", INT), ("max_age_s", FLOAT)),
+                  ("max_bytes", INT), ("max_age_s", FLOAT), ("flood", STR)),
     STORE_STOP: (("reason", STR),) + _STORE_COUNTERS,
     STORE_RECOVER: (("segments", INT), ("records", INT), ("bytes", INT), ("torn", BOOL),
                     ("cut_bytes", INT), ("cut_segment", STR), ("first_seq", INT),

@@ -42,7 +42,7 @@ class StoreError(SbusError):
 
 class Gap(NamedTuple):
     """Messages the store lost at this point of the log: ``lost`` of them
-    (-1: unknown), because of ``reason`` (flood, broker_restart, disk_full,
+    (-1: unknown), because of ``reason`` (flood, disconnected, disk_full,
     retention); ``seq`` is the gap record's own seq (0 for retention)."""
 
     seq: int

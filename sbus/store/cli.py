@@ -97,6 +97,11 @@ def add_parsers(commands, common: argparse.ArgumentParser) -> None:
                                          f"(default {DEFAULT_SEGMENT_BYTES})")
     p.add_argument("--request-key", metavar="KEY", default=wire.REQUEST_KEY.decode(),
                    help=f"where requests are sent (default {wire.REQUEST_KEY.decode()})")
+    p.add_argument("--flood", choices=("discard", "block"), default="discard",
+                   help="when the store falls behind by more than the broker queues for a "
+                        "client: the broker discards (and the store counts the gap), or "
+                        "blocks the publishers (no loss; the bus waits for the store) "
+                        "(default discard)")
     p.add_argument("--stats-interval", type=argtypes.seconds, default=DEFAULT_STATS_INTERVAL,
                    metavar="SECONDS", help="seconds between store_stats log records "
                                            f"(default {DEFAULT_STATS_INTERVAL:g}; 0: none)")
@@ -201,7 +206,7 @@ def main(args: argparse.Namespace, address: str) -> int:
         patterns=[p.encode("utf-8", "surrogateescape") for p in args.record],
         fsync=args.fsync, segment_bytes=args.segment_bytes, max_bytes=args.max_bytes,
         max_age_s=args.max_age, request_key=args.request_key.encode("utf-8", "surrogateescape"),
-        stats_interval=args.stats_interval, max_message=args.max_message)
+        stats_interval=args.stats_interval, max_message=args.max_message, flood=args.flood)
     stream = _log.ReopenableStream(args.log_file, _log.fallback_stream())
     logger = _log.configure(args.log_format or _log.default_format(stream), args.log_level,
                             stream)

@@ -32,7 +32,7 @@ DROP_CHECK_S = 1.0          # how often the broker is asked what it dropped for 
 DISK_RETRY_S = 1.0          # how often a full disk is tried again
 RETENTION_CHECK_S = 1.0
 SCAN_BUDGET = 4 << 20       # log bytes one session may read per turn
-RECEIVE_BATCH = 512
+RECEIVE_BATCH = 1024
 
 
 @dataclass
@@ -47,6 +47,7 @@ class Settings:
     request_key: bytes = wire.REQUEST_KEY
     stats_interval: float = 10.0
     max_message: int = 409600
+    flood: str = "discard"      # or "block": the broker's hard mode for the data connection
 
 
 @dataclass
@@ -126,7 +127,7 @@ class Store:
 
     # -- the loop -----------------------------------------------------------------
 
-    def connect(self, patterns: List[bytes]) -> Client:
+    def connect(self, patterns: List[bytes], hard: str = "discard") -> Client:
         def lost(exc: BaseException) -> None:
             self.emit(schema.STORE_BROKER_LOST, level="warning", address=self.s.address,
                       error=str(exc))
@@ -138,11 +139,11 @@ class Store:
         policy = Reconnect(give_up_after=None, max_delay=1.0, on_disconnect=lost,
                            on_reconnect=back)
         bus = Client(self.s.address, max_message=self.s.max_message, reconnect=policy)
-        # Queue what we cannot take at once, and let the broker discard (and
-        # count) beyond its per-client limit: the publishers never wait for
-        # the disk, and the drop count becomes a gap record.
+        # Queue what we cannot take at once; beyond the broker's per-client
+        # limit, discard (and count: the drop count becomes a gap record) so
+        # that publishers never wait for the disk, or block them (--flood block).
         bus.send_cmsg("blocking/soft/queue")
-        bus.send_cmsg("blocking/hard/discard")
+        bus.send_cmsg(f"blocking/hard/{hard}")
         for pattern in patterns:
             bus.subscribe(pattern)
         bus.whoami(timeout=10.0)
@@ -151,14 +152,14 @@ class Store:
     def run(self, stopping: Callable[[], bool]) -> str:
         # Two connections: recorded messages on one, requests (and acks) on
         # the other, so that a flood of data neither delays nor drops them.
-        self.bus = self.connect(self.recording.patterns)
+        self.bus = self.connect(self.recording.patterns, self.s.flood)
         self.requests = requests = self.connect([self.s.request_key])
         self.emit(schema.STORE_START, version=_version(), path=self.s.directory,
                   address=self.s.address,
                   record=" ".join(p.decode("utf-8", "backslashreplace") for p in self.s.patterns),
                   request_key=self.s.request_key.decode("utf-8", "backslashreplace"),
                   fsync=self.s.fsync, segment_bytes=self.s.segment_bytes,
-                  max_bytes=self.s.max_bytes, max_age_s=self.s.max_age_s)
+                  max_bytes=self.s.max_bytes, max_age_s=self.s.max_age_s, flood=self.s.flood)
         while not stopping():
             self.wait_readable(self.wait())
             asked = _take(requests, RECEIVE_BATCH)
@@ -194,15 +195,13 @@ class Store:
         """Record one batch from the data connection; how many messages it had."""
         batch = _take(self.bus, RECEIVE_BATCH)
         request_key = self.s.request_key
-        entries: List[Tuple[bytes, bytes]] = []
-        for m in batch:
-            if type(m) is not Message:
-                continue
-            key = m.key
-            if key[:1] == b"!":
-                self.counters["private_skipped"] += 1
-            elif key != request_key:    # a --record pattern that matches it
-                entries.append((key, m.payload))
+        # Messages are (key, payload) tuples already. Not recorded: control
+        # messages, '!' keys, and requests a --record pattern happens to match.
+        entries = [m for m in batch if type(m) is Message and m.key[:1] != b"!"
+                   and m.key != request_key]
+        if len(entries) != len(batch):
+            self.counters["private_skipped"] += sum(
+                1 for m in batch if type(m) is Message and m.key[:1] == b"!")
         self.record(entries)
         return len(batch)
 
@@ -295,7 +294,7 @@ class Store:
             # Whatever was published while we were away is not in the log.
             self.reconnected = False
             self.broker_drops = 0
-            self.gap(-1, "broker_restart")
+            self.gap(-1, "disconnected")
         if now >= self.next_drop_check:
             self.next_drop_check = now + DROP_CHECK_S
             self.check_drops()
@@ -312,7 +311,9 @@ class Store:
 
     def check_drops(self) -> None:
         try:
-            stats = self.bus.stats(timeout=5.0)
+            # Asked on the request connection: on the data one the answer
+            # would wait behind everything queued for us.
+            stats = self.requests.stats(timeout=5.0)
         except (TimeoutError, OSError):
             return
         me = os.getpid()
