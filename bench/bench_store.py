@@ -104,10 +104,14 @@ def jetstream(work: Path, n: int):
                                "-sd", str(work / "js")], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
 
+    async def quiet(exc):
+        pass
+
     async def run():
         for _ in range(100):
             try:
-                nc = await nats.connect(f"nats://127.0.0.1:{port}")
+                nc = await nats.connect(f"nats://127.0.0.1:{port}", error_cb=quiet,
+                                        allow_reconnect=False)
                 break
             except Exception:   # noqa: BLE001 - not listening yet
                 await asyncio.sleep(0.1)
@@ -193,7 +197,9 @@ def main() -> int:
             store.send_signal(signal.SIGTERM)
             store.wait(30)
 
-            store = start_store(work, address, work / "rss")
+            # --flood block: every message is recorded, however far the store
+            # falls behind the publisher, so the replay is the full count.
+            store = start_store(work, address, work / "rss", "--flood", "block")
             extra = args.rss_records
             record(address, extra, batch=4096)
             samples = []

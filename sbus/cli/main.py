@@ -275,7 +275,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "bench":     # its processes make their own connections
         return cmd_bench(args)
     where = from_environment(args.address)
-    if hasattr(args, "standalone"):     # a long-running command with its own client (bridge, store)
+    if hasattr(args, "standalone"):     # a long-running command with its own client (bridge)
         return args.standalone(args, where)
     stdout = sys.stdout.buffer
     reconnect = None
