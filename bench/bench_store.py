@@ -57,11 +57,15 @@ def start_bus(work: Path):
     return sbusd, address
 
 
+STORES = []     # every store started, stopped whatever happens
+
+
 def start_store(work: Path, address: str, directory: Path, *extra):
     log = work / f"store-{directory.name}.log"
     proc = subprocess.Popen([str(BIN / "sbus"), "-a", address, "store", "--dir", str(directory),
                              "--record", "bench/", "--log-format", "json", "--log-file", str(log),
                              "--stats-interval", "0", *extra])
+    STORES.append(proc)
     wait_for(lambda: log.exists() and "store_start" in log.read_text(), 30, "the store")
     return proc
 
@@ -220,6 +224,10 @@ def main() -> int:
             store.send_signal(signal.SIGTERM)
             store.wait(60)
         finally:
+            for proc in STORES:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait(60)
             sbusd.send_signal(signal.SIGTERM)
             sbusd.wait(30)
         if not args.no_anchors:
