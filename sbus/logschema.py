@@ -297,3 +297,48 @@ QUEUE_EVENT_FIELDS = {
     QUEUE_BUS_BACK: (("address", STR),),
     QUEUE_BAD_REQUEST: (("key", STR), ("detail", STR)),
 }
+
+# --- the store (``sbus store``, docs/store.md) --------------------------------
+# A separate process with its own records: the common fields (``broker_pid``
+# is the store's own pid) plus those below. The analytics job reads only the
+# events in EVENT_FIELDS and passes these over.
+STORE_START = "store_start"
+STORE_STOP = "store_stop"
+STORE_RECOVER = "store_recover"            # the log opened: what was found, what was cut
+STORE_STATS = "store_stats"                # every --stats-interval seconds
+STORE_GAP = "store_gap"                    # messages lost (a !gap record was written)
+STORE_DISK_FULL = "store_disk_full"        # a write failed for lack of space; recording paused
+STORE_DISK_RESUMED = "store_disk_resumed"  # ... and succeeded again
+STORE_RETENTION = "store_retention"        # the oldest segments were removed
+STORE_REQUEST_REFUSED = "store_request_refused"  # a malformed or unanswerable request
+STORE_BROKER_LOST = "store_broker_lost"    # the broker went away; the store reconnects
+STORE_BROKER_BACK = "store_broker_back"
+
+# Why messages are missing from the log (``store_gap.reason``, ``!gap`` records).
+STORE_GAP_REASONS = ("flood", "disconnected", "disk_full", "retention")
+
+_STORE_COUNTERS = tuple((name, INT) for name in (
+    "recorded", "recorded_bytes", "gaps", "lost_flood", "lost_unknown", "missed_disk_full",
+    "requests", "requests_refused", "sessions_opened", "sessions_expired", "answers",
+    "replayed", "retention_segments", "retention_records", "retention_bytes",
+    "private_skipped", "segments", "bytes", "records", "first_seq", "last_seq", "keys",
+    "sessions", "syncs")) + (("disk_full", BOOL), ("missed_by_pattern", CONFIG),
+                             ("uptime_s", FLOAT))
+
+STORE_EVENT_FIELDS = {
+    STORE_START: (("version", STR), ("path", STR), ("address", STR), ("record", STR),
+                  ("request_key", STR), ("fsync", STR), ("segment_bytes", INT),
+                  ("max_bytes", INT), ("max_age_s", FLOAT), ("flood", STR)),
+    STORE_STOP: (("reason", STR),) + _STORE_COUNTERS,
+    STORE_RECOVER: (("segments", INT), ("records", INT), ("bytes", INT), ("torn", BOOL),
+                    ("cut_bytes", INT), ("cut_segment", STR), ("first_seq", INT),
+                    ("last_seq", INT), ("keys", INT)),
+    STORE_STATS: _STORE_COUNTERS,
+    STORE_GAP: (("lost", INT), ("reason", STR), ("seq", INT)),
+    STORE_DISK_FULL: (("error", STR), ("path", STR)),
+    STORE_DISK_RESUMED: (("missed", INT), ("full_s", FLOAT), ("missed_by_pattern", CONFIG)),
+    STORE_RETENTION: (("segments", INT), ("records", INT), ("bytes", INT), ("first_seq", INT)),
+    STORE_REQUEST_REFUSED: (("error", STR), ("reply", STR)),
+    STORE_BROKER_LOST: (("address", STR), ("error", STR)),
+    STORE_BROKER_BACK: (("address", STR),),
+}

@@ -348,6 +348,32 @@ def test_queue_unit_is_sandboxed_like_the_broker():
         assert r.returncode == 0, r.stdout + r.stderr
 
 
+
+
+def test_store_unit():
+    svc = read_unit("sbus-store.service")["Service"]
+    unit = read_unit("sbus-store.service")["Unit"]
+    assert "sbusd.socket" in one(unit, "Requires")
+    exec_start = one(svc, "ExecStart").split()
+    assert exec_start[:5] == ["/usr/bin/env", "sbus", "-a", "/run/sbus.socket", "store"]
+    assert exec_start[exec_start.index("--log-format") + 1] == "json"
+    state = one(svc, "StateDirectory")
+    assert exec_start[exec_start.index("--dir") + 1] == f"/var/lib/{state}", \
+        "--dir should be the StateDirectory, the one place it may write"
+    assert one(svc, "User") not in ("", "root")
+    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "PrivateDevices",
+                "PrivateNetwork", "MemoryDenyWriteExecute"):
+        assert one(svc, key) == "yes", key
+    assert one(svc, "ProtectSystem") == "strict"
+    assert one(svc, "RestrictAddressFamilies") == "AF_UNIX"
+    assert values(svc, "SystemCallFilter")[0] == "@system-service"
+    analyze = shutil.which("systemd-analyze")
+    if analyze:
+        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"),
+                            str(UNITS / "sbus-store.service")], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+
 # ---------------------------------------------------------------- sandbox
 
 # Installs, like systemd 252 (src/shared/seccomp-util.c), an allow-list filter

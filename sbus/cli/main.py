@@ -24,6 +24,10 @@
     sbus consume [--json | -F TEMPLATE | -v | --raw] [-n N] [--prefetch K] PATTERN
                                     print the jobs of the queue on PATTERN, each
                                     acknowledged once written
+    sbus store --dir DIR --record PATTERN ...
+                                    record messages and answer replays (docs/store.md)
+    sbus replay PATTERN [--since T] [--until T] [--follow]
+    sbus last PATTERN               recorded messages, or each key's last one
 
 Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
 ``/run/sbus.socket``.
@@ -370,8 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ..bridge.cli import add_parser as add_bridge_parser
     from ..queue.cli import add_parser as add_queue_parser
+    from ..store.cli import add_parsers as add_store_parsers
     add_bridge_parser(commands, common)
     add_queue_parser(commands, common)
+    add_store_parsers(commands, common)
     for command in commands.choices.values():
         command.set_defaults(parser=command)
     return parser

@@ -112,9 +112,10 @@ def check_template(template: str) -> str:
     return template
 
 
-def format_template(template: str) -> Renderer:
-    """A renderer for a template already passed through ``check_template``."""
+def format_template(template: str, clock: Callable[[], float] = time.time) -> Renderer:
+    """A renderer for a template already passed through ``check_template``;
+    ``clock()`` gives the message's {time} and {unix} (default: now)."""
     def render(message: Packet) -> bytes:
-        fields = _Fields(message, time.time())
+        fields = _Fields(message, clock())
         return template.format_map(fields).encode("utf-8", "surrogateescape") + b"\n"
     return render
