@@ -1,6 +1,13 @@
 """Spark analytics over sbusd's JSON-lines logs (needs the analytics extra, ``pysbus[analytics]``).
 
 The broker never imports this package; ``import sbus`` does not either.
+
+- ``cli``: ``python -m sbus.analytics`` and the ``spark-submit`` entry.
+- ``job``: a run: read the logs, update the dataset, write the tables.
+- ``schema``: the record schema Spark reads with (from :mod:`sbus.logschema`).
+- ``transforms``: the aggregations, as Spark DataFrames.
+- ``dataset``: the stored rows and tables on disk; ``tablefiles``: writing them.
+- ``daytables``: the day tables computed on the driver when the rows are few.
 """
 try:
     import pyspark  # noqa: F401

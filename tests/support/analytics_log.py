@@ -193,6 +193,12 @@ ODD_BUT_VALID = [
     # An event outside the schema may reuse a field name with another type.
     '{"timestamp":"2026-11-21T10:00:43Z","level":"error","event":"accept_paused",'
     '"schema":1,"broker_pid":100,"clients":1021}',
+    # The store's events (sbus store, its own pid): counted, never in the broker's tables.
+    '{"timestamp":"2026-11-21T10:00:44Z","level":"info","event":"store_stats","schema":2,'
+    '"broker_pid":300,"recorded":12,"bytes":1200,"records":12,"segments":1,"gaps":1,'
+    '"disk_full":false,"missed_by_pattern":{"a/":3},"uptime_s":1.5}',
+    '{"timestamp":"2026-11-21T10:00:45Z","level":"warning","event":"store_gap","schema":2,'
+    '"broker_pid":300,"lost":7,"reason":"flood","seq":12}',
 ]
 
 BLANK = ["", "   "]
