@@ -12,7 +12,7 @@ DEV_JSON_LOG := .run/sbusd.json
 # tests/test_console_log.py runs sbusd with these flags too.
 RUN_FLAGS  := -f -r -a $(DEV_SOCKET) -p $(DEV_PIDFILE) --log-format console --json-log $(DEV_JSON_LOG)
 
-.PHONY: run test test-nats-latest build bench bench-deps fuzz soak wheel clean distclean check-java
+.PHONY: run test lint test-nats-latest build bench bench-deps fuzz soak wheel clean distclean check-java
 
 INSTALL_LOG := build/install.log
 $(STAMP): pyproject.toml setup.py
@@ -58,8 +58,14 @@ check-java:
 	  echo "make test: 'java' was not found; the PySpark tests need Java 17 or newer" >&2; \
 	  echo "  (Debian: apt-get install openjdk-17-jre-headless)" >&2; exit 1; }
 
-test: build check-java
+test: build check-java lint
 	$(PY) -m pytest -q tests
+
+# ruff (Python) and cython-lint (.pyx/.pxd), both configured in pyproject.toml.
+# cython-lint runs pycodestyle by name, so the venv's bin goes first on PATH.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/cython-lint sbus/_core
 
 # The bridge tests against the newest nats-py the package index offers (or
 # NATS_PY='nats-py==X.Y.Z'), in a throwaway venv beside .venv, which is left

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from harness import BENCH, NatsServer, Sbusd, end_process, results_path
+
 from support import QueueService
 
 PATTERN = "bench/"

@@ -16,11 +16,20 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from harness import (BENCH, LOADGEN_CPUS, PYTHON, ROOT, SERVER_CPUS, BenchError, Harness, Series,
-                     Summary, say, window)
-from report import (BYTES_PER_CLIENT_GOAL, LOG_DEFAULT_DROP_GOAL, LOG_SAMPLED_DROP_GOAL,
-                    MANYSUBS_VS_PAIR_GOAL, P99_US_GOAL, THROUGHPUT_GOALS, Goal, Row, fmt, ratio,
-                    worst_foreign)
+from harness import BENCH, LOADGEN_CPUS, PYTHON, ROOT, SERVER_CPUS, BenchError, Harness, Series, Summary, say, window
+from report import (
+    BYTES_PER_CLIENT_GOAL,
+    LOG_DEFAULT_DROP_GOAL,
+    LOG_SAMPLED_DROP_GOAL,
+    MANYSUBS_VS_PAIR_GOAL,
+    P99_US_GOAL,
+    THROUGHPUT_GOALS,
+    Goal,
+    Row,
+    fmt,
+    ratio,
+    worst_foreign,
+)
 
 
 @dataclass

@@ -99,7 +99,7 @@ class CompactRenderer:
     def __init__(self, colours: bool = False, defaults: Optional[dict] = None):
         self.colours = colours
         if defaults is None:
-            from .sbusd.config import Config   # broker_start lists only what differs from these
+            from .sbusd.config import Config  # broker_start lists only what differs from these
             defaults = Config().summary()
         self.defaults = defaults
         self.last_totals: Optional[dict] = None

@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-
 pytestmark = [
     pytest.mark.spark,
     pytest.mark.filterwarnings("ignore:PySpark does not yet fully support pandas"),

@@ -14,14 +14,14 @@ import time
 
 import pytest
 
+from sbus import Client
+from sbus.bridge import mapping
+from sbus.client import MAX_MESSAGE
+
 from support import SBUS, Sbusd, wait_until
 from support.bridge import MAPPING_CASES, STATS_KEY, Collector, nats_publish, publish_all
 from support.nats import Bridge, NatsServer, free_port, nats_server_path
 from support.systemd import UNITS, read_unit
-
-from sbus import Client
-from sbus.bridge import mapping
-from sbus.client import MAX_MESSAGE
 
 nats = pytest.importorskip("nats", reason="nats-py is in the dev extra (make build installs it)")
 if nats_server_path() is None:

@@ -19,15 +19,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from support import Sbusd
-from support.bridge import (BIGGEST, Collector, load_frames, nats_publish, publish_all,
-                            wire_cases)
-from support.nats import Bridge, NatsServer, nats_server_path
-
 from sbus._core.natswire import Exporter, Importer
 from sbus.bridge import mapping, wire
 from sbus.bridge.core import MAX_SUBJECT
 from sbus.client import MAX_MESSAGE, Message
+
+from support import Sbusd
+from support.bridge import BIGGEST, Collector, load_frames, nats_publish, publish_all, wire_cases
+from support.nats import Bridge, NatsServer, nats_server_path
 
 nats = pytest.importorskip("nats", reason="nats-py is in the dev extra (make build installs it)")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from sbus import logschema as ls
 from sbus._core.budget import cost
+
 from support import NOBODY, Conn, Sbusd, asroot, report_line, status_kib, wait_until
 
 PATTERN = 4000                                  # bytes of each flood pattern

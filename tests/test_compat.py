@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from sbus import logschema as ls
+
 from support import SBUSD, Sbusd, wait_until
 
 C_DIR = Path(__file__).resolve().parent / "c"

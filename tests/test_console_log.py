@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 import time
 
-from support import ROOT, Conn, Sbusd, wait_until
+from support import ROOT, Sbusd, wait_until
 
 STATS_INTERVAL = 0.2
 IDLE_INTERVALS = 6

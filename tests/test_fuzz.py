@@ -25,8 +25,7 @@ import pytest
 
 from sbus._ref import protocol as rproto
 
-from support import (BACKENDS, SBUSD, SteadyPair, fd_count, report_line, start_worker,
-                     wait_until, worker_report)
+from support import BACKENDS, SBUSD, SteadyPair, fd_count, report_line, start_worker, wait_until, worker_report
 from support.budget import FUZZ_TIMEOUT, LIVE_SECONDS
 
 pytestmark = pytest.mark.timeout(FUZZ_TIMEOUT)

@@ -10,8 +10,9 @@ import tempfile
 
 import pytest
 
-from support import SBUSD, Conn, wait_for_record
 from sbus import logschema as schema
+
+from support import SBUSD, Conn, wait_for_record
 
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
 NESTED = {

@@ -5,8 +5,10 @@ so each row is one delivery or one SUB pattern the broker would see.
 """
 import pytest
 
-from sbus._core.policy import FloodAction as A, decide, still_blocking
-from sbus._core.protocol import PatternRefusal as R, normalise
+from sbus._core.policy import FloodAction as A
+from sbus._core.policy import decide, still_blocking
+from sbus._core.protocol import PatternRefusal as R
+from sbus._core.protocol import normalise
 
 # soft, hard, blocking, reply, over -> action
 FLOOD_TABLE = [

@@ -20,8 +20,7 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize,
-                                 invariant, precondition, rule)
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
 from sbus._core import index as cindex
 from sbus._core import protocol as cproto

@@ -10,8 +10,8 @@ import pytest
 
 from sbus import BusClosedError, Client, aio
 from sbus.client import Message
-from sbus.errors import BacklogFullError
 from sbus.client.reconnect import Reconnect, Session
+from sbus.errors import BacklogFullError
 
 from support.drivers import KINDS, clients_of
 

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from sbus import __version__
-from support import (BACKENDS, SBUSD, Conn, Sbusd, alive, read_records, wait_for_record,
-                     wait_gone)
+
+from support import BACKENDS, SBUSD, Conn, Sbusd, alive, read_records, wait_for_record, wait_gone
 
 TIMEOUT = 5.0
 NOBODY = 65534
@@ -455,7 +455,7 @@ def test_a_signal_as_soon_as_the_socket_accepts_still_stops_cleanly(sbusd, tmp_p
 def test_a_closed_stdout_is_no_error(tmp_path):
     """`sbusd -f ... >&-`: nobody to tell it is ready, and nothing breaks."""
     sock = tmp_path / "bus.socket"
-    proc = subprocess.Popen(["sh", "-c", f'exec "$0" -f -a "$1" >&-', SBUSD, str(sock)],
+    proc = subprocess.Popen(["sh", "-c", 'exec "$0" -f -a "$1" >&-', SBUSD, str(sock)],
                             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + TIMEOUT

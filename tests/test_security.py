@@ -31,9 +31,7 @@ import pytest
 from sbus import address as addresses
 from sbus._core.protocol import matches
 
-from support import (BACKENDS, NOBODY, OTHER_GID, SBUSD, WHOAMI, Conn, Sbusd, asroot,
-                     make_public_dir, run_as, wait_until)
-
+from support import BACKENDS, NOBODY, OTHER_GID, SBUSD, WHOAMI, Conn, Sbusd, asroot, make_public_dir, run_as, wait_until
 
 TIMEOUT = 5.0
 WHOAMI_REPLY = WHOAMI + b"\0"

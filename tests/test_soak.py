@@ -25,8 +25,20 @@ from dataclasses import dataclass
 
 import pytest
 
-from support import (BACKENDS, Conn, Sbusd, SteadyPair, cpu_seconds, fd_count, report_line,
-                     start_worker, status_field, status_kib, wait_until, worker_report)
+from support import (
+    BACKENDS,
+    Conn,
+    Sbusd,
+    SteadyPair,
+    cpu_seconds,
+    fd_count,
+    report_line,
+    start_worker,
+    status_field,
+    status_kib,
+    wait_until,
+    worker_report,
+)
 from support.budget import SOAK_SECONDS
 
 RSS_SLACK_KIB = 20 * 1024

@@ -16,6 +16,7 @@ from sbus.client.store import StoreError, alast, areplay, last, replay, store_st
 from sbus.store import wire
 from sbus.store.patterns import compile_pattern, covers
 from sbus.store.segments import SUFFIX
+
 from support import SBUS, StoreProcess, asroot, make_public_dir, wait_until
 
 
@@ -131,7 +132,7 @@ def test_kill9_at_random_moments_loses_nothing_written(bus, start_store, tmp_pat
     confirmed = 0
     sent = 0
     with sbus.Client(bus.address) as c:
-        for round_ in range(5):
+        for _ in range(5):
             stop = threading.Event()
 
             def publisher():
@@ -292,6 +293,7 @@ def test_second_uid_only_gets_its_own_answers(tmp_path, start_broker, spawn):
 
 def test_asyncio_twins(bus, start_store):
     import asyncio
+
     from sbus.client.aio import Client
     start_store("q/")
     publish(bus.address, [(b"q/a", b"1"), (b"q/b", b"2"), (b"q/a", b"3")])
@@ -315,8 +317,9 @@ def test_cli_replay_and_last(bus, start_store):
     publish(bus.address, [(b"c/x", b"one"), (b"c/y", b"two"), (b"c/x", b"three")])
     with sbus.Client(bus.address) as c:
         settle(c)
-    run = lambda *a: subprocess.run([SBUS, "-a", bus.address, *a], capture_output=True,
-                                    timeout=30)
+    def run(*a):
+        return subprocess.run([SBUS, "-a", bus.address, *a], capture_output=True, timeout=30)
+
     r = run("replay", "c/", "--json")
     assert r.returncode == 0, r.stderr
     assert [json.loads(line) for line in r.stdout.splitlines()] == [

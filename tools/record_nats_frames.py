@@ -36,10 +36,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import nats  # noqa: E402
-from support.bridge import FRAMES_PATH, latin, unpayload, wire_cases  # noqa: E402
-from support.nats import NatsServer, free_port, nats_server_path  # noqa: E402
 
 from sbus.bridge import mapping  # noqa: E402
+
+from support.bridge import FRAMES_PATH, latin, unpayload, wire_cases  # noqa: E402
+from support.nats import NatsServer, free_port, nats_server_path  # noqa: E402
 
 # Payloads longer than this are kept as a pattern and a length.
 LONG = 4096

@@ -30,7 +30,7 @@ cdef class Sink:
     # A C consumer of received messages (Inbox.receive): put() gets each
     # plain message's bytes in place, with no Python object made for it.
     cdef int put(self, const char *key, size_t klen,
-                  const char *payload, size_t plen) except -1
+                 const char *payload, size_t plen) except -1
 
 
 cdef class Inbox:

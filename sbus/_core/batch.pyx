@@ -374,7 +374,7 @@ cdef class Sink:
     """Receives plain messages in C (see Inbox.receive); subclassed in Cython."""
 
     cdef int put(self, const char *key, size_t klen,
-                  const char *payload, size_t plen) except -1:
+                 const char *payload, size_t plen) except -1:
         raise NotImplementedError("a Sink subclass implements put()")
 
     def add(self, list messages):
@@ -383,7 +383,7 @@ cdef class Sink:
         cdef bytes key, payload
         for key, payload in messages:
             self.put(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key),
-                      PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload))
+                     PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload))
 
 
 cdef class Inbox:
@@ -537,7 +537,7 @@ cdef class Inbox:
             PyErr_CheckSignals()
 
     cdef object make(self, object cls, const char *key, size_t klen,
-                            const char *payload, size_t plen):
+                     const char *payload, size_t plen):
         """cls(key, payload) for a two-field NamedTuple; a key equal to the
         last one reuses its bytes object (bytes are immutable)."""
         cdef bytes k = self.last_key

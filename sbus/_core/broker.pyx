@@ -725,10 +725,10 @@ cdef class Broker:
     # ---- accepting ---------------------------------------------------------
 
     cdef int accept_clients(self) except -1:
-        cdef int fd, i
+        cdef int fd, _attempt
         cdef ucred cred
         cdef socklen_t len_
-        for i in range(ACCEPT_BATCH):
+        for _attempt in range(ACCEPT_BATCH):
             fd = accept4(self.listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)
             if fd < 0:
                 if errno == EAGAIN:

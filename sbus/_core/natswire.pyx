@@ -24,7 +24,7 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM
 from libc.stdint cimport int64_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport free, realloc
 from libc.string cimport memchr, memcmp, memcpy, memmove
 
 from .batch cimport Outbox, Sink
@@ -592,10 +592,10 @@ cdef class Exporter(Sink):
             key = <object>PyTuple_GET_ITEM(item, 0)
             payload = <object>PyTuple_GET_ITEM(item, 1)
             self.put(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key),
-                      PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload))
+                     PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload))
 
     cdef int put(self, const char *key, size_t klen,
-                  const char *payload, size_t plen) except -1:
+                 const char *payload, size_t plen) except -1:
         """Pack one message's HPUB frame, dropping at the chosen end past max_pending."""
         cdef object m
         cdef size_t size
@@ -629,7 +629,7 @@ cdef class Exporter(Sink):
         cdef char digits[24]
         cdef size_t hlen = PyBytes_GET_SIZE(hdr)
         cdef size_t total = hlen + plen, v = total
-        cdef int nd = 0, j
+        cdef int nd = 0
         cdef size_t frame, start
         cdef Entry *e
         while True:

@@ -30,7 +30,7 @@ cdef enum KeyCheck:
 cdef enum:
     CRED_EMPTY = -1         # an empty credential field
     CRED_PREFIX_LEN = 7     # len("!/cred/")
-    CRED_CANONICAL_MAX = 40 # "!/cred/" + three 10-digit fields and their '/'s
+    CRED_CANONICAL_MAX = 40  # "!/cred/" + three 10-digit fields and their '/'s
 
 
 # Why a SUB/UNSUB pattern cannot be stored (normalise_pattern).

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """Shared packets and per-client send queues; see sendq.pxd."""
 from libc.stdint cimport uint32_t, uint64_t
-from libc.stdlib cimport malloc, realloc, free
+from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 
 cdef PacketStats packet_stats

@@ -15,8 +15,20 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("sbus.analytics needs PySpark, the analytics extra of pysbus: "
                       "pip install pyspark pyarrow") from exc
 
-from .job import (TABLES, events_of, line_summary, parse, read_events, read_lines,
-                  read_files, read_malformed, read_table, render, run, spark_session)
+from .job import (
+    TABLES,
+    events_of,
+    line_summary,
+    parse,
+    read_events,
+    read_files,
+    read_lines,
+    read_malformed,
+    read_table,
+    render,
+    run,
+    spark_session,
+)
 from .schema import CORRUPT_COLUMN, record_schema
 from .transforms import (
     client_traffic,

@@ -28,8 +28,8 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from functools import reduce
 from dataclasses import dataclass
+from functools import reduce
 from typing import Callable, Sequence
 
 import pyarrow as pa
@@ -39,13 +39,12 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from sbus import logschema
-from sbus.console import looks_like_console
 from sbus.analytics import daytables, tablefiles
 from sbus.analytics import transforms as tf
+from sbus.analytics.dataset import COUNT, CSV, DAY, FILE, MALFORMED, PARTIALS, Identity, Manifest, Store, list_inputs
 from sbus.analytics.daytables import Stored
-from sbus.analytics.dataset import (COUNT, CSV, DAY, FILE, MALFORMED, PARTIALS, Identity,
-                                    Manifest, Store, list_inputs)
 from sbus.analytics.schema import CORRUPT_COLUMN, record_schema
+from sbus.console import looks_like_console
 
 OK, BAD, BLANK = "ok", "malformed", "blank"
 STATUS = "_status"

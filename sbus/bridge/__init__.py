@@ -7,8 +7,7 @@
 - ``counters``: what each direction counts and drops; ``defaults``: the defaults.
 - ``cli``: ``sbus bridge``'s options.
 """
-from .mapping import (HEADER, UnmappableError, decode_header, encode_header, key_to_subject,
-                      subject_to_key)
+from .mapping import HEADER, UnmappableError, decode_header, encode_header, key_to_subject, subject_to_key
 
 __all__ = ["HEADER", "UnmappableError", "decode_header", "encode_header", "key_to_subject",
            "subject_to_key"]

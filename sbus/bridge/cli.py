@@ -8,8 +8,7 @@ import sys
 
 from .. import argtypes
 from . import mapping
-from .defaults import (DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY, DROP_NEWEST,
-                       DROP_OLDEST)
+from .defaults import DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY, DROP_NEWEST, DROP_OLDEST
 
 
 def add_parser(commands, common: argparse.ArgumentParser) -> None:

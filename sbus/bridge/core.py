@@ -30,15 +30,14 @@ from typing import List, Optional, Tuple
 
 from .. import __version__
 from .. import logschema as schema
-from ..client.aio import Client as BusClient
 from .._core import natswire
+from ..client.aio import Client as BusClient
 from ..client.protocol import MAX_MESSAGE, Message, pack_subscribe
-from ..errors import BacklogFullError, BusClosedError, MessageRefusedError
 from ..client.reconnect import Reconnect
+from ..errors import BacklogFullError, BusClosedError, MessageRefusedError
 from . import mapping, wire
 from .counters import Counters
-from .defaults import (DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY,
-                       DROP_NEWEST, DROP_OLDEST)
+from .defaults import DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY, DROP_NEWEST, DROP_OLDEST
 
 # nats-server's default max_control_line is 4096 bytes: a PUB line with a
 # longer subject makes the server close the connection, so such a message

@@ -146,8 +146,12 @@ class ReferencePath:
 
     async def send(self, nc, exporter, max_bytes: int) -> Sent:
         """publish() the oldest run of messages, one by one."""
-        from nats.errors import (ConnectionClosedError, ConnectionReconnectingError,
-                                 MaxPayloadError, OutboundBufferLimitError)
+        from nats.errors import (
+            ConnectionClosedError,
+            ConnectionReconnectingError,
+            MaxPayloadError,
+            OutboundBufferLimitError,
+        )
         unsent = self._unsent
         if not unsent:
             taken = exporter.take_messages(max_bytes)

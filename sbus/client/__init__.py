@@ -15,9 +15,20 @@
 package was split; the clients are imported on first use, so a program that
 only needs the protocol (sbusd's option table, for one) does not load them.
 """
-from .protocol import (MAX_MESSAGE, WHOAMI, ControlMessage, Credentials, Message, encode,
-                       pack_control, pack_publish, pack_subscribe, pack_unsubscribe, parse,
-                       parse_stats)
+from .protocol import (
+    MAX_MESSAGE,
+    WHOAMI,
+    ControlMessage,
+    Credentials,
+    Message,
+    encode,
+    pack_control,
+    pack_publish,
+    pack_subscribe,
+    pack_unsubscribe,
+    parse,
+    parse_stats,
+)
 
 __all__ = [
     "Client",

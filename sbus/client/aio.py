@@ -33,14 +33,24 @@ import socket
 from typing import Any, AsyncIterator, Iterable, List, Optional, Tuple, Union
 
 from .._core.batch import AsyncMessages, Outbox, Sink
-from .._core.batch import take as _take
 from .._core.batch import pack_publish as _pack_publish
 from .._core.batch import send_publish as _send_publish
+from .._core.batch import take as _take
 from ..errors import BusClosedError, MessageRefusedError, SbusError
 from .core import GONE, Core, Request, open_socket
-from .protocol import (MAX_MESSAGE, WHOAMI, ControlMessage, Credentials, Message, Text,
-                       _routing_key, pack_control, pack_subscribe, pack_unsubscribe,
-                       parse_stats)
+from .protocol import (
+    MAX_MESSAGE,
+    WHOAMI,
+    ControlMessage,
+    Credentials,
+    Message,
+    Text,
+    _routing_key,
+    pack_control,
+    pack_subscribe,
+    pack_unsubscribe,
+    parse_stats,
+)
 from .reconnect import Reconnect
 
 __all__ = ["Client", "ControlMessage", "Credentials", "Message", "Reconnect", "connect",

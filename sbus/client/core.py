@@ -32,8 +32,7 @@ from typing import Any, Deque, List, Optional, Union
 
 from .. import address as _address
 from .._core.batch import Inbox, Outbox, check_pattern
-from ..errors import (AddressError, BacklogFullError, BatchInterruptedError, BusClosedError,
-                      MessageTooLargeError)
+from ..errors import AddressError, BacklogFullError, BatchInterruptedError, BusClosedError, MessageTooLargeError
 from . import reconnect as _reconnect
 from .protocol import WHOAMI, ControlMessage, Message, pack_control
 from .reconnect import Reconnect

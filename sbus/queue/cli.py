@@ -46,8 +46,8 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace, address: str) -> int:
     """Run the service until SIGTERM/SIGINT; 0, or 1 with a message on stderr."""
     from .. import log as _log
-    from ..errors import MessageRefusedError
     from ..client.protocol import pack_subscribe
+    from ..errors import MessageRefusedError
     from .service import QueueService, Settings
     try:
         pack_subscribe(args.pattern)

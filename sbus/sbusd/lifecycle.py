@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..address import SUN_PATH_SIZE, Address, format_abstract
-from ..errors import AddressError
 
 SD_LISTEN_FDS_START = 3
 

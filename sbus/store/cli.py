@@ -59,7 +59,7 @@ def _template(text: str) -> str:
     try:
         return render.check_template(text)
     except (ValueError, IndexError) as exc:
-        raise argparse.ArgumentTypeError(str(exc))
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _output_options(p: argparse.ArgumentParser) -> None:

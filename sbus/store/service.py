@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import secrets
+import select
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -21,10 +21,10 @@ from .. import logschema as schema
 from ..client.protocol import Message
 from ..client.reconnect import Reconnect
 from ..client.sync import Client
+from . import wire
 from .patterns import PatternSet, compile_pattern
 from .patterns import covers as _covers
 from .segments import GAP_KEY, HEADER, RECORD, DiskFull, Log, gap_payload, pack_record
-from . import wire
 
 SESSION_IDLE_S = 60.0       # a session waiting this long for an ack is dropped
 MAX_SESSIONS = 256

@@ -6,12 +6,11 @@ Submodules not imported here: ``analytics_log`` (the analytics tests' hand-made 
 """
 from .conn import SO_SNDBUFFORCE, STATS, WHOAMI, Conn, recv_or_none
 from .nats import free_port
+from .procfs import alive, cpu_seconds, fd_count, state, status_field, status_kib, stop_process, wait_gone
 from .queuesvc import QueueService
-from .procfs import (alive, cpu_seconds, fd_count, state, status_field, status_kib,
-                     stop_process, wait_gone)
 from .report import report_line
-from .seconduser import NOBODY, OTHER_GID, Child, asroot, make_public_dir, run_as, spawn_children
 from .sbusd import BACKENDS, BIN, ROOT, SBUS, SBUSD, TESTS, Sbusd, read_to_eof
+from .seconduser import NOBODY, OTHER_GID, Child, asroot, make_public_dir, run_as, spawn_children
 from .steady import SteadyPair
 from .store import StoreProcess
 from .waiting import read_records, wait_for_record, wait_until
@@ -19,8 +18,8 @@ from .worker import start_worker, worker_report
 
 __all__ = [
     "BACKENDS", "BIN", "NOBODY", "OTHER_GID", "ROOT", "SBUS", "SBUSD", "SO_SNDBUFFORCE", "STATS", "TESTS", "WHOAMI",
-    "Child", "Conn", "QueueService", "Sbusd", "SteadyPair", "StoreProcess", "alive", "asroot", "cpu_seconds", "fd_count",
-    "free_port", "make_public_dir", "read_records",
+    "Child", "Conn", "QueueService", "Sbusd", "SteadyPair", "StoreProcess", "alive", "asroot", "cpu_seconds",
+    "fd_count", "free_port", "make_public_dir", "read_records",
     "read_to_eof", "recv_or_none", "report_line", "run_as", "spawn_children", "start_worker", "state", "status_field",
     "status_kib", "stop_process", "wait_for_record", "wait_gone", "wait_until", "worker_report",
 ]

@@ -18,6 +18,7 @@ from sbus.client import MAX_MESSAGE
 from support.conn import SO_SNDBUFFORCE
 from support.garbage import BAD_CRED, CONTROLS, STEADY, VERBS, bang_everywhere, rand_key
 
+
 class Hostile:
     """One process's worth of hostile clients, driven round-robin."""
 
