@@ -1,4 +1,5 @@
 """Exceptions raised by sbus; plain Python so every module can import them."""
+import os
 from typing import Optional, Tuple
 
 
@@ -25,13 +26,20 @@ class PatternRefusedError(BusClosedError):
 
 
 class ConnectError(SbusError, OSError):
-    """connect(2) to the broker failed. ``errno`` and ``filename`` (the
-    address) are connect's; the message says what was tried and what to
-    check. The subclasses are also the OSError subclass of their errno, so
-    ``except FileNotFoundError`` still catches a missing broker."""
+    """connect(2) to the broker failed. ``errno``, ``strerror`` and
+    ``filename`` (the address) are connect's; ``message`` (the str) says what
+    was tried and what to check. The subclasses are also the OSError subclass
+    of their errno, so ``except FileNotFoundError`` still catches a missing broker."""
+
+    def __init__(self, code: int, message: str, filename: str) -> None:
+        super().__init__(code, os.strerror(code), filename)
+        self.message = message
 
     def __str__(self) -> str:
-        return self.strerror
+        return self.message
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.errno, self.message, self.filename)
 
 
 class NoBrokerError(ConnectError, FileNotFoundError):

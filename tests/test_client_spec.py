@@ -461,11 +461,13 @@ CHECK = "check -a / SBUS_ADDRESS"
 
 def connect_error(connect, address, expected_type, **kwargs):
     """The error connecting to ``address`` raises: an ``expected_type`` (the
-    OSError subclass of its errno) and a ConnectError carrying the address."""
+    OSError subclass of its errno) and a ConnectError carrying the address
+    and connect(2)'s own words (what the sbus command builds its message on)."""
     with pytest.raises(expected_type) as info:
         connect(address, **kwargs)
     assert isinstance(info.value, ConnectError)
     assert info.value.filename == address
+    assert info.value.strerror == os.strerror(info.value.errno)     # connect(2)'s own words
     return info.value
 
 

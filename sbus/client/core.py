@@ -20,7 +20,8 @@ wait in their own way, the core decides what to send, keep or raise:
   batch code words its own).
 
 :func:`open_socket` turns an address into a connected socket whose buffers
-hold the largest packet.
+hold the largest packet, or an error that says what was tried and what to
+check (:class:`sbus.errors.ConnectError`).
 """
 from __future__ import annotations
 
