@@ -605,3 +605,21 @@ def test_a_replay_the_broker_refuses_stops_the_client_with_the_pattern(start_bro
         client.whoami(timeout=TIMEOUT)
     refused = [r for r in second.events(SUBSCRIBE) if not r["accepted"]]
     assert [r["reason"] for r in refused] == ["pattern_too_long"] * 2
+
+
+def test_a_refused_replay_of_several_patterns_lists_them(start_broker, connect):
+    first = start_broker("-r")
+    client = connect(first.address, reconnect=Reconnect(initial_delay=0.01, max_delay=0.05,
+                                                        give_up_after=TIMEOUT))
+    client.subscribe("ok")
+    client.subscribe("a/long/pattern/")
+    client.whoami(timeout=TIMEOUT)
+    first.stop(signal.SIGKILL)
+    start_broker("-r", "--max-pattern", "8", address=first.address)
+    with pytest.raises(PatternRefusedError) as info:
+        client.receive(timeout=TIMEOUT)
+    assert str(info.value) == (
+        f"{first.address}: the broker closed the connection twice when the subscriptions "
+        f"to 'ok', 'a/long/pattern/' were replayed: it refuses one of them (its log says "
+        f"which and why); the client stopped")
+    assert info.value.patterns == (b"ok", b"a/long/pattern/")
