@@ -1,5 +1,6 @@
 """Exceptions raised by sbus; plain Python so every module can import them."""
-from typing import Optional
+import os
+from typing import Optional, Tuple
 
 
 class SbusError(Exception):
@@ -12,6 +13,45 @@ class AddressError(SbusError, ValueError):
 
 class BusClosedError(SbusError, ConnectionError):
     """The broker closed the connection, or the client was closed."""
+
+
+class PatternRefusedError(BusClosedError):
+    """A reconnecting client stopped: each new broker closed the connection
+    when its subscriptions were replayed. ``patterns`` are the ones replayed
+    (the broker refuses one of them; its log says which and why)."""
+
+    def __init__(self, message: str, patterns: Tuple[bytes, ...]) -> None:
+        super().__init__(message)
+        self.patterns = patterns
+
+
+class ConnectError(SbusError, OSError):
+    """connect(2) to the broker failed. ``errno``, ``strerror`` and
+    ``filename`` (the address) are connect's; ``message`` (the str) says what
+    was tried and what to check. The subclasses are also the OSError subclass
+    of their errno, so ``except FileNotFoundError`` still catches a missing broker."""
+
+    def __init__(self, code: int, message: str, filename: str) -> None:
+        super().__init__(code, os.strerror(code), filename)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.errno, self.message, self.filename)
+
+
+class NoBrokerError(ConnectError, FileNotFoundError):
+    """No socket at the address: no broker was started there."""
+
+
+class BrokerRefusedError(ConnectError, ConnectionRefusedError):
+    """Nobody listens at the address: a stale socket, or a file that is not a socket."""
+
+
+class BrokerPermissionError(ConnectError, PermissionError):
+    """The socket's mode (or its directory's) does not let this user connect."""
 
 
 class BatchInterruptedError(BusClosedError):

@@ -7,17 +7,24 @@ test_aio.py (concurrency, cancellation, back-pressure, the flush timer)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import select
 import selectors
+import shutil
+import signal
 import socket
+import stat
 
 import pytest
 
-from sbus import AddressError, BusClosedError, MessageTooLargeError, ProtocolError
+from sbus import (AddressError, BusClosedError, KeyRefusedError, MessageTooLargeError,
+                  ProtocolError, Reconnect)
 from sbus.client import MAX_MESSAGE, ControlMessage, Credentials, Message
+from sbus.errors import ConnectError, PatternRefusedError
+from sbus.logschema import SUBSCRIBE
 
-from support import recv_or_none
+from support import NOBODY, asroot, make_public_dir, recv_or_none
 from support.drivers import KINDS, clients_of
 
 TIMEOUT = 5.0
@@ -445,3 +452,174 @@ def test_a_missing_socket_is_file_not_found(tmp_path, connect):
         connect(str(tmp_path / "nothing-here"))
     with pytest.raises(AddressError):
         connect("/dev/unix/abstract")  # binding a random name is for sbusd
+
+
+# -- errors that say what to do --------------------------------------------------
+
+CHECK = "check -a / SBUS_ADDRESS"
+
+
+def connect_error(connect, address, expected_type, **kwargs):
+    """The error connecting to ``address`` raises: an ``expected_type`` (the
+    OSError subclass of its errno) and a ConnectError carrying the address
+    and connect(2)'s own words (what the sbus command builds its message on)."""
+    with pytest.raises(expected_type) as info:
+        connect(address, **kwargs)
+    assert isinstance(info.value, ConnectError)
+    assert info.value.filename == address
+    assert info.value.strerror == os.strerror(info.value.errno)     # connect(2)'s own words
+    return info.value
+
+
+@pytest.mark.parametrize("reconnect", [False, True], ids=["plain", "reconnecting"])
+def test_no_broker_names_the_path_and_what_to_do(tmp_path, connect, reconnect):
+    path = str(tmp_path / "nothing-here")
+    exc = connect_error(connect, path, FileNotFoundError, reconnect=reconnect)
+    assert exc.errno == errno.ENOENT
+    assert str(exc) == f"no sbus broker at {path}: start sbusd, or {CHECK}"
+
+
+def test_a_stale_socket_says_nobody_listens(start_broker, connect):
+    b = start_broker()
+    b.stop(signal.SIGKILL)      # a broker that died leaves its socket file
+    assert stat.S_ISSOCK(os.stat(b.address).st_mode)
+    exc = connect_error(connect, b.address, ConnectionRefusedError)
+    assert str(exc) == (f"nobody listens on {b.address}: a broker that died left its socket "
+                        f"behind; start sbusd (-r replaces a stale socket), or {CHECK}")
+
+
+def test_a_path_that_is_not_a_socket(tmp_path, connect):
+    regular = tmp_path / "file"
+    regular.write_text("")
+    for path, kind in ((str(regular), "a regular file"), (str(tmp_path), "a directory")):
+        exc = connect_error(connect, path, ConnectionRefusedError)
+        assert str(exc) == f"{path} is {kind}, not an sbus socket: {CHECK}"
+
+
+def test_a_socket_of_another_type(tmp_path, connect):
+    path = str(tmp_path / "stream.socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen()
+        exc = connect_error(connect, path, OSError)
+    assert exc.errno == errno.EPROTOTYPE
+    assert str(exc) == f"{path} is not a SOCK_SEQPACKET socket, so not sbusd's: {CHECK}"
+
+
+def test_abstract_addresses_malformed_or_unused(connect):
+    for text in ("/dev/unix/abstract/xyz", "/dev/unix/abstract/00a"):
+        exc = connect_error(connect, text, FileNotFoundError)
+        assert str(exc) == (f"no sbus broker at {text}: no such file, and not an abstract "
+                            f"address (/dev/unix/abstract/ then an even number of hex digits, "
+                            f"beginning 00); {CHECK}")
+    unused = "/dev/unix/abstract/00" + os.urandom(8).hex()
+    exc = connect_error(connect, unused, ConnectionRefusedError)
+    assert str(exc) == f"no sbus broker at {unused}: start sbusd, or {CHECK}"
+
+
+def _connect_as_nobody(address):
+    """Inside a second-user child: how each client fails to connect."""
+    from sbus import Client, aio
+    seen = {}
+    for kind, make in (("sync", lambda: Client(address)),
+                       ("aio", lambda: asyncio.run(aio.connect(address)))):
+        try:
+            make()
+        except OSError as exc:
+            seen[kind] = [isinstance(exc, PermissionError), exc.filename, str(exc)]
+    return seen
+
+
+@asroot
+def test_permission_denied_says_what_keeps_the_user_out(start_broker, spawn):
+    d = make_public_dir()
+    try:
+        b = start_broker(address=str(d / "sbus.socket"))    # mode 0700: root only
+        got = spawn(lambda ctl: _connect_as_nobody(b.address)).result()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    message = (f"permission denied connecting to {b.address} (uid {NOBODY}): the socket's "
+               f"mode or its directory's keeps this user out (sbusd -g, -o); {CHECK}")
+    assert got == {kind: [True, b.address, message] for kind in KINDS}
+
+
+def test_a_reconnecting_client_that_gives_up_names_the_last_failure(start_broker, connect):
+    b = start_broker()
+    client = connect(b.address, reconnect=Reconnect(initial_delay=0.01, max_attempts=2,
+                                                    give_up_after=None))
+    client.whoami(timeout=TIMEOUT)
+    b.stop(signal.SIGKILL)
+    with pytest.raises(BusClosedError) as info:
+        client.receive(timeout=TIMEOUT)
+    stale = (f"nobody listens on {b.address}: a broker that died left its socket behind; "
+             f"start sbusd (-r replaces a stale socket), or {CHECK}")
+    assert str(info.value) == (f"{b.address}: no broker after 2 attempts to reconnect; "
+                               f"the last: {stale}")
+    assert isinstance(info.value.__cause__, ConnectionRefusedError)
+    assert info.value.__cause__.filename == b.address
+    with pytest.raises(BusClosedError) as again:
+        client.receive(timeout=TIMEOUT)
+    assert again.value is info.value
+
+
+def test_someone_elses_private_pattern_is_refused_before_sending(broker, connect):
+    client = connect(broker.address)
+    gid, uid, pid = os.getegid(), os.geteuid(), os.getpid()
+    for pattern in ("!/cred/0/0/1/", f"!/cred/{gid}/{uid}/{pid + 1}/x", f"!/cred/{gid + 1}///"):
+        with pytest.raises(KeyRefusedError) as info:
+            client.subscribe(pattern)
+        assert str(info.value) == (
+            f"private pattern {pattern!r} names other credentials than this client's, "
+            f"!/cred/{gid}/{uid}/{pid}/: only they may subscribe to it (the broker would "
+            f"close the connection); leave a field empty to mean this client's")
+    for pattern in (f"!/cred/{gid}/{uid}/{pid}/own", f"!/cred/0{gid}//{pid}/", "!/cred////"):
+        client.subscribe(pattern)
+    client.publish(f"!/cred/{gid}/{uid}/{pid}/own", b"mine")
+    assert client.receive(timeout=TIMEOUT) == Message(f"!/cred/{gid}/{uid}/{pid}/own".encode(),
+                                                      b"mine")
+
+
+def test_an_adopted_descriptor_leaves_private_patterns_to_the_broker(pair):
+    client, theirs = pair
+    client.subscribe("!/cred/0/0/1/")     # who connected the descriptor is unknown
+    assert theirs.recv(1024) == b"SUB !/cred/0/0/1/"
+
+
+def test_a_replay_the_broker_refuses_stops_the_client_with_the_pattern(start_broker, connect):
+    first = start_broker("-r")
+    client = connect(first.address, reconnect=Reconnect(initial_delay=0.01, max_delay=0.05,
+                                                        give_up_after=TIMEOUT))
+    client.subscribe("a/long/pattern/")
+    client.whoami(timeout=TIMEOUT)
+    first.stop(signal.SIGKILL)
+    second = start_broker("-r", "--max-pattern", "8", address=first.address)
+    with pytest.raises(PatternRefusedError) as info:
+        client.receive(timeout=TIMEOUT)
+    assert str(info.value) == (
+        f"{first.address}: the broker closed the connection twice when the subscription "
+        f"to 'a/long/pattern/' was replayed: it refuses the pattern (its log says why); "
+        f"the client stopped")
+    assert info.value.patterns == (b"a/long/pattern/",)
+    assert client.closed
+    with pytest.raises(PatternRefusedError):
+        client.whoami(timeout=TIMEOUT)
+    refused = [r for r in second.events(SUBSCRIBE) if not r["accepted"]]
+    assert [r["reason"] for r in refused] == ["pattern_too_long"] * 2
+
+
+def test_a_refused_replay_of_several_patterns_lists_them(start_broker, connect):
+    first = start_broker("-r")
+    client = connect(first.address, reconnect=Reconnect(initial_delay=0.01, max_delay=0.05,
+                                                        give_up_after=TIMEOUT))
+    client.subscribe("ok")
+    client.subscribe("a/long/pattern/")
+    client.whoami(timeout=TIMEOUT)
+    first.stop(signal.SIGKILL)
+    start_broker("-r", "--max-pattern", "8", address=first.address)
+    with pytest.raises(PatternRefusedError) as info:
+        client.receive(timeout=TIMEOUT)
+    assert str(info.value) == (
+        f"{first.address}: the broker closed the connection twice when the subscriptions "
+        f"to 'ok', 'a/long/pattern/' were replayed: it refuses one of them (its log says "
+        f"which and why); the client stopped")
+    assert info.value.patterns == (b"ok", b"a/long/pattern/")

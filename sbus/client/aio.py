@@ -37,7 +37,7 @@ from .._core.batch import pack_publish as _pack_publish
 from .._core.batch import send_publish as _send_publish
 from .._core.batch import take as _take
 from ..errors import BusClosedError, MessageRefusedError, SbusError
-from .core import GONE, Core, Request, open_socket
+from .core import GONE, Core, Request
 from .protocol import (
     MAX_MESSAGE,
     WHOAMI,
@@ -98,7 +98,7 @@ class Client(Core):
         self._live = True
         self._delivering = False
         self._restoring: Optional[asyncio.Future] = None
-        self._attach(open_socket(self.address, max_message))
+        self._attach(self._connect())
 
     def _attach(self, sock: socket.socket) -> None:
         sock.setblocking(False)
@@ -585,15 +585,18 @@ class Client(Core):
                     await asyncio.sleep(pause)
                     continue
                 try:
-                    self._attach(open_socket(self.address, self.max_message))
-                except OSError:
-                    self._attempt_failed()
+                    self._attach(self._connect())
+                except OSError as exc:
+                    self._attempt_failed(exc)
                     continue
                 try:
                     await asyncio.wait_for(self._restore(), self._policy.confirm_timeout)
-                except (OSError, SbusError, asyncio.TimeoutError):
+                except (OSError, SbusError, asyncio.TimeoutError) as exc:
                     self._detach()
-                    self._attempt_failed()
+                    self._attempt_failed(exc)
+                    refusal = self._refused_replay(exc)
+                    if refusal is not None:
+                        return self._shut(refusal)
                     continue
                 self._restored()
                 await self._deliver()

@@ -20,19 +20,36 @@ wait in their own way, the core decides what to send, keep or raise:
   batch code words its own).
 
 :func:`open_socket` turns an address into a connected socket whose buffers
-hold the largest packet.
+hold the largest packet, or an error that says what was tried and what to
+check (:class:`sbus.errors.ConnectError`).
 """
 from __future__ import annotations
 
 import collections
 import errno
+import os
 import socket
+import stat
+import struct
 import time
-from typing import Any, Deque, List, Optional, Union
+from typing import Any, Deque, List, Optional, Tuple, Union
 
 from .. import address as _address
 from .._core.batch import Inbox, Outbox, check_pattern
-from ..errors import AddressError, BacklogFullError, BatchInterruptedError, BusClosedError, MessageTooLargeError
+from .._core.protocol import cred_form
+from ..errors import (
+    AddressError,
+    BacklogFullError,
+    BatchInterruptedError,
+    BrokerPermissionError,
+    BrokerRefusedError,
+    BusClosedError,
+    ConnectError,
+    KeyRefusedError,
+    MessageTooLargeError,
+    NoBrokerError,
+    PatternRefusedError,
+)
 from . import reconnect as _reconnect
 from .protocol import WHOAMI, ControlMessage, Message, pack_control
 from .reconnect import Reconnect
@@ -70,13 +87,63 @@ def open_socket(address: str, max_message: int) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         if addr.fd is None:
-            sock.connect(addr.sun_path)
+            try:
+                sock.connect(addr.sun_path)
+            except OSError as exc:
+                raise _connect_error(addr, exc) from exc
         _grow_buffer(sock, _SO_SNDBUFFORCE, socket.SO_SNDBUF, max_message)
         _grow_buffer(sock, _SO_RCVBUFFORCE, socket.SO_RCVBUF, max_message)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+_UCRED = struct.Struct("3i")     # struct ucred: pid, uid, gid
+_CHECK = "check -a / SBUS_ADDRESS"
+
+
+def _connect_error(addr: _address.Address, exc: OSError) -> OSError:
+    """What a failed connect(2) to ``addr`` means, worded with what to check;
+    an error of the same OSError subclass (see sbus.errors.ConnectError)."""
+    text, code = addr.text, exc.errno
+    no_broker = f"no sbus broker at {text}: start sbusd, or {_CHECK}"
+    if code in (errno.EACCES, errno.EPERM):
+        return BrokerPermissionError(code, (
+            f"permission denied connecting to {text} (uid {os.geteuid()}): the socket's "
+            f"mode or its directory's keeps this user out (sbusd -g, -o); {_CHECK}"), text)
+    if code == errno.EPROTOTYPE:
+        return ConnectError(code, f"{text} is not a SOCK_SEQPACKET socket, so not sbusd's: "
+                                  f"{_CHECK}", text)
+    if code == errno.ENOENT:
+        if text.startswith(_address.ABSTRACT_PREFIX + "/"):
+            return NoBrokerError(code, (
+                f"no sbus broker at {text}: no such file, and not an abstract address "
+                f"({_address.ABSTRACT_PREFIX}/ then an even number of hex digits, "
+                f"beginning 00); {_CHECK}"), text)
+        return NoBrokerError(code, no_broker, text)
+    if code not in (errno.ECONNREFUSED, errno.ENOTSOCK):
+        return exc
+    refused = BrokerRefusedError if code == errno.ECONNREFUSED else ConnectError
+    if addr.is_abstract:
+        return refused(code, no_broker, text)
+    try:
+        mode = os.stat(addr.sun_path).st_mode
+    except OSError:
+        return NoBrokerError(errno.ENOENT, no_broker, text)
+    if stat.S_ISSOCK(mode):
+        return refused(code, (
+            f"nobody listens on {text}: a broker that died left its socket behind; start "
+            f"sbusd (-r replaces a stale socket), or {_CHECK}"), text)
+    kind = ("a directory" if stat.S_ISDIR(mode) else
+            "a regular file" if stat.S_ISREG(mode) else "not a socket")
+    return refused(code, f"{text} is {kind}, not an sbus socket: {_CHECK}", text)
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end, as this pid namespace sees it."""
+    cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return _UCRED.unpack(cred)[0]
 
 
 def _grow_buffer(sock: socket.socket, force: int, option: int, size: int) -> None:
@@ -129,6 +196,11 @@ class Core:
         self._inbox: Deque[Any] = collections.deque()
         self._requests: Deque[Request] = collections.deque()    # oldest first
         self._failures = 0          # failed reconnect attempts in a row
+        self._last_failure: Optional[BaseException] = None
+        self._refusals = 0          # new connections in a row closed during the replay
+        self._closed_by: Optional[BusClosedError] = None     # raised once closed, if set
+        # (gid, uid, pid) the broker read with SO_PEERCRED; None: unknown.
+        self._credentials: Optional[Tuple[int, int, int]] = None
         self._down_since = 0.0
         self._next_attempt = 0.0
 
@@ -175,12 +247,17 @@ class Core:
 
     def _gone(self) -> BusClosedError:
         if self._closed:
-            return BusClosedError("the client is closed")
+            return self._closed_by or BusClosedError("the client is closed")
         return BusClosedError("the broker closed the connection")
 
     def _gave_up(self) -> BusClosedError:
-        return BusClosedError(f"{self.address}: no broker after {self._failures} attempts "
-                              f"to reconnect")
+        """The policy gave up; the last attempt's error is the cause, and worded."""
+        last = self._last_failure
+        error = BusClosedError(f"{self.address}: no broker after {self._failures} attempts "
+                               f"to reconnect" + (f"; the last: {last}" if last else ""))
+        error.__cause__ = last
+        self._closed_by = error
+        return error
 
     def _too_large(self, packet: bytes) -> None:
         if len(packet) > self.max_message:
@@ -211,11 +288,37 @@ class Core:
         """Check a raw packet before it is sent or packed and note it in the
         session; True if a reconnect replays it (a SUB, UNSUB or setting)."""
         self._too_large(packet)
+        if packet.startswith(b"SUB !"):
+            self._check_private(packet[4:])
         if self._session is None:
             return False
         if packet.startswith(b"SUB "):
             check_pattern(packet[4:])   # replayed on every reconnect: never a refused one
         return self._session.note(packet)
+
+    def _connect(self) -> socket.socket:
+        """A new connection (see open_socket), the credentials the broker reads noted."""
+        sock = open_socket(self.address, self.max_message)
+        self._credentials = None
+        if _address.parse(self.address).fd is None:
+            # The broker's pid reads 0 from another pid namespace, where ours differs.
+            if _peer_pid(sock) != 0:
+                self._credentials = (os.getegid(), os.geteuid(), os.getpid())
+        return sock
+
+    def _check_private(self, pattern: bytes) -> None:
+        """KeyRefusedError for a ``!/cred/GID/UID/PID/`` pattern naming other
+        credentials than this connection's: the broker would close the connection."""
+        if self._credentials is None or not pattern.startswith(b"!/cred/"):
+            return
+        form = cred_form(pattern)
+        if form is None or all(f is None or f == own for f, own in zip(form, self._credentials)):
+            return
+        ours = "!/cred/{}/{}/{}/".format(*self._credentials)
+        raise KeyRefusedError(
+            f"private pattern {pattern.decode('utf-8', 'replace')!r} names other credentials "
+            f"than this client's, {ours}: only they may subscribe to it (the broker would "
+            f"close the connection); leave a field empty to mean this client's")
 
     def _pack(self, packet: bytes, flags: int) -> bool:
         """Pack for buffered mode; False if what is packed must be sent first
@@ -304,8 +407,9 @@ class Core:
             return None
         return max(0.0, self._next_attempt - now)
 
-    def _attempt_failed(self) -> None:
+    def _attempt_failed(self, exc: BaseException) -> None:
         self._failures += 1
+        self._last_failure = exc
         self._next_attempt = time.monotonic() + self._policy.delay(self._failures)
 
     def _replay(self) -> List[bytes]:
@@ -313,10 +417,39 @@ class Core:
         whose answer says that the broker has taken it."""
         return self._session.replay() + [pack_control(WHOAMI)]
 
+    def _refused_replay(self, exc: BaseException) -> Optional[BusClosedError]:
+        """A reconnect attempt failed with ``exc`` after connecting. A new broker
+        that closes the connection before answering the replay's whoami, twice
+        in a row (once may be a broker stopping), refuses the replay: the error
+        the client stops with (later calls raise it too); None to try again."""
+        closed = isinstance(exc, BusClosedError) or getattr(exc, "errno", None) in GONE
+        self._refusals = self._refusals + 1 if closed else 0
+        if self._refusals < 2:
+            return None
+        patterns = tuple(self._session.subscriptions)
+        shown = ", ".join(repr(p.decode("utf-8", "replace")) for p in patterns)
+        if not patterns:
+            error = BusClosedError(f"{self.address}: the broker closes every new connection "
+                                   f"at once: it refuses this client (its log says why)")
+        elif len(patterns) == 1:
+            error = PatternRefusedError(
+                f"{self.address}: the broker closed the connection twice when the "
+                f"subscription to {shown} was replayed: it refuses the pattern (its log "
+                f"says why); the client stopped", patterns)
+        else:
+            error = PatternRefusedError(
+                f"{self.address}: the broker closed the connection twice when the "
+                f"subscriptions to {shown} were replayed: it refuses one of them (its log "
+                f"says which and why); the client stopped", patterns)
+        error.__cause__ = exc
+        self._closed_by = error
+        return error
+
     def _restored(self) -> None:
         """The new broker answered the whoami: the requests the old one left
         unanswered are asked again, first in the backlog."""
-        self._failures = 0
+        self._failures = self._refusals = 0
+        self._last_failure = None
         self._requests = collections.deque(r for r in self._requests if r.waiter is not None)
         self._backlog.add_front(r.packet for r in self._requests)
         if self._policy.on_reconnect is not None:

@@ -29,7 +29,7 @@ from .._core.batch import pack_publish as _pack_publish
 from .._core.batch import send_publish as _send_publish
 from .._core.batch import take as _take
 from ..errors import BacklogFullError, BusClosedError, MessageRefusedError, SbusError
-from .core import GONE, Core, open_socket
+from .core import GONE, Core
 from .protocol import (
     MAX_MESSAGE,
     WHOAMI,
@@ -71,7 +71,7 @@ class Client(Core):
     def __init__(self, address: Optional[str] = None, *, max_message: int = MAX_MESSAGE,
                  buffered: bool = False, reconnect: Union[None, bool, Reconnect] = None) -> None:
         super().__init__(address, max_message, buffered, reconnect)
-        self._attach(open_socket(self.address, max_message))
+        self._attach(self._connect())
 
     def _attach(self, sock: socket.socket) -> None:
         self._sock, self._fd = sock, sock.fileno()
@@ -166,16 +166,20 @@ class Client(Core):
 
     def _attempt(self) -> None:
         try:
-            self._attach(open_socket(self.address, self.max_message))
-        except OSError:
-            self._attempt_failed()
+            self._attach(self._connect())
+        except OSError as exc:
+            self._attempt_failed(exc)
             return
         try:
             self._restore()
-        except (OSError, SbusError, TimeoutError):
+        except (OSError, SbusError, TimeoutError) as exc:
             self._out.clear()
             self._detach()
-            self._attempt_failed()
+            self._attempt_failed(exc)
+            refusal = self._refused_replay(exc)
+            if refusal is not None:
+                self._shut()
+                raise refusal from exc
             return
         self._restored()
 
