@@ -18,8 +18,7 @@ import stat
 
 import pytest
 
-from sbus import (AddressError, BusClosedError, KeyRefusedError, MessageTooLargeError,
-                  ProtocolError, Reconnect)
+from sbus import AddressError, BusClosedError, KeyRefusedError, MessageTooLargeError, ProtocolError, Reconnect
 from sbus.client import MAX_MESSAGE, ControlMessage, Credentials, Message
 from sbus.errors import ConnectError, PatternRefusedError
 from sbus.logschema import SUBSCRIBE

@@ -11,7 +11,7 @@ import pytest
 
 from sbus import Client
 
-from support import SBUS
+from support import SBUS, Sbusd, wait_until
 
 TIMEOUT = 10.0
 START = "  is sbusd running? start it (sbusd, or make run in a clone of sbus), or check -a ADDRESS or SBUS_ADDRESS\n"
@@ -148,3 +148,29 @@ def test_a_timeout_says_so(broker):
         out, err = proc.communicate(timeout=TIMEOUT)
     assert (proc.returncode, out) == (3, b"w\tonly one\n")
     assert err == b"sbus: -W 0.5: timed out: 1 of 2 messages came within 0.5 s\n"
+
+
+def test_sub_whose_pattern_a_restarted_broker_refuses_stops_and_names_it(tmp_path):
+    """No retry loop every second: the replayed subscription is refused twice,
+    so `sbus sub` exits 1 with the library's PatternRefusedError text."""
+    first = Sbusd.foreground(tmp_path, "-r")
+    sub = subprocess.Popen([SBUS, "-a", first.address, "sub", "a/long/pattern/"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    second = None
+    try:
+        wait_until(lambda: first.stats()["totals"]["subscriptions"] == 1, TIMEOUT,
+                   "sbus sub to subscribe")
+        first.stop()
+        second = Sbusd.foreground(tmp_path, "-r", "--max-pattern", "8", address=first.address)
+        out, err = sub.communicate(timeout=TIMEOUT)
+    finally:
+        if sub.poll() is None:
+            sub.kill()
+            sub.wait()
+        if second is not None:
+            second.stop()
+    assert sub.returncode == 1, err
+    assert err.decode().splitlines()[-1] == (
+        f"sbus: {first.address}: the broker closed the connection twice when the subscription "
+        f"to 'a/long/pattern/' was replayed: it refuses the pattern (its log says why); "
+        f"the client stopped")

@@ -46,7 +46,7 @@ from ..address import from_environment
 from ..client.protocol import MAX_MESSAGE, Message
 from ..client.reconnect import Reconnect
 from ..client.sync import Client
-from ..errors import BusClosedError, SbusError
+from ..errors import BusClosedError, PatternRefusedError, SbusError
 from ..queue.defaults import CLI_PREFETCH
 from . import connecterrors, patterns, render
 
@@ -427,6 +427,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         # interpreter from complaining when it flushes stdout at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
         return 0
+    except PatternRefusedError as exc:
+        return _fail(str(exc))      # names the refused patterns and where it connected
     except BusClosedError:
         return _fail(f"{where}: the broker closed the connection (its log says why)")
     except TimeoutError:
