@@ -37,4 +37,8 @@ def __getattr__(name):  # the client library is imported lazily to keep sbusd st
         from .client.reconnect import Reconnect
 
         return Reconnect
+    if name == "aio":
+        import importlib
+
+        return importlib.import_module(".client.aio", __name__)
     raise AttributeError(name)

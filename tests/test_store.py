@@ -312,6 +312,28 @@ def test_asyncio_twins(bus, start_store):
     assert got == [b"1", b"2", b"3"] and lv == {b"q/a": b"3", b"q/b": b"2"}
 
 
+def test_the_clients_replay_and_last_methods(bus, start_store):
+    """``Client.replay``/``last`` and the asyncio twins are the store functions."""
+    import asyncio
+
+    start_store("m/")
+    publish(bus.address, [("m/a", b"1"), ("m/b", b"2"), ("m/a", b"3")])
+    with sbus.Client(bus.address) as c:
+        settle(c)
+        assert [(m.key, m.payload) for m in c.replay("m/")] == [
+            (b"m/a", b"1"), (b"m/b", b"2"), (b"m/a", b"3")]
+        assert {m.key: m.payload for m in c.last("m/")} == {b"m/a": b"3", b"m/b": b"2"}
+
+    async def asyncio_side():
+        async with sbus.aio.Client(bus.address) as c:
+            it = await c.replay("m/", after=1)
+            async with it:
+                got = [m.payload async for m in it]
+            return got, [m.payload for m in await c.last("m/b")]
+
+    assert asyncio.run(asyncio_side()) == ([b"2", b"3"], [b"2"])
+
+
 def test_cli_replay_and_last(bus, start_store):
     start_store("c/")
     publish(bus.address, [(b"c/x", b"one"), (b"c/y", b"two"), (b"c/x", b"three")])

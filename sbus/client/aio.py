@@ -710,6 +710,16 @@ class Client(Core):
         """The broker's counters: the JSON reply to ``CMSG stats``."""
         return parse_stats(await self.query(b"stats", None, flags))
 
+    async def replay(self, pattern: Text, since=None, until=None, after=None, **options: Any):
+        """What ``sbus store`` recorded on ``pattern``: :func:`sbus.client.store.areplay`."""
+        from .store import areplay
+        return await areplay(self, pattern, since, until, after, **options)
+
+    async def last(self, pattern: Text, **options: Any) -> List[Message]:
+        """The last recorded message of each key: :func:`sbus.client.store.alast`."""
+        from .store import alast
+        return await alast(self, pattern, **options)
+
 
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():

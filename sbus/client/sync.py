@@ -529,3 +529,13 @@ class Client(Core):
     def stats(self, flags: int = 0, *, timeout: Optional[float] = None) -> Dict[str, Any]:
         """The broker's counters: the JSON reply to ``CMSG stats``."""
         return parse_stats(self.query(b"stats", None, flags, timeout=timeout))
+
+    def replay(self, pattern: Text, since=None, until=None, after=None, **options: Any):
+        """What ``sbus store`` recorded on ``pattern``: :func:`sbus.client.store.replay`."""
+        from .store import replay
+        return replay(self, pattern, since, until, after, **options)
+
+    def last(self, pattern: Text, **options: Any) -> List[Message]:
+        """The last recorded message of each key: :func:`sbus.client.store.last`."""
+        from .store import last
+        return last(self, pattern, **options)
