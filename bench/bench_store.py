@@ -20,54 +20,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-BIN = Path(sys.executable).parent
+from harness import NatsServer, Sbusd, status_kib
+
+from support import StoreProcess, wait_until
+
 PAYLOAD = b"p" * 64
 
 
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"bench_store: timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def start_bus(work: Path):
-    address = str(work / "bus.socket")
-    sbusd = subprocess.Popen([str(BIN / "sbusd"), "-f", "-a", address, "--log-level", "warning",
-                              "--log-format", "json", "--log-file", str(work / "sbusd.log")],
-                             stdout=subprocess.PIPE)
-    sbusd.stdout.read()
-    return sbusd, address
-
-
-STORES = []     # every store started, stopped whatever happens
-
-
-def start_store(work: Path, address: str, directory: Path, *extra):
-    log = work / f"store-{directory.name}.log"
-    proc = subprocess.Popen([str(BIN / "sbus"), "-a", address, "store", "--dir", str(directory),
-                             "--record", "bench/", "--log-format", "json", "--log-file", str(log),
-                             "--stats-interval", "0", *extra])
-    STORES.append(proc)
-    wait_for(lambda: log.exists() and "store_start" in log.read_text(), 30, "the store")
-    return proc
+def start_store(work: Path, address: str, directory: Path, *extra) -> StoreProcess:
+    return StoreProcess(work, address, directory, ["bench/"], "--stats-interval", "0", *extra,
+                        log_level="info").ready(timeout=30)
 
 
 def record(address: str, n: int, batch: int = 1000) -> float:
@@ -86,7 +55,7 @@ def record(address: str, n: int, batch: int = 1000) -> float:
             s = store_stats(pub, timeout=60)
             last[0] = s
             return s["recorded"] + s["lost_flood"] >= n
-        wait_for(caught_up, 600, "the store to record everything")
+        wait_until(caught_up, 600, "the store to record everything", interval=0.05)
         return published, time.perf_counter() - t0, last[0]
 
 
@@ -101,12 +70,8 @@ def replay_rate(address: str, n: int):
 
 def jetstream(work: Path, n: int):
     import nats
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from support.nats import free_port, nats_server_path
-    port = free_port()
-    server = subprocess.Popen([nats_server_path(), "-a", "127.0.0.1", "-p", str(port), "-js",
-                               "-sd", str(work / "js")], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    server = NatsServer(work, extra=["-js", "-sd", str(work / "js")])
+    port = server.port
 
     async def quiet(exc):
         pass
@@ -147,8 +112,7 @@ def jetstream(work: Path, n: int):
     try:
         rec, rep = asyncio.run(run())
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(30)
+        server.stop()
     size = sum(f.stat().st_size for f in (work / "js").rglob("*.blk"))
     return rec, rep, size / n
 
@@ -186,7 +150,9 @@ def main() -> int:
     out = {}
     with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
         work = Path(tmp)
-        sbusd, address = start_bus(work)
+        sbusd = Sbusd(work, ["-f", "-a", str(work / "bus.socket")], address=str(work / "bus.socket"),
+                      log_level="warning").ready()
+        address = sbusd.address
         try:
             store = start_store(work, address, work / "log")
             published, recorded_s, stats = record(address, args.messages)
@@ -198,8 +164,7 @@ def main() -> int:
             out["replay"] = {"messages": count, "msgs_s": round(rate)}
             size = sum(p.stat().st_size for p in (work / "log").glob("*.seg"))
             out["bytes_per_message"] = round(size / max(1, stats["recorded"]), 1)
-            store.send_signal(signal.SIGTERM)
-            store.wait(30)
+            store.stop()
 
             # --flood block: every message is recorded, however far the store
             # falls behind the publisher, so the replay is the full count.
@@ -211,9 +176,9 @@ def main() -> int:
 
             def sample():
                 while not stop.is_set():
-                    samples.append(rss_kib(store.pid))
+                    samples.append(status_kib(store.pid, "VmRSS"))
                     time.sleep(0.1)
-            before = rss_kib(store.pid)
+            before = status_kib(store.pid, "VmRSS")
             t = threading.Thread(target=sample)
             t.start()
             count, rate = replay_rate(address, extra)
@@ -221,15 +186,10 @@ def main() -> int:
             t.join()
             out["memory"] = {"replayed": count, "rss_kib_before": before,
                              "rss_kib_peak": max(samples or [before]), "msgs_s": round(rate)}
-            store.send_signal(signal.SIGTERM)
-            store.wait(60)
+            store.stop()
         finally:
-            for proc in STORES:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-                    proc.wait(60)
-            sbusd.send_signal(signal.SIGTERM)
-            sbusd.wait(30)
+            StoreProcess.stop_all()
+            sbusd.stop()
         if not args.no_anchors:
             try:
                 rec, rep, per = jetstream(work, args.messages)
