@@ -1074,11 +1074,17 @@ cdef class Broker:
         body = payload[:plen] if payload != NULL else b""
         if key_is(key, n, b"link/identity", 13):
             self.upstream_cred = body if body.startswith(b"!/cred/") else None
-        elif key_is(key, n, b"link/log", 8):
+            return 0
+        try:
             fields = json.loads(body)
+        except ValueError:
+            fields = None
+        if not isinstance(fields, dict):
+            return 0    # the link is ours; a bad report is ignored, never fatal
+        if key_is(key, n, b"link/log", 8) and isinstance(fields.get("event"), str):
             self.emit(fields.pop("event"), fields)
         elif key_is(key, n, b"link/state", 10):
-            self.upstream_state = json.loads(body)
+            self.upstream_state = fields
         return 0
 
     cdef size_t nested_prefix(self, const char *pat, size_t n) noexcept:

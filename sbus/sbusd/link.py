@@ -88,6 +88,8 @@ def whoami(sock: socket.socket, text: str, timeout: float = WHOAMI_TIMEOUT) -> b
     except socket.timeout:
         raise UpstreamError(f"{text}: no answer to whoami within {timeout:g} s "
                             f"(not an sbusd?)") from None
+    except (ConnectionResetError, BrokenPipeError):
+        reply = b""
     except OSError as e:
         raise UpstreamError(f"{text}: {e.strerror or e}") from None
     finally:

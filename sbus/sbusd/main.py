@@ -155,7 +155,9 @@ def start_link(cfg: Config, broker):
             "--upstream", cfg.upstream, "--buffer", str(cfg.upstream_buffer)]
     for pattern in cfg.upstream_export:
         argv += ["--export", pattern]
-    child = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+    # stdout is how a parent learns that sbusd listens: the link must not hold it.
+    child = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL)
     theirs.close()
     return child
 
