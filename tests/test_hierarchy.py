@@ -127,6 +127,27 @@ def test_upstream_subscriptions_are_counted_by_reference(tmp_path):
         stop_all(leaf, up)
 
 
+def test_a_burst_comes_down_whole_and_in_order(tmp_path):
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", upstream=up)
+    try:
+        here = leaf.connect()
+        here.sub("burst/")
+        here.sync()
+        wait_patterns(up, leaf, 2)
+        there = up.connect()
+        n = 20000
+        body = b"x" * 100
+        for i in range(n):
+            there.pub(f"burst/{i}", body)
+        got = []
+        wait_until(lambda: got.extend(here.drain(0.2)) or len(got) >= n, timeout=60,
+                   what=f"{n} messages")
+        assert [int(p[len(b"MSG burst/"):p.index(b"\0")]) for p in got] == list(range(n))
+    finally:
+        stop_all(leaf, up)
+
+
 # ---- a chain of three levels ------------------------------------------------
 
 def test_three_levels_deliver_exactly_once_in_order(tmp_path):
@@ -207,6 +228,73 @@ def test_upstream_away_local_goes_on_loss_is_bounded_and_counted(tmp_path):
         finally:
             up2.stop()
     finally:
+        leaf.stop()
+
+
+def test_upstream_restarted_while_publishing(tmp_path):
+    """A publisher on the leaf never stops; the upstream goes and comes back.
+    Locally nothing is lost; upstream, a subscriber sees the messages in order
+    and every one published after the link is back."""
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", "--upstream-buffer", "1000", upstream=up)
+    stop = threading.Event()
+    published = []
+
+    def publish():
+        c = leaf.connect()
+        i = 0
+        while not stop.is_set():
+            c.pub(f"run/{i}", b"")
+            published.append(i)
+            i += 1
+            if i % 100 == 0:
+                time.sleep(0.005)
+        c.sync()
+        c.close()
+
+    try:
+        local = leaf.connect(timeout=30)
+        local.sub("run/")
+        local.sync()
+        local_got = []
+        worker = threading.Thread(target=publish)
+        worker.start()
+        time.sleep(0.3)
+        up.stop()
+        leaf.wait_for_event("upstream_disconnected", timeout=10)
+        time.sleep(0.5)
+        up2 = Sbusd.foreground(tmp_path, "-r", address=up.address, log_level="info")
+        try:
+            there = up2.connect(timeout=30)
+            there.sub("run/")
+            there.sync()
+            wait_until(lambda: len(leaf.events("upstream_connected")) == 2, timeout=15,
+                       what="the link back")
+            wait_patterns(up2, leaf, 2)
+            mark = len(published)
+            time.sleep(0.3)
+            stop.set()
+            worker.join(30)
+            last = published[-1]
+            seen = []
+            wait_until(lambda: seen.extend(there.drain(0.2)) or
+                       f"MSG run/{last}\0".encode() in seen, timeout=20, what="the last message")
+            numbers = [int(p[len(b"MSG run/"):-1]) for p in seen]
+            assert numbers == sorted(set(numbers))              # in order, none twice
+            assert set(range(mark, last + 1)) <= set(numbers)   # all after the return
+            wait_until(lambda: local_got.extend(local.drain(0.2)) or
+                       f"MSG run/{last}\0".encode() in local_got, timeout=20,
+                       what="everything locally")
+            assert [int(p[len(b"MSG run/"):-1]) for p in local_got] == list(range(last + 1))
+            stats = leaf.stats()["upstream"]
+            # what was lost upstream is what overflowed while it was away, and counted
+            missing = (last + 1) - len(numbers)
+            assert stats["overflow_dropped"] <= missing
+            assert stats["state"] == "up"
+        finally:
+            up2.stop()
+    finally:
+        stop.set()
         leaf.stop()
 
 

@@ -47,6 +47,8 @@ BACKOFF_FIRST = 0.1         # seconds before the first reconnect
 BACKOFF_MAX = 5.0
 STATE_INTERVAL = 1.0        # seconds between link/state reports
 RECV_SIZE = 1 << 23         # above any --max-message
+LOCAL_BACKLOG = 1024        # downward packets waiting for the local broker before
+                            # the link stops reading the upstream (its queue holds them)
 OWN_PRIVATE = b"!/cred////"  # every key private to the link itself, upstream
 CRED = b"!/cred/"
 
@@ -144,6 +146,7 @@ class Link:
         self.up_out: Deque[Tuple[bool, bytes]] = collections.deque()  # (is MSG, packet)
         self.held_msgs = 0
         self.local_out: Deque[bytes] = collections.deque()
+        self.up_paused = False      # not reading the upstream: local_out is long
         self.retry_at = 0.0
         self.backoff = BACKOFF_FIRST
         self.asked_at = 0.0
@@ -180,6 +183,9 @@ class Link:
             except BlockingIOError:
                 break
             self.local_out.popleft()
+        if self.up_paused and len(self.local_out) < LOCAL_BACKLOG // 2:
+            self.up_paused = False
+            self.watch_up()
         self.sel.modify(self.local, selectors.EVENT_READ |
                         (selectors.EVENT_WRITE if self.local_out else 0), "local")
 
@@ -212,8 +218,24 @@ class Link:
             if is_msg:
                 self.held_msgs -= 1
                 self.counts["up_msgs"] += 1
-        self.sel.modify(self.up, selectors.EVENT_READ |
-                        (selectors.EVENT_WRITE if self.up_out else 0), "up")
+        self.watch_up()
+
+    def watch_up(self) -> None:
+        if self.up is None:
+            return
+        mask = (0 if self.up_paused else selectors.EVENT_READ) | \
+            (selectors.EVENT_WRITE if self.up_out and self.state == "up" else 0)
+        try:
+            self.sel.get_key(self.up)
+            watched = True
+        except KeyError:
+            watched = False
+        if mask and watched:
+            self.sel.modify(self.up, mask, "up")
+        elif mask:
+            self.sel.register(self.up, mask, "up")
+        elif watched:
+            self.sel.unregister(self.up)
 
     # ---- the upstream connection
     def try_connect(self) -> None:
@@ -255,7 +277,11 @@ class Link:
     def lost(self, reason: str) -> None:
         was_up = self.state == "up"
         if self.up is not None:
-            self.sel.unregister(self.up)
+            self.up_paused = False
+            try:
+                self.sel.unregister(self.up)
+            except KeyError:
+                pass            # paused with nothing to write: not watched
             self.up.close()
             self.up = None
         # Control packets are rebuilt on the way back; messages wait.
@@ -382,7 +408,9 @@ class Link:
     def read_up(self) -> None:
         # Downward messages wait in the upstream's queue while ours is long.
         for _ in range(64):
-            if len(self.local_out) > 1024:
+            if len(self.local_out) >= LOCAL_BACKLOG:
+                self.up_paused = True
+                self.watch_up()
                 return
             try:
                 packet = self.up.recv(RECV_SIZE)
