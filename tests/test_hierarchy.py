@@ -5,7 +5,6 @@ credentials: the spec's four-step identity proof across servers with
 eavesdroppers of another uid on every server (docs/hierarchy.md)."""
 from __future__ import annotations
 
-import os
 import secrets
 import shutil
 import socket
@@ -16,7 +15,7 @@ import pytest
 
 from support.conn import Conn
 from support.sbusd import Sbusd
-from support.seconduser import NOBODY, asroot, make_public_dir
+from support.seconduser import asroot, make_public_dir
 from support.waiting import wait_until
 
 
@@ -345,6 +344,13 @@ def fake_server(path, behaviour):
 
     threading.Thread(target=serve, daemon=True).start()
     return srv
+
+
+def test_a_passed_descriptor_is_no_upstream(tmp_path):
+    b = Sbusd(tmp_path, ["-f", "-a", str(tmp_path / "leaf"), "--upstream", "/dev/fd/0"],
+              log_level=None)
+    assert b.wait(10) == 1
+    assert "cannot be connected again" in b.stderr_text()
 
 
 @pytest.mark.parametrize("kind, words", [

@@ -60,7 +60,7 @@ import json
 import os
 
 from sbus.logschema import (
-    ACCEPT_ERROR, ACCEPT_PAUSED, CLIENT_CONNECT, CLIENT_DISCONNECT, CMSG_IGNORED,
+    ACCEPT_ERROR, ACCEPT_PAUSED, CLIENT_CONNECT, CLIENT_DISCONNECT, CMSG_IGNORED, UPSTREAM_EVENTS,
     DELTA_FIELDS, FD_EXHAUSTED, SUBSCRIBE, UNSUBSCRIBE, REFUSE_BANG_MISUSE,
     REFUSE_CRED_MALFORMED, REFUSE_CRED_MISMATCH, REFUSE_NOT_SUBSCRIBED,
     REFUSE_PATTERN_TOO_LONG, REFUSE_TOO_MANY, REFUSE_SUB_BUDGET_CONNECTION,
@@ -1081,8 +1081,10 @@ cdef class Broker:
             fields = None
         if not isinstance(fields, dict):
             return 0    # the link is ours; a bad report is ignored, never fatal
-        if key_is(key, n, b"link/log", 8) and isinstance(fields.get("event"), str):
-            self.emit(fields.pop("event"), fields)
+        if key_is(key, n, b"link/log", 8):
+            event = fields.pop("event", None)
+            if event in UPSTREAM_EVENTS:    # only the link's own events, by name
+                self.emit(event, fields)
         elif key_is(key, n, b"link/state", 10):
             self.upstream_state = fields
         return 0

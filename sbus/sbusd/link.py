@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import errno
 import json
-import os
 import selectors
 import socket
 import sys
 import time
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Deque, List, Optional, Tuple
 
 from .. import address as addresses
 from .. import logschema as schema
@@ -66,11 +64,8 @@ def connect(text: str) -> socket.socket:
     if addr.random:
         raise UpstreamError(f"{text}: a random abstract address names no broker")
     if addr.fd is not None:
-        sock = socket.socket(fileno=os.dup(addr.fd))
-        if sock.type != socket.SOCK_SEQPACKET:
-            sock.close()
-            raise UpstreamError(f"{text}: not a SOCK_SEQPACKET socket")
-        return sock
+        raise UpstreamError(f"{text}: a passed descriptor cannot be connected again; "
+                            f"give the upstream's path or abstract name")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
         sock.connect(addr.sun_path)

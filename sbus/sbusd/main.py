@@ -215,11 +215,12 @@ def serve(cfg: Config, listener, allowed, ready, early_stop=(), warnings=()) -> 
     if early_stop:
         broker.stop(early_stop[0])      # run() then returns at once
 
-    link = start_link(cfg, broker) if cfg.upstream else None
     started = time.monotonic()
     log.info(schema.BROKER_START, version=__version__,
              address=listener.printed_address or cfg.address, pid=os.getpid(),
              config=cfg.summary())
+    # Before the loop reads any client: the link is told of each from the first.
+    link = start_link(cfg, broker) if cfg.upstream else None
     for text in warnings:
         log.warning(schema.CONFIG_WARNING, detail=text)
     lifecycle.detach_stdio()
