@@ -19,11 +19,22 @@ from support.seconduser import asroot, make_public_dir
 from support.waiting import wait_until
 
 
+_STARTED: list = []     # every broker a test started, stopped after it whatever happened
+
+
+@pytest.fixture(autouse=True)
+def _stop_brokers():
+    yield
+    while _STARTED:
+        _STARTED.pop().stop()
+
+
 def broker(workdir, name, *args, upstream=None, log_level="info"):
     """A foreground sbusd at workdir/name (a leaf of ``upstream`` if given)."""
     extra = ["--upstream", upstream.address] if upstream is not None else []
     b = Sbusd.foreground(workdir, *extra, *args, address=str(workdir / name),
                          log_level=log_level)
+    _STARTED.append(b)
     if upstream is not None:
         b.wait_for_event("upstream_connected", timeout=10)
     return b
@@ -203,6 +214,7 @@ def test_upstream_away_local_goes_on_loss_is_bounded_and_counted(tmp_path):
         assert leaf.stats()["upstream"]["held"] == 100
         assert leaf.events("upstream_overflow")
         up2 = Sbusd.foreground(tmp_path, "-r", address=up.address, log_level="info")
+        _STARTED.append(up2)
         try:
             there = up2.connect()
             there.sub("load/")
@@ -263,6 +275,7 @@ def test_upstream_restarted_while_publishing(tmp_path):
         leaf.wait_for_event("upstream_disconnected", timeout=10)
         time.sleep(0.5)
         up2 = Sbusd.foreground(tmp_path, "-r", address=up.address, log_level="info")
+        _STARTED.append(up2)
         try:
             there = up2.connect(timeout=30)
             there.sub("run/")
@@ -310,6 +323,7 @@ def test_the_leaf_reconnects_and_logs_why(tmp_path):
         assert retry["address"] == up.address
         assert leaf.stats()["upstream"]["state"] == "away"
         up2 = Sbusd.foreground(tmp_path, "-r", address=up.address, log_level="info")
+        _STARTED.append(up2)
         try:
             wait_until(lambda: len(leaf.events("upstream_connected")) == 2, timeout=15,
                        what="the link back")
