@@ -158,6 +158,27 @@ def test_a_burst_comes_down_whole_and_in_order(tmp_path):
         stop_all(leaf, up)
 
 
+def test_stats_and_top_show_the_upstream(tmp_path):
+    from sbus.cli.top import View
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", upstream=up)
+    with leaf.connect() as c:
+        c.sub("a/")
+        c.pub("b/1")
+        c.sync()
+    wait_until(lambda: leaf.stats()["upstream"]["up_msgs"] == 1, timeout=10, what="the report")
+    stats = leaf.stats()
+    assert stats["upstream"]["state"] == "up"
+    assert stats["upstream"]["address"] == up.address
+    assert stats["upstream"]["identity"] == link_identity(leaf)
+    view = View(leaf.address)
+    view.update(stats, time.monotonic())
+    [line] = [text for text, _ in view.lines(200, 40) if text.startswith("upstream ")]
+    assert line.startswith(f"upstream up {up.address}  patterns ")
+    assert "  up 1  " in line
+    assert "upstream" not in up.stats()        # a broker without --upstream has none
+
+
 # ---- a chain of three levels ------------------------------------------------
 
 def test_three_levels_deliver_exactly_once_in_order(tmp_path):
