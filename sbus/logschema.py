@@ -51,8 +51,17 @@ FD_EXHAUSTED = "fd_exhausted"      # errno, connected: accept ran out of descrip
 ACCEPT_PAUSED = "accept_paused"    # connected: even the spare descriptor is gone
 ACCEPT_ERROR = "accept_error"      # errno: accept failed for another reason
 CONFIG_WARNING = "config_warning"  # detail: an option that will not do what it seems to
+# A leaf broker's upstream link (sbusd --upstream; docs/hierarchy.md).
+UPSTREAM_CONNECTED = "upstream_connected"        # address, identity, patterns, held
+UPSTREAM_DISCONNECTED = "upstream_disconnected"  # address, reason, held
+UPSTREAM_RETRY = "upstream_retry"                # address, reason, in_s: a new reason to wait
+UPSTREAM_OVERFLOW = "upstream_overflow"          # dropped, buffer_max: at 1, 2, 4, 8, ... drops
+UPSTREAM_LINK_EXIT = "upstream_link_exit"        # returncode: the link process ended
+# What the link reports for the broker to log (sbus/sbusd/link.py); the broker
+# logs no other name it is sent.
+UPSTREAM_EVENTS = (UPSTREAM_CONNECTED, UPSTREAM_DISCONNECTED, UPSTREAM_RETRY, UPSTREAM_OVERFLOW)
 OPERATIONAL_EVENTS = (CMSG_IGNORED, LOG_REOPENED, FD_EXHAUSTED, ACCEPT_PAUSED, ACCEPT_ERROR,
-                      CONFIG_WARNING)
+                      CONFIG_WARNING, *UPSTREAM_EVENTS, UPSTREAM_LINK_EXIT)
 
 LEVELS = ("debug", "info", "warning", "error")
 

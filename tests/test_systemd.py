@@ -374,6 +374,48 @@ def test_store_unit():
                            timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
 
+
+def test_leaf_unit_runs_a_leaf_sandboxed_like_the_broker(tmp_path):
+    unit = read_unit("sbusd-leaf.service")
+    svc, broker = unit["Service"], read_unit("sbusd.service")["Service"]
+    assert one(svc, "Type") == "notify" and one(svc, "NotifyAccess") == "main"
+    exec_start = one(svc, "ExecStart").split()
+    assert exec_start[:4] == ["/usr/bin/env", "sbusd", "-f", "-g"]
+    own = exec_start[exec_start.index("-a") + 1]
+    upstream = exec_start[exec_start.index("--upstream") + 1]
+    assert own == f"/run/{one(svc, 'RuntimeDirectory')}/sbus.socket"
+    assert upstream == one(read_unit("sbusd.socket")["Socket"], "ListenSequentialPacket")
+    assert one(svc, "User") not in ("", "root")
+    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "PrivateDevices",
+                "PrivateNetwork", "MemoryDenyWriteExecute", "ProtectSystem",
+                "RestrictAddressFamilies", "CapabilityBoundingSet", "RestrictNamespaces",
+                "ProtectKernelTunables", "ProtectKernelModules", "ProtectControlGroups",
+                "RestrictSUIDSGID", "LockPersonality", "SystemCallArchitectures", "UMask"):
+        assert values(svc, key) == values(broker, key), key
+    assert values(svc, "SystemCallFilter") == values(broker, "SystemCallFilter")
+    assert "PrivateUsers" not in dict(svc)
+    # Its command line, with the two paths moved under tmp_path, makes a leaf.
+    from support.sbusd import Sbusd
+    host = Sbusd.foreground(tmp_path, address=str(tmp_path / "host"), log_level="info")
+    argv = exec_start[2:]
+    argv[argv.index("-a") + 1] = str(tmp_path / "leaf")
+    argv[argv.index("--upstream") + 1] = host.address
+    leaf = Sbusd(tmp_path, argv, address=str(tmp_path / "leaf")).ready(10)
+    try:
+        leaf.wait_for_event("upstream_connected", timeout=10)
+        with leaf.connect() as c:
+            assert c.whoami().endswith("/" + c.me)
+    finally:
+        leaf.stop()
+        host.stop()
+    analyze = shutil.which("systemd-analyze")
+    if analyze:
+        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"),
+                            str(UNITS / "sbusd.service"), str(UNITS / "sbusd-leaf.service")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
 # ---------------------------------------------------------------- sandbox
 
 # Installs, like systemd 252 (src/shared/seccomp-util.c), an allow-list filter

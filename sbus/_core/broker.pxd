@@ -147,6 +147,10 @@ cdef class Broker:
     cdef object on_tick
     cdef object callback_error      # the first exception a callback raised this turn
     cdef dict last_totals
+    # ---- the upstream link (sbusd --upstream; sbus/sbusd/link.py), NULL without one
+    cdef Conn *link
+    cdef bytes upstream_cred        # the link's credentials upstream: the nesting prefix
+    cdef dict upstream_state        # the link's last reported state, for stats
 
     # ---- the loop: one turn is poll, dispatch, before_sleep, housekeeping
     cdef int poll_timeout(self) noexcept         # ms until the next tick or block check
@@ -195,6 +199,12 @@ cdef class Broker:
     cdef int over_sub_budget(self, Conn *c, size_t cost, const char *pat,
                              size_t n) except -1  # 1: refused (logged, c closing)
     cdef void drop_sub(self, Conn *c, Sub *sub) noexcept   # out of the index, uncharged
+
+    # ---- the upstream link: told of connections and subscriptions
+    cdef int link_note(self, bytes packet) except -1
+    cdef int link_control(self, const char *key, size_t n, const char *payload,
+                          size_t plen) except -1
+    cdef size_t nested_prefix(self, const char *pat, size_t n) noexcept
 
     # ---- control messages
     cdef int control(self, Conn *c, const char *key, size_t n) except -1   # reply, mode, or ignore

@@ -30,7 +30,7 @@ from sbus._core.budget cimport (
     Account, UNLIMITED, accounts_init, accounts_free, account_get, account_drop_if_idle,
     pattern_cost)
 from sbus._core.conn cimport (
-    Conn, MODE_QUEUE, R_EOF, R_ERROR, R_PROTOCOL, R_CRED, R_BANG, R_USER, R_FLOOD, R_OVERSIZE,
+    Conn, MODE_QUEUE, MODE_BLOCK, R_EOF, R_ERROR, R_PROTOCOL, R_CRED, R_BANG, R_USER, R_FLOOD, R_OVERSIZE,
     R_LIMIT, R_SHUTDOWN, R_FD_LIMIT, R_SUB_BUDGET, R_CONN_BUDGET)
 from sbus._core.includes.sys cimport (
     accept4, getsockopt, setsockopt, socklen_t, ucred, SOL_SOCKET, SO_PEERCRED, SO_SNDBUF,
@@ -60,7 +60,7 @@ import json
 import os
 
 from sbus.logschema import (
-    ACCEPT_ERROR, ACCEPT_PAUSED, CLIENT_CONNECT, CLIENT_DISCONNECT, CMSG_IGNORED,
+    ACCEPT_ERROR, ACCEPT_PAUSED, CLIENT_CONNECT, CLIENT_DISCONNECT, CMSG_IGNORED, UPSTREAM_EVENTS,
     DELTA_FIELDS, FD_EXHAUSTED, SUBSCRIBE, UNSUBSCRIBE, REFUSE_BANG_MISUSE,
     REFUSE_CRED_MALFORMED, REFUSE_CRED_MISMATCH, REFUSE_NOT_SUBSCRIBED,
     REFUSE_PATTERN_TOO_LONG, REFUSE_TOO_MANY, REFUSE_SUB_BUDGET_CONNECTION,
@@ -107,10 +107,13 @@ cdef void fan_one(void *ctx, Sub *sub) noexcept nogil:
     if c == f.sender and not c.echo:
         return
     # A !/cred/G/U/P/ key reaches only G/U/P, whatever pattern matched it.
-    # An empty field names no one, so it restricts nothing.
+    # An empty field names no one, so it restricts nothing. The upstream
+    # link is the broker's own and forwards private keys for other servers;
+    # it is asked only once a key is already refused, so public keys and a
+    # broker without a link pay nothing for it.
     if f.is_cred and ((f.gid != CRED_EMPTY and c.gid != f.gid) or
                       (f.uid != CRED_EMPTY and c.uid != f.uid) or
-                      (f.pid != CRED_EMPTY and c.pid != f.pid)):
+                      (f.pid != CRED_EMPTY and c.pid != f.pid)) and not c.link:
         return
     f.recips[f.n] = c
     f.n += 1
@@ -428,6 +431,8 @@ cdef class Broker:
         if verb == VERB_UNSUB:
             return self.unsubscribe(c, p.key, p.key_len)
         if verb == VERB_CMSG:
+            if c.link and p.key_len > 5 and memcmp(p.key, b"link/", 5) == 0:
+                return self.link_control(p.key, p.key_len, p.payload, p.payload_len)
             return self.control(c, p.key, p.key_len)
         head = buf[:n if n < 24 else 24]
         return self.mark_closing(c, R_PROTOCOL, f"malformed packet {head!r}")
@@ -788,6 +793,8 @@ cdef class Broker:
         else:
             self.update_interest(c)
         self.emit(CLIENT_CONNECT, report.ident(c))
+        if self.link != NULL:
+            self.link_note(b"CMSG link/conn\0%d/%d/%d" % (c.gid, c.uid, c.pid))
         return 0
 
     cdef Conn *add_conn(self, int fd, ucred *cred) except NULL:
@@ -907,6 +914,10 @@ cdef class Broker:
         if c.nsubs >= self.max_subscriptions:
             return self.refuse_pattern(c, REFUSE_TOO_MANY, pat, n, R_LIMIT,
                                        f"more than {self.max_subscriptions} subscriptions")
+        if self.upstream_cred is not None:
+            stored = self.nested_prefix(pat, n)
+            pat += stored
+            n -= stored
         refusal = normalise_pattern(pat, n, c.gid, c.uid, c.pid, self.scratch,
                                     self.scratch_cap, &stored)
         if refusal != PATTERN_OK:
@@ -932,6 +943,8 @@ cdef class Broker:
         c.acct.sub_bytes += cost
         self.budgets.sub_bytes += cost
         self.emit(SUBSCRIBE, report.subscription(c, self.scratch, stored, None))
+        if self.link != NULL and c != self.link:
+            self.link_note(b"CMSG link/sub\0" + self.scratch[:stored])
         return 0
 
     cdef int refuse_pattern(self, Conn *c, str refusal, const char *pat, size_t n,
@@ -970,11 +983,16 @@ cdef class Broker:
 
     cdef int unsubscribe(self, Conn *c, const char *pat, size_t n) except -1:
         cdef size_t stored = 0
-        cdef int refusal = normalise_pattern(pat, n, c.gid, c.uid, c.pid, self.scratch,
-                                             self.scratch_cap, &stored)
+        cdef int refusal
         cdef uint32_t i
         cdef Sub *sub
         cdef Sub *last
+        if self.upstream_cred is not None:
+            stored = self.nested_prefix(pat, n)
+            pat += stored
+            n -= stored
+        refusal = normalise_pattern(pat, n, c.gid, c.uid, c.pid, self.scratch,
+                                    self.scratch_cap, &stored)
         if refusal == PATTERN_BANG_MISUSE:
             # as in SUB; a pattern refused for its credentials was simply
             # never stored, so it is not found
@@ -992,14 +1010,103 @@ cdef class Broker:
                         last.owner_pos = i
                     self.drop_sub(c, sub)
                     self.emit(UNSUBSCRIBE, report.subscription(c, pat, n, None))
+                    if self.link != NULL and c != self.link:
+                        self.link_note(b"CMSG link/unsub\0" + self.scratch[:stored])
                     return 0
         self.emit(UNSUBSCRIBE, report.subscription(c, pat, n, REFUSE_NOT_SUBSCRIBED))
+        return 0
+
+    # ---- the upstream link --------------------------------------------------
+
+    def attach_link(self, int fd):
+        """Take fd (one end of a socketpair) on as the upstream link: it
+        receives every publish its patterns match, private keys included,
+        never its own publishes back, and a control message for every
+        connection, disconnection, subscription and unsubscription of the
+        others (link/conn, link/gone, link/sub, link/unsub), starting with
+        those that exist now. It waits for no one: soft queue, hard block."""
+        cdef ucred cred
+        cdef Conn *c
+        cdef Conn *other
+        cdef int k
+        cdef uint32_t j
+        if self.link != NULL:
+            raise ValueError("the broker has an upstream link already")
+        cred.pid = os.getpid()
+        cred.uid = self.own_uid
+        cred.gid = self.own_gid
+        if setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &self.sndbuf, sizeof(int)) < 0:
+            setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &self.sndbuf, sizeof(int))
+        c = self.add_conn(fd, &cred)
+        c.acct = account_get(&self.accounts, cred.uid, UNLIMITED, UNLIMITED, UNLIMITED)
+        if c.acct == NULL:
+            raise MemoryError()
+        c.acct.conns += 1
+        c.link = 1
+        c.echo = 0
+        c.soft = MODE_QUEUE
+        c.hard = MODE_BLOCK
+        self.link = c
+        self.upstream_state = {"state": "starting"}
+        self.update_interest(c)
+        self.emit(CLIENT_CONNECT, report.ident(c))
+        for k in range(self.conns_cap):
+            other = self.conns[k]
+            if other == NULL or other == c or other.closing:
+                continue
+            self.link_note(b"CMSG link/conn\0%d/%d/%d" % (other.gid, other.uid, other.pid))
+            for j in range(other.nsubs):
+                self.link_note(b"CMSG link/sub\0" +
+                               other.subs[j].pattern[:other.subs[j].len])
+        self.flush_pending()
+        return None
+
+    cdef int link_note(self, bytes packet) except -1:
+        if not self.link.closing:
+            self.reply(self.link, packet)
+        return 0
+
+    cdef int link_control(self, const char *key, size_t n, const char *payload,
+                          size_t plen) except -1:
+        """What the link tells the broker: its credentials upstream
+        (link/identity), a record for the log (link/log: JSON with "event"),
+        its state for stats (link/state: JSON)."""
+        body = payload[:plen] if payload != NULL else b""
+        if key_is(key, n, b"link/identity", 13):
+            self.upstream_cred = body if body.startswith(b"!/cred/") else None
+            return 0
+        try:
+            fields = json.loads(body)
+        except ValueError:
+            fields = None
+        if not isinstance(fields, dict):
+            return 0    # the link is ours; a bad report is ignored, never fatal
+        if key_is(key, n, b"link/log", 8):
+            event = fields.pop("event", None)
+            if event in UPSTREAM_EVENTS:    # only the link's own events, by name
+                self.emit(event, fields)
+        elif key_is(key, n, b"link/state", 10):
+            self.upstream_state = fields
+        return 0
+
+    cdef size_t nested_prefix(self, const char *pat, size_t n) noexcept:
+        """The length of "<upstream credentials>/" when a pattern is in the
+        nested form under this leaf's own upstream identity, else 0: the rest
+        is then checked against the client as a local pattern."""
+        cdef const char *own = self.upstream_cred
+        cdef size_t olen = len(self.upstream_cred)
+        if n > olen + 7 and memcmp(pat, own, olen) == 0 and pat[olen] == b'/' \
+                and memcmp(pat + olen + 1, b"!/cred/", 7) == 0:
+            return olen + 1
         return 0
 
     # ---- control messages --------------------------------------------------
 
     cdef int control(self, Conn *c, const char *key, size_t n) except -1:
         if key_is(key, n, b"!/cred/whoami", 13):
+            if self.upstream_cred is not None:
+                return self.reply(c, b"CMSG !/cred/whoami\0%s/!/cred/%d/%d/%d" % (
+                    self.upstream_cred, c.gid, c.uid, c.pid))
             return self.reply(c, b"CMSG !/cred/whoami\0!/cred/%d/%d/%d" % (c.gid, c.uid, c.pid))
         if n > 14 and memcmp(key, b"blocking/soft/", 14) == 0:
             mode = key[14:n].decode("latin-1")
@@ -1125,6 +1232,12 @@ cdef class Broker:
             c = self.closing[i]
             self.poller.set(c.fd, 0)
             close(c.fd)
+            if c == self.link:
+                self.link = NULL
+            elif self.link != NULL:
+                for j in range(c.nsubs):
+                    self.link_note(b"CMSG link/unsub\0" + c.subs[j].pattern[:c.subs[j].len])
+                self.link_note(b"CMSG link/gone\0%d/%d/%d" % (c.gid, c.uid, c.pid))
             for j in range(c.nsubs):
                 self.drop_sub(c, c.subs[j])
             free(c.subs)
@@ -1189,7 +1302,8 @@ cdef class Broker:
         """A snapshot: totals, and counters and modes per connected client."""
         return {"uptime_s": round(monotonic() - self.started, 3), "backend": self.poller.name,
                 "totals": self.totals(), "clients": report.entries(self.conns, self.conns_cap),
-                "users": self.users()}
+                "users": self.users(),
+                **({"upstream": self.upstream_state} if self.upstream_state is not None else {})}
 
     def users(self):
         """Each connected uid's usage against its budgets."""

@@ -72,6 +72,7 @@ cdef struct Conn:
     uint8_t paused          # not read while the bus is blocked
     uint8_t blocking        # counted in Broker.nblocking
     uint8_t write_dead      # peer gone: deliveries are dropped, input read to EOF
+    uint8_t link            # the upstream link (sbusd --upstream): sees private keys too
     int reason              # Reason, once closing
     double connected_at
     double block_since

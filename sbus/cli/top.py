@@ -138,6 +138,13 @@ class View:
              f"queued {human(t.get('queued_msgs', 0))} msgs {human(t.get('queued_bytes', 0))}B "
              f"(peak {human(t.get('queued_bytes_peak', 0))}B)", False),
         ]
+        up = s.get("upstream")
+        if up:      # a leaf broker (sbusd --upstream): its link to the upstream
+            out.append((f"upstream {up.get('state', '?')} {up.get('address', '')}"
+                        f"{'  (' + up['reason'] + ')' if up.get('reason') else ''}  "
+                        f"patterns {up.get('patterns', 0)}  held {human(up.get('held', 0))}  "
+                        f"up {human(up.get('up_msgs', 0))}  down {human(up.get('down_msgs', 0))}  "
+                        f"overflow {human(up.get('overflow_dropped', 0))}", False))
         users = s.get("users") or s.get("uids") or ()
         if isinstance(users, dict):
             users = [{"uid": k, **v} for k, v in users.items()]

@@ -34,6 +34,7 @@ USER_QUEUE_MAX_BYTES = 64 << 20
 PIDFILE = "/run/sbus.pid"
 NO_PIDFILE = "/dev/null"        # -p /dev/null: write no pidfile
 SOCKET_MODE = 0o700             # -g and -o add group and other bits
+UPSTREAM_BUFFER = 65536         # upward messages held while the upstream is away
 
 USAGE = "usage: sbusd [-a address] [-f] [-p pidfile] [-u user] ... [-cgor] [options]"
 
@@ -173,6 +174,14 @@ OPTIONS = (
     Option("user_queue_max_bytes", "user-queue-max-bytes", arg="N",
            default=USER_QUEUE_MAX_BYTES, parse=number(low=1),
            help="queued bytes per uid (default {default})"),
+    Option("upstream", "upstream", arg="ADDRESS", default=None,
+           help="be a leaf of the sbusd at ADDRESS: local publishes go up,\n"
+                "what local clients subscribe to comes down (docs/hierarchy.md)"),
+    Option("upstream_export", "upstream-export", arg="PATTERN", default=(), store="append",
+           help="send up only what PATTERN matches; repeatable (default: all)"),
+    Option("upstream_buffer", "upstream-buffer", arg="N", default=UPSTREAM_BUFFER,
+           parse=number(low=1),
+           help="upward messages held while the upstream is away (default {default})"),
     Option("log_format", "log-format", arg="FORMAT", default=None, choices=("json", "console"),
            help="{choices} (default: json unless stderr is a terminal)"),
     Option("log_file", "log-file", arg="PATH", default=None,
@@ -215,7 +224,9 @@ def _build_config(options: Sequence[Option]) -> type:
 
 def _summary(self) -> dict:
     """The configuration as logged in broker_start (scalars only)."""
-    d = {k: v for k, v in dataclasses.asdict(self).items() if k != "users"}
+    d = {k: v for k, v in dataclasses.asdict(self).items()
+         if k not in ("users", "upstream_export")}
+    d["upstream_export"] = ",".join(self.upstream_export)
     d["mode"] = oct(self.mode)
     d["users"] = ",".join(self.users)
     return d

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from typing import List, Optional
@@ -20,6 +21,9 @@ from .. import logschema as schema
 from .._version import __version__
 from ..errors import AddressError
 from .config import USAGE, Config, Exit, UsageError, parse_args
+
+
+LINK_EXIT_WAIT = 5.0    # seconds the upstream link has to leave after the broker
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -77,6 +81,8 @@ def run(cfg: Config) -> int:
                 return 1
     try:
         addr = addresses.parse(cfg.address)
+        if cfg.upstream:
+            check_upstream(cfg.upstream)
         allowed = lifecycle.resolve_users(cfg.users)
         listener = lifecycle.make_listener(addr, reuse=cfg.reuse, mode=cfg.mode, warn=warn)
         if listener.path is not None or listener.abstract:     # a mode we set and enforce
@@ -124,6 +130,36 @@ def run(cfg: Config) -> int:
                 pass
         if pidfile_written:
             lifecycle.remove_quietly(cfg.pidfile)
+
+
+def check_upstream(text: str) -> None:
+    """A clear error at start when --upstream is no sbusd that lets us in;
+    later losses are the link's to retry (and log)."""
+    from .lifecycle import StartupError
+    from .link import UpstreamError, probe
+    try:
+        probe(text)
+    except UpstreamError as e:
+        raise StartupError(f"--upstream {e}") from None
+
+
+def start_link(cfg: Config, broker):
+    """The upstream link: a child process on one end of a socketpair whose
+    other end the broker takes on as its link connection."""
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.setblocking(False)
+    broker.attach_link(ours.detach())
+    argv = [sys.executable, "-m", "sbus.sbusd.link", "--fd", str(theirs.fileno()),
+            "--upstream", cfg.upstream, "--buffer", str(cfg.upstream_buffer)]
+    for pattern in cfg.upstream_export:
+        argv += ["--export", pattern]
+    # stdout is how a parent learns that sbusd listens: the link must not hold it.
+    child = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL)
+    theirs.close()
+    return child
 
 
 def where_listening(cfg: Config, listener) -> str:
@@ -183,6 +219,8 @@ def serve(cfg: Config, listener, allowed, ready, early_stop=(), warnings=()) -> 
     log.info(schema.BROKER_START, version=__version__,
              address=listener.printed_address or cfg.address, pid=os.getpid(),
              config=cfg.summary())
+    # Before the loop reads any client: the link is told of each from the first.
+    link = start_link(cfg, broker) if cfg.upstream else None
     for text in warnings:
         log.warning(schema.CONFIG_WARNING, detail=text)
     lifecycle.detach_stdio()
@@ -195,6 +233,13 @@ def serve(cfg: Config, listener, allowed, ready, early_stop=(), warnings=()) -> 
     finally:
         lifecycle.sd_notify("STOPPING=1")
         broker.close()
+        if link is not None:
+            try:
+                link.wait(LINK_EXIT_WAIT)   # it leaves once its end of the socketpair closes
+            except subprocess.TimeoutExpired:
+                link.kill()
+                link.wait()
+            log.info(schema.UPSTREAM_LINK_EXIT, returncode=link.returncode)
         log.info(schema.BROKER_STOP, reason=reason, uptime_s=round(time.monotonic() - started, 3),
                  totals=broker.totals())
         stream.flush()

@@ -10,7 +10,7 @@ import socket
 
 WHOAMI = b"CMSG !/cred/whoami"
 STATS = b"CMSG stats"
-CREDENTIALS = re.compile(r"!/cred/[0-9]+/[0-9]+/[0-9]+")     # a whoami reply's payload
+CREDENTIALS = re.compile(r"(?:!/cred/[0-9]+/[0-9]+/[0-9]+/)*!/cred/[0-9]+/[0-9]+/[0-9]+")  # whoami (nested on a leaf)
 SO_SNDBUFFORCE = 32     # Linux; root may raise a socket's send buffer past wmem_max
 
 

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""A leaf broker against a direct pair, in the same run.
+
+    bench/bench_leaf.py [--count N] [--payload BYTES] [--repeat N] [--quick] [--json PATH]
+
+Rows (messages/s, first message received to last, and broker CPU per message):
+
+- ``direct``: publisher -> sbusd -> subscriber, both on the one broker;
+- ``leaf``: publisher on the upstream -> sbusd -> the leaf's link ->
+  leaf sbusd -> subscriber on the leaf (``sbusd --upstream``). Its CPU counts
+  the upstream, the leaf and the link process.
+
+The two rows alternate, ``--repeat`` times each; each takes the median. The
+subscriber checks it got every message once, in order. Publisher and
+subscriber are processes of their own (``--worker``). Prints a table on
+stdout and writes JSON (default bench/results/leaf-<UTC>.json). Nothing here
+asserts on speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness import Sbusd, cpu_seconds, results_path
+
+KEY = b"bench/leaf"
+PATTERN = b"bench/"
+
+
+def subscriber(address: str, count: int) -> None:
+    """Subscribe, say "ready", then read ``count`` messages; print rate and checks."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(address)
+    s.send(b"SUB " + PATTERN)
+    s.send(b"CMSG !/cred/whoami")
+    s.recv(4096)
+    print("ready", flush=True)
+    expect = 0
+    first = last = 0.0
+    s.settimeout(30)
+    while expect < count:
+        packet = s.recv(1 << 20)
+        seq = int(packet[packet.index(b"\0") + 1:][:10])
+        if expect == 0:
+            first = time.perf_counter()
+        if seq != expect:
+            raise SystemExit(f"got {seq}, expected {expect}")
+        expect += 1
+    last = time.perf_counter()
+    print(json.dumps({"seconds": last - first, "received": expect}), flush=True)
+
+
+def publisher(address: str, count: int, payload: int) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(address)
+    pad = b"x" * max(0, payload - 10)
+    for i in range(count):
+        s.send(b"MSG " + KEY + b"\0" + b"%010d" % i + pad)
+    s.send(b"CMSG !/cred/whoami")
+    s.recv(4096)
+
+
+def worker(args) -> int:
+    if args.worker == "sub":
+        subscriber(args.address, args.count)
+    else:
+        publisher(args.address, args.count, args.payload)
+    return 0
+
+
+def link_pid(leaf_pid: int) -> int:
+    children = Path(f"/proc/{leaf_pid}/task/{leaf_pid}/children").read_text().split()
+    return int(children[0])
+
+
+def one(row: str, up: Sbusd, leaf: Sbusd, count: int, payload: int) -> dict:
+    me = [sys.executable, __file__, "--count", str(count), "--payload", str(payload)]
+    sub_at = leaf.address if row == "leaf" else up.address
+    pids = [up.pid] + ([leaf.pid, link_pid(leaf.pid)] if row == "leaf" else [])
+    sub = subprocess.Popen(me + ["--worker", "sub", "--address", sub_at],
+                           stdout=subprocess.PIPE, text=True)
+    assert sub.stdout.readline().strip() == "ready"
+    if row == "leaf":       # the subscription has to reach the upstream first
+        deadline = time.monotonic() + 10
+        while not any(c.get("subscriptions", 0) >= 2 and not c["echo"]
+                      for c in up.stats()["clients"]):
+            if time.monotonic() > deadline:
+                raise SystemExit("the leaf's subscription never reached the upstream")
+            time.sleep(0.02)
+    cpu0 = sum(cpu_seconds(p) for p in pids)
+    subprocess.run(me + ["--worker", "pub", "--address", up.address], check=True)
+    out = json.loads(sub.stdout.readline())
+    sub.wait(30)
+    cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+    return {"row": row, "msgs_per_s": out["received"] / out["seconds"],
+            "cpu_us_per_msg": cpu / count * 1e6, "received": out["received"]}
+
+
+def run(args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-leaf-") as d:
+        work = Path(d)
+        up = Sbusd.foreground(work, address=str(work / "up"), log_level="warning")
+        leaf = Sbusd.foreground(work, "--upstream", up.address, address=str(work / "leaf"),
+                                log_level="warning")
+        try:
+            runs = {"direct": [], "leaf": []}
+            for _ in range(args.repeat):
+                for row in runs:
+                    r = one(row, up, leaf, args.count, args.payload)
+                    runs[row].append(r)
+                    print(f"{row}: {r['msgs_per_s']:.0f} msg/s, "
+                          f"{r['cpu_us_per_msg']:.2f} us CPU/msg", file=sys.stderr)
+        finally:
+            leaf.stop()
+            up.stop()
+    rows = {row: {"msgs_per_s": statistics.median(r["msgs_per_s"] for r in rs),
+                  "cpu_us_per_msg": statistics.median(r["cpu_us_per_msg"] for r in rs)}
+            for row, rs in runs.items()}
+    rows["leaf"]["vs_direct"] = rows["leaf"]["msgs_per_s"] / rows["direct"]["msgs_per_s"]
+    return {"count": args.count, "payload": args.payload, "repeat": args.repeat,
+            "rows": rows, "runs": runs}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--count", type=int, default=200_000)
+    ap.add_argument("--payload", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="2,000 messages, once")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--worker", choices=("sub", "pub"), help=argparse.SUPPRESS)
+    ap.add_argument("--address", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.count, args.repeat = 2000, 1
+    result = run(args)
+    print(f"{'row':8} {'msgs/s':>10} {'CPU us/msg':>11} {'vs direct':>10}")
+    for row, r in result["rows"].items():
+        print(f"{row:8} {r['msgs_per_s']:10.0f} {r['cpu_us_per_msg']:11.2f} "
+              f"{r.get('vs_direct', 1.0):10.2f}")
+    path = args.json or results_path("leaf")
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"results: {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

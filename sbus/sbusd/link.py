@@ -1,0 +1,440 @@
+"""The upstream link of a leaf broker (``sbusd --upstream ADDRESS``).
+
+A child process of sbusd that is a client of both brokers. Locally it holds
+the link end of a socketpair the broker made (``Broker.attach_link``): it
+receives every local publish its export patterns match, private keys
+included, never its own publishes, and a control message for each local
+connection and subscription change. Upstream it is an ordinary client with
+echo off.
+
+* Upwards: a local publish goes up as written, unless it is a private key
+  of a process connected here (``!/cred/G/U/P/...`` with all three fields
+  naming a local connection) or the nested form under this leaf's own
+  upstream identity (``<own>/!/cred/g/u/p/...``: delivered here, stripped).
+  While the upstream is away upward messages wait in a bounded buffer;
+  what overflows is counted and logged.
+* Downwards: the link subscribes upstream to each distinct public pattern of
+  the local clients once (counted by reference) and to ``!/cred////``, its
+  own private keys. A message on ``<own>/!/cred/g/u/p/REST`` is published
+  here as ``!/cred/g/u/p/REST``, so the local rules give it to g/u/p alone;
+  anything else comes down as it is.
+* Failure: the upstream is reconnected with back-off; on the way back the
+  link asks whoami again, resubscribes and flushes its buffer.
+
+It reports to its broker over the same socketpair: ``link/identity`` (its
+credentials upstream, the nesting prefix), ``link/log`` (records for the
+broker's log) and ``link/state`` (for ``CMSG stats``).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import selectors
+import socket
+import sys
+import time
+from typing import Deque, List, Optional, Tuple
+
+from .. import address as addresses
+from .. import logschema as schema
+from ..errors import AddressError
+
+WHOAMI_TIMEOUT = 5.0        # seconds an upstream has to answer whoami
+BACKOFF_FIRST = 0.1         # seconds before the first reconnect
+BACKOFF_MAX = 5.0
+STATE_INTERVAL = 1.0        # seconds between link/state reports
+RECV_SIZE = 1 << 23         # above any --max-message
+LOCAL_BACKLOG = 1024        # downward packets waiting for the local broker before
+                            # the link stops reading the upstream (its queue holds them)
+OWN_PRIVATE = b"!/cred////"  # every key private to the link itself, upstream
+CRED = b"!/cred/"
+
+
+class UpstreamError(Exception):
+    """The upstream cannot be used; the text says why."""
+
+
+def connect(text: str) -> socket.socket:
+    """A connected SOCK_SEQPACKET socket to the sbusd at ``text``."""
+    try:
+        addr = addresses.parse(text)
+    except AddressError as e:
+        raise UpstreamError(str(e)) from None
+    if addr.random:
+        raise UpstreamError(f"{text}: a random abstract address names no broker")
+    if addr.fd is not None:
+        raise UpstreamError(f"{text}: a passed descriptor cannot be connected again; "
+                            f"give the upstream's path or abstract name")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.connect(addr.sun_path)
+    except OSError as e:
+        sock.close()
+        raise UpstreamError(f"{text}: {e.strerror or e}") from None
+    return sock
+
+
+def whoami(sock: socket.socket, text: str, timeout: float = WHOAMI_TIMEOUT) -> bytes:
+    """Ask an sbusd for our credentials over ``sock``; raise UpstreamError
+    naming what went wrong when it refuses, closes or is no sbusd."""
+    sock.settimeout(timeout)
+    try:
+        sock.send(b"CMSG !/cred/whoami")
+        reply = sock.recv(RECV_SIZE)
+    except socket.timeout:
+        raise UpstreamError(f"{text}: no answer to whoami within {timeout:g} s "
+                            f"(not an sbusd?)") from None
+    except (ConnectionResetError, BrokenPipeError):
+        reply = b""
+    except OSError as e:
+        raise UpstreamError(f"{text}: {e.strerror or e}") from None
+    finally:
+        sock.settimeout(None)
+    if not reply:
+        raise UpstreamError(f"{text}: the upstream closed the connection (refused?)")
+    head, sep, creds = reply.partition(b"\0")
+    if head != b"CMSG !/cred/whoami" or not sep or not creds.startswith(CRED):
+        raise UpstreamError(f"{text}: not an sbusd (answered {reply[:40]!r})")
+    return creds
+
+
+def probe(text: str) -> bytes:
+    """Check at start that ``text`` is an sbusd that lets us in; our credentials there."""
+    sock = connect(text)
+    try:
+        return whoami(sock, text)
+    finally:
+        sock.close()
+
+
+def split(packet: bytes) -> Tuple[bytes, bytes, bytes]:
+    """(verb, key, payload) of a packet."""
+    head, _, payload = packet.partition(b"\0")
+    verb, _, key = head.partition(b" ")
+    return verb, key, payload
+
+
+def cred_fields(key: bytes) -> Optional[Tuple[bytes, bytes, bytes]]:
+    """The gid, uid and pid fields of a ``!/cred/G/U/P/`` key, or None."""
+    parts = key[len(CRED):].split(b"/", 3)
+    if len(parts) < 4:
+        return None
+    return parts[0], parts[1], parts[2]
+
+
+class Link:
+    """The link's state and its loop; ``run()`` returns when the local broker goes."""
+
+    def __init__(self, local: socket.socket, upstream: str, exports: List[str],
+                 buffer_max: int):
+        self.local = local
+        self.upstream = upstream
+        self.exports = [p.encode() for p in exports] or [b""]
+        self.buffer_max = buffer_max
+        self.sel = selectors.DefaultSelector()
+        self.up: Optional[socket.socket] = None
+        self.state = "away"
+        self.prefix: Optional[bytes] = None      # our credentials upstream
+        self.refs: collections.Counter = collections.Counter()  # public pattern -> local subs
+        self.local_creds: collections.Counter = collections.Counter()
+        self.up_out: Deque[Tuple[bool, bytes]] = collections.deque()  # (is MSG, packet)
+        self.held_msgs = 0
+        self.local_out: Deque[bytes] = collections.deque()
+        self.up_paused = False      # not reading the upstream: local_out is long
+        self.retry_at = 0.0
+        self.backoff = BACKOFF_FIRST
+        self.asked_at = 0.0
+        self.next_state = 0.0
+        self.counts = {"up_msgs": 0, "down_msgs": 0, "overflow_dropped": 0,
+                       "kept_local": 0, "connects": 0, "disconnects": 0}
+        self.reason = ""
+        local.setblocking(False)
+        self.sel.register(local, selectors.EVENT_READ, "local")
+        for pattern in self.exports:
+            self.send_local(b"SUB " + pattern)
+
+    # ---- reporting to the broker
+    def log(self, event: str, **fields) -> None:
+        fields["event"] = event
+        self.send_local(b"CMSG link/log\0" + json.dumps(fields).encode())
+
+    def report_state(self) -> None:
+        state = {"state": self.state, "address": self.upstream,
+                 "identity": self.prefix.decode() if self.prefix else None,
+                 "patterns": len(self.refs), "held": self.held_msgs,
+                 "reason": self.reason or None, **self.counts}
+        self.send_local(b"CMSG link/state\0" + json.dumps(state).encode())
+
+    # ---- writing
+    def send_local(self, packet: bytes) -> None:
+        self.local_out.append(packet)
+        self.write_local()
+
+    def write_local(self) -> None:
+        while self.local_out:
+            try:
+                self.local.send(self.local_out[0])
+            except BlockingIOError:
+                break
+            self.local_out.popleft()
+        if self.up_paused and len(self.local_out) < LOCAL_BACKLOG // 2:
+            self.up_paused = False
+            self.watch_up()
+        self.sel.modify(self.local, selectors.EVENT_READ |
+                        (selectors.EVENT_WRITE if self.local_out else 0), "local")
+
+    def send_up(self, packet: bytes, is_msg: bool) -> None:
+        if is_msg:
+            if self.held_msgs >= self.buffer_max:
+                self.counts["overflow_dropped"] += 1
+                if self.counts["overflow_dropped"] & (self.counts["overflow_dropped"] - 1) == 0:
+                    self.log(schema.UPSTREAM_OVERFLOW, dropped=self.counts["overflow_dropped"],
+                             buffer_max=self.buffer_max)
+                return
+            self.held_msgs += 1
+        elif self.state != "up":
+            return      # subscriptions are made again from refs on the way back
+        self.up_out.append((is_msg, packet))
+        if self.state == "up":
+            self.write_up()
+
+    def write_up(self) -> None:
+        while self.up_out:
+            is_msg, packet = self.up_out[0]
+            try:
+                self.up.send(packet)
+            except BlockingIOError:
+                break
+            except OSError as e:
+                self.lost(e.strerror or str(e))
+                return
+            self.up_out.popleft()
+            if is_msg:
+                self.held_msgs -= 1
+                self.counts["up_msgs"] += 1
+        self.watch_up()
+
+    def watch_up(self) -> None:
+        if self.up is None:
+            return
+        mask = (0 if self.up_paused else selectors.EVENT_READ) | \
+            (selectors.EVENT_WRITE if self.up_out and self.state == "up" else 0)
+        try:
+            self.sel.get_key(self.up)
+            watched = True
+        except KeyError:
+            watched = False
+        if mask and watched:
+            self.sel.modify(self.up, mask, "up")
+        elif mask:
+            self.sel.register(self.up, mask, "up")
+        elif watched:
+            self.sel.unregister(self.up)
+
+    # ---- the upstream connection
+    def try_connect(self) -> None:
+        try:
+            sock = connect(self.upstream)
+        except UpstreamError as e:
+            self.retry(str(e))
+            return
+        sock.setblocking(False)
+        self.up = sock
+        self.state = "identifying"
+        self.asked_at = time.monotonic()
+        self.sel.register(sock, selectors.EVENT_READ, "up")
+        try:
+            for packet in (b"CMSG echo/off", b"CMSG blocking/soft/queue",
+                           b"CMSG blocking/hard/discard", b"CMSG !/cred/whoami"):
+                sock.send(packet)
+        except OSError as e:
+            self.lost(e.strerror or str(e))
+
+    def identified(self, creds: bytes) -> None:
+        self.prefix = creds
+        self.send_local(b"CMSG link/identity\0" + creds)
+        # Subscriptions first, then the held messages, in their order.
+        pending = list(self.up_out)
+        self.up_out.clear()
+        self.up_out.append((False, b"SUB " + OWN_PRIVATE))
+        self.up_out.extend((False, b"SUB " + p) for p in self.refs)
+        self.up_out.extend(item for item in pending if item[0])
+        self.state = "up"
+        self.backoff = BACKOFF_FIRST
+        self.counts["connects"] += 1
+        self.reason = ""
+        self.log(schema.UPSTREAM_CONNECTED, address=self.upstream, identity=creds.decode(),
+                 patterns=len(self.refs), held=self.held_msgs)
+        self.write_up()
+        self.report_state()
+
+    def lost(self, reason: str) -> None:
+        was_up = self.state == "up"
+        if self.up is not None:
+            self.up_paused = False
+            try:
+                self.sel.unregister(self.up)
+            except KeyError:
+                pass            # paused with nothing to write: not watched
+            self.up.close()
+            self.up = None
+        # Control packets are rebuilt on the way back; messages wait.
+        self.up_out = collections.deque(item for item in self.up_out if item[0])
+        if was_up:
+            self.counts["disconnects"] += 1
+            self.log(schema.UPSTREAM_DISCONNECTED, address=self.upstream, reason=reason,
+                     held=self.held_msgs)
+        self.retry(reason)
+
+    def retry(self, reason: str) -> None:
+        if reason != self.reason:
+            self.log(schema.UPSTREAM_RETRY, address=self.upstream, reason=reason,
+                     in_s=round(self.backoff, 3))
+        self.reason = reason
+        self.state = "away"
+        self.retry_at = time.monotonic() + self.backoff
+        self.backoff = min(self.backoff * 2, BACKOFF_MAX)
+        self.report_state()
+
+    # ---- packets
+    def from_up(self, packet: bytes) -> None:
+        verb, key, payload = split(packet)
+        if self.state == "identifying":
+            if verb == b"CMSG" and key == b"!/cred/whoami" and payload.startswith(CRED):
+                self.identified(payload)
+            elif verb != b"CMSG":
+                self.lost(f"not an sbusd (sent {packet[:40]!r} before whoami)")
+            return
+        if verb != b"MSG":
+            return      # the upstream's control replies
+        self.counts["down_msgs"] += 1
+        own = self.prefix + b"/"
+        if key.startswith(own):
+            rest = packet[4 + len(own):]
+            if not rest.startswith(CRED):
+                return      # addressed to this leaf itself: no one here to take it
+            packet = b"MSG " + rest
+        self.send_local(packet)
+
+    def from_local(self, packet: bytes) -> None:
+        verb, key, payload = split(packet)
+        if verb == b"CMSG":
+            self.on_note(key, payload)
+        elif verb == b"MSG":
+            self.on_publish(packet, key)
+
+    def on_note(self, key: bytes, payload: bytes) -> None:
+        if key == b"link/sub":
+            if payload.startswith(CRED):
+                return      # local: a private pattern is a local process's
+            self.refs[payload] += 1
+            if self.refs[payload] == 1:
+                self.send_up(b"SUB " + payload, False)
+        elif key == b"link/unsub":
+            if payload not in self.refs:
+                return
+            self.refs[payload] -= 1
+            if self.refs[payload] == 0:
+                del self.refs[payload]
+                self.send_up(b"UNSUB " + payload, False)
+        elif key == b"link/conn":
+            self.local_creds[payload] += 1
+        elif key == b"link/gone":
+            self.local_creds[payload] -= 1
+            if self.local_creds[payload] <= 0:
+                del self.local_creds[payload]
+
+    def on_publish(self, packet: bytes, key: bytes) -> None:
+        if self.prefix is not None and key.startswith(self.prefix + b"/" + CRED):
+            # Nested under our own identity: a process here; the local rules decide.
+            self.counts["kept_local"] += 1
+            self.send_local(b"MSG " + packet[5 + len(self.prefix):])
+            return
+        if key.startswith(CRED):
+            fields = cred_fields(key)
+            if fields is not None and all(fields) and \
+                    b"/".join(str(int(f)).encode() for f in fields) in self.local_creds:
+                self.counts["kept_local"] += 1
+                return
+        self.send_up(packet, True)
+
+    # ---- the loop
+    def run(self) -> int:
+        self.try_connect()
+        while True:
+            now = time.monotonic()
+            timeout = STATE_INTERVAL
+            if self.state == "away":
+                timeout = max(0.0, min(timeout, self.retry_at - now))
+            for key, mask in self.sel.select(timeout):
+                if key.data == "local":
+                    if mask & selectors.EVENT_WRITE:
+                        self.write_local()
+                    if mask & selectors.EVENT_READ and not self.read_local():
+                        return 0
+                elif self.up is not None and key.fileobj is self.up:
+                    if mask & selectors.EVENT_WRITE:
+                        self.write_up()
+                    if self.up is not None and mask & selectors.EVENT_READ:
+                        self.read_up()
+            now = time.monotonic()
+            if self.state == "away" and now >= self.retry_at:
+                self.try_connect()
+            elif self.state == "identifying" and now - self.asked_at > WHOAMI_TIMEOUT:
+                self.lost(f"no answer to whoami within {WHOAMI_TIMEOUT:g} s (not an sbusd?)")
+            if now >= self.next_state:
+                self.next_state = now + STATE_INTERVAL
+                self.report_state()
+
+    def read_local(self) -> bool:
+        for _ in range(64):
+            try:
+                packet = self.local.recv(RECV_SIZE)
+            except BlockingIOError:
+                return True
+            except ConnectionError:
+                return False
+            if not packet:
+                return False
+            self.from_local(packet)
+        return True
+
+    def read_up(self) -> None:
+        # Downward messages wait in the upstream's queue while ours is long.
+        for _ in range(64):
+            if len(self.local_out) >= LOCAL_BACKLOG:
+                self.up_paused = True
+                self.watch_up()
+                return
+            try:
+                packet = self.up.recv(RECV_SIZE)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                self.lost(e.strerror or str(e))
+                return
+            if not packet:
+                self.lost("the upstream closed the connection")
+                return
+            self.from_up(packet)
+            if self.up is None:
+                return
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="sbusd-link", description=__doc__.split("\n")[0])
+    ap.add_argument("--fd", type=int, required=True, help="the broker's end of the socketpair")
+    ap.add_argument("--upstream", required=True)
+    ap.add_argument("--export", action="append", default=[])
+    ap.add_argument("--buffer", type=int, required=True)
+    args = ap.parse_args(argv)
+    local = socket.socket(fileno=args.fd)
+    try:
+        return Link(local, args.upstream, args.export, args.buffer).run()
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,592 @@
+"""Leaf brokers (``sbusd --upstream``) with real processes: messages up and
+down, one upstream subscription per distinct local pattern, a chain of three
+levels, an upstream that goes away under load, a bad upstream, and nested
+credentials: the spec's four-step identity proof across servers with
+eavesdroppers of another uid on every server (docs/hierarchy.md)."""
+from __future__ import annotations
+
+import secrets
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+
+from support.conn import Conn
+from support.sbusd import Sbusd
+from support.seconduser import asroot, make_public_dir
+from support.waiting import wait_until
+
+
+_STARTED: list = []     # every broker a test started, stopped after it whatever happened
+
+
+@pytest.fixture(autouse=True)
+def _stop_brokers():
+    yield
+    while _STARTED:
+        _STARTED.pop().stop()
+
+
+def broker(workdir, name, *args, upstream=None, log_level="info"):
+    """A foreground sbusd at workdir/name (a leaf of ``upstream`` if given)."""
+    extra = ["--upstream", upstream.address] if upstream is not None else []
+    b = Sbusd.foreground(workdir, *extra, *args, address=str(workdir / name),
+                         log_level=log_level)
+    _STARTED.append(b)
+    if upstream is not None:
+        b.wait_for_event("upstream_connected", timeout=10)
+    return b
+
+
+def link_identity(leaf) -> str:
+    """The leaf's credentials upstream (the prefix of its clients' whoami)."""
+    with leaf.connect() as c:
+        return c.whoami().rsplit("/!/cred/", 1)[0]
+
+
+def link_patterns(upstream, leaf) -> int:
+    """How many subscriptions the leaf's link holds on ``upstream``."""
+    pid = int(link_identity(leaf).rsplit("/", 1)[1])
+    [entry] = [e for e in upstream.stats()["clients"] if e["pid"] == pid]
+    return entry["subscriptions"]
+
+
+def wait_patterns(upstream, leaf, n):
+    wait_until(lambda: link_patterns(upstream, leaf) == n, timeout=10,
+               what=f"{n} link subscriptions upstream")
+
+
+def stop_all(*brokers):
+    for b in brokers:
+        b.stop()
+
+
+def payloads(packets, prefix=b"MSG "):
+    return [p for p in packets if p.startswith(prefix)]
+
+
+# ---- messages up and down -------------------------------------------------
+
+def test_messages_go_up_and_come_down_once(tmp_path):
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", upstream=up)
+    try:
+        here, there = leaf.connect(), up.connect()
+        here.sub("x/")
+        here.sync()
+        there.sub("x/")
+        there.sync()
+        wait_patterns(up, leaf, 2)          # !/cred//// and x/
+        there.pub("x/down", b"1")
+        here.pub("x/up", b"2")
+        # once each (no echo back through the link); two publishers: no order between them
+        assert sorted(here.drain()) == [b"MSG x/down\x001", b"MSG x/up\x002"]
+        assert sorted(there.drain()) == [b"MSG x/down\x001", b"MSG x/up\x002"]
+        # what no local client asked for does not come down
+        assert link_patterns(up, leaf) == 2
+        there.pub("y/1", b"not asked for")
+        assert here.drain() == []
+    finally:
+        stop_all(leaf, up)
+
+
+def test_upstream_export_narrows_what_goes_up(tmp_path):
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", "--upstream-export", "pub/", upstream=up)
+    try:
+        there = up.connect()
+        there.sub("")
+        there.sync()
+        here = leaf.connect()
+        here.pub("pub/1", b"a")
+        here.pub("local/1", b"b")
+        here.sync()
+        assert payloads(there.drain()) == [b"MSG pub/1\x00a"]
+    finally:
+        stop_all(leaf, up)
+
+
+def test_upstream_subscriptions_are_counted_by_reference(tmp_path):
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", upstream=up)
+    clients = []
+    try:
+        # 1,000 subscribers over 50 connections, 37 distinct patterns.
+        for i in range(50):
+            c = leaf.connect()
+            for j in range(20):
+                c.sub(f"p/{(i * 20 + j) % 37}/")
+            c.sync()
+            clients.append(c)
+        wait_patterns(up, leaf, 1 + 37)
+        # Half unsubscribe everything, half leave: nothing is left behind.
+        for i, c in enumerate(clients[:25]):
+            for j in range(20):
+                c.unsub(f"p/{(i * 20 + j) % 37}/")
+            c.sync()
+        wait_patterns(up, leaf, 1 + 37)     # the others still hold every pattern
+        for c in clients[25:]:
+            c.close()
+        wait_patterns(up, leaf, 1)
+        assert leaf.stats()["upstream"]["patterns"] == 0
+    finally:
+        for c in clients:
+            c.close()
+        stop_all(leaf, up)
+
+
+def test_a_burst_comes_down_whole_and_in_order(tmp_path):
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", upstream=up)
+    try:
+        here = leaf.connect()
+        here.sub("burst/")
+        here.sync()
+        wait_patterns(up, leaf, 2)
+        there = up.connect()
+        n = 20000
+        body = b"x" * 100
+        for i in range(n):
+            there.pub(f"burst/{i}", body)
+        got = []
+        wait_until(lambda: got.extend(here.drain(0.2)) or len(got) >= n, timeout=60,
+                   what=f"{n} messages")
+        assert [int(p[len(b"MSG burst/"):p.index(b"\0")]) for p in got] == list(range(n))
+    finally:
+        stop_all(leaf, up)
+
+
+def test_stats_and_top_show_the_upstream(tmp_path):
+    from sbus.cli.top import View
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", upstream=up)
+    with leaf.connect() as c:
+        c.sub("a/")
+        c.pub("b/1")
+        c.sync()
+    wait_until(lambda: leaf.stats()["upstream"]["up_msgs"] == 1, timeout=10, what="the report")
+    stats = leaf.stats()
+    assert stats["upstream"]["state"] == "up"
+    assert stats["upstream"]["address"] == up.address
+    assert stats["upstream"]["identity"] == link_identity(leaf)
+    view = View(leaf.address)
+    view.update(stats, time.monotonic())
+    [line] = [text for text, _ in view.lines(200, 40) if text.startswith("upstream ")]
+    assert line.startswith(f"upstream up {up.address}  patterns ")
+    assert "  up 1  " in line
+    assert "upstream" not in up.stats()        # a broker without --upstream has none
+
+
+# ---- a chain of three levels ------------------------------------------------
+
+def test_three_levels_deliver_exactly_once_in_order(tmp_path):
+    top = broker(tmp_path, "top")
+    mid = broker(tmp_path, "mid", upstream=top)
+    low = broker(tmp_path, "low", upstream=mid)
+    levels = {"top": top, "mid": mid, "low": low}
+    try:
+        subs = {name: b.connect() for name, b in levels.items()}
+        for c in subs.values():
+            c.sub("k/")
+            c.sync()
+        wait_patterns(mid, low, 2)
+        wait_patterns(top, mid, 2)
+        pubs = {name: b.connect() for name, b in levels.items()}
+        n = 300
+        for i in range(n):
+            for name, c in pubs.items():
+                c.pub(f"k/{name}", str(i))
+        want = sorted(f"MSG k/{name}\0{i}".encode() for name in levels for i in range(n))
+        for name, c in subs.items():
+            got = []
+            wait_until(lambda: got.extend(c.drain(0.2)) or len(got) >= 3 * n, timeout=20,
+                       what=f"{3 * n} messages on {name}")
+            got.extend(c.drain(0.5))
+            assert sorted(got) == want, name         # each exactly once: no loops
+            for src in levels:                       # and in order per publisher
+                seq = [int(p.split(b"\0")[1]) for p in got if p.startswith(f"MSG k/{src}\0".encode())]
+                assert seq == list(range(n)), (name, src)
+    finally:
+        stop_all(low, mid, top)
+
+
+# ---- failure ------------------------------------------------------------------
+
+def test_upstream_away_local_goes_on_loss_is_bounded_and_counted(tmp_path):
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", "--upstream-buffer", "100", upstream=up)
+    try:
+        local = leaf.connect()
+        local.sub("load/")
+        local.sync()
+        publisher = leaf.connect()
+        up.stop()
+        leaf.wait_for_event("upstream_disconnected", timeout=10)
+        for i in range(500):
+            publisher.pub(f"load/{i}", b"")
+        publisher.sync()
+        # local traffic went on
+        got = local.drain()
+        assert got == [f"MSG load/{i}\0".encode() for i in range(500)]
+        wait_until(lambda: leaf.stats()["upstream"]["overflow_dropped"] == 400, timeout=10,
+                   what="400 counted drops")
+        assert leaf.stats()["upstream"]["held"] == 100
+        assert leaf.events("upstream_overflow")
+        up2 = Sbusd.foreground(tmp_path, "-r", address=up.address, log_level="info")
+        _STARTED.append(up2)
+        try:
+            there = up2.connect()
+            there.sub("load/")
+            there.sync()
+            wait_until(lambda: len(leaf.events("upstream_connected")) == 2, timeout=15,
+                       what="the link back")
+            wait_patterns(up2, leaf, 2)
+            for i in range(500, 600):
+                publisher.pub(f"load/{i}", b"")
+            publisher.sync()
+            seen = []
+            wait_until(lambda: seen.extend(there.drain(0.2)) or
+                       f"MSG load/599\0".encode() in seen, timeout=10, what="the last message")
+            numbers = [int(p[len(b"MSG load/"):-1]) for p in seen]
+            held = [k for k in numbers if k < 500]
+            # the held messages are the first 100, in order; everything after the return arrives
+            assert held == list(range(100))[-len(held):] if held else True
+            assert numbers[len(held):] == list(range(500, 600))
+            stats = leaf.stats()["upstream"]
+            assert stats["state"] == "up" and stats["held"] == 0
+            assert stats["overflow_dropped"] == 400
+        finally:
+            up2.stop()
+    finally:
+        leaf.stop()
+
+
+def test_upstream_restarted_while_publishing(tmp_path):
+    """A publisher on the leaf never stops; the upstream goes and comes back.
+    Locally nothing is lost; upstream, a subscriber sees the messages in order
+    and every one published after the link is back."""
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", "--upstream-buffer", "1000", upstream=up)
+    stop = threading.Event()
+    published = []
+
+    def publish():
+        c = leaf.connect()
+        i = 0
+        while not stop.is_set():
+            c.pub(f"run/{i}", b"")
+            published.append(i)
+            i += 1
+            if i % 100 == 0:
+                time.sleep(0.005)
+        c.sync()
+        c.close()
+
+    try:
+        local = leaf.connect(timeout=30)
+        local.sub("run/")
+        local.sync()
+        local_got = []
+        worker = threading.Thread(target=publish)
+        worker.start()
+        time.sleep(0.3)
+        up.stop()
+        leaf.wait_for_event("upstream_disconnected", timeout=10)
+        time.sleep(0.5)
+        up2 = Sbusd.foreground(tmp_path, "-r", address=up.address, log_level="info")
+        _STARTED.append(up2)
+        try:
+            there = up2.connect(timeout=30)
+            there.sub("run/")
+            there.sync()
+            wait_until(lambda: len(leaf.events("upstream_connected")) == 2, timeout=15,
+                       what="the link back")
+            wait_patterns(up2, leaf, 2)
+            mark = len(published)
+            time.sleep(0.3)
+            stop.set()
+            worker.join(30)
+            last = published[-1]
+            seen = []
+            wait_until(lambda: seen.extend(there.drain(0.2)) or
+                       f"MSG run/{last}\0".encode() in seen, timeout=20, what="the last message")
+            numbers = [int(p[len(b"MSG run/"):-1]) for p in seen]
+            assert numbers == sorted(set(numbers))              # in order, none twice
+            assert set(range(mark, last + 1)) <= set(numbers)   # all after the return
+            wait_until(lambda: local_got.extend(local.drain(0.2)) or
+                       f"MSG run/{last}\0".encode() in local_got, timeout=20,
+                       what="everything locally")
+            assert [int(p[len(b"MSG run/"):-1]) for p in local_got] == list(range(last + 1))
+            stats = leaf.stats()["upstream"]
+            # what was lost upstream is what overflowed while it was away, and counted
+            missing = (last + 1) - len(numbers)
+            assert stats["overflow_dropped"] <= missing
+            assert stats["state"] == "up"
+        finally:
+            up2.stop()
+    finally:
+        stop.set()
+        leaf.stop()
+
+
+def test_the_leaf_reconnects_and_logs_why(tmp_path):
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", upstream=up)
+    try:
+        up.stop()
+        lost = leaf.wait_for_event("upstream_disconnected", timeout=10)
+        assert lost["reason"] == "the upstream closed the connection"
+        retry = leaf.wait_for_event("upstream_retry", timeout=10,
+                                    predicate=lambda r: "No such file" in r["reason"]
+                                    or "refused" in r["reason"])
+        assert retry["address"] == up.address
+        assert leaf.stats()["upstream"]["state"] == "away"
+        up2 = Sbusd.foreground(tmp_path, "-r", address=up.address, log_level="info")
+        _STARTED.append(up2)
+        try:
+            wait_until(lambda: len(leaf.events("upstream_connected")) == 2, timeout=15,
+                       what="the link back")
+            assert leaf.stats()["upstream"]["state"] == "up"
+        finally:
+            up2.stop()
+    finally:
+        leaf.stop()
+
+
+def fake_server(path, behaviour):
+    """A SOCK_SEQPACKET listener that is not an sbusd: it closes each
+    connection at once ("close") or answers garbage ("garbage")."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(str(path))
+    srv.listen(8)
+
+    def serve():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            if behaviour == "garbage":
+                try:
+                    c.recv(4096)
+                    c.send(b"HELLO I am not a bus")
+                except OSError:
+                    pass
+                time.sleep(0.2)
+            c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv
+
+
+def test_a_passed_descriptor_is_no_upstream(tmp_path):
+    b = Sbusd(tmp_path, ["-f", "-a", str(tmp_path / "leaf"), "--upstream", "/dev/fd/0"],
+              log_level=None)
+    assert b.wait(10) == 1
+    assert "cannot be connected again" in b.stderr_text()
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("missing", "No such file"),
+    ("close", "closed the connection"),
+    ("garbage", "not an sbusd"),
+])
+def test_a_bad_upstream_is_a_clear_error_at_start(tmp_path, kind, words):
+    target = tmp_path / "bad"
+    srv = fake_server(target, kind) if kind != "missing" else None
+    try:
+        b = Sbusd(tmp_path, ["-f", "-a", str(tmp_path / "leaf"), "--upstream", str(target)],
+                  log_level=None)
+        assert b.wait(10) == 1
+        err = b.stderr_text()
+        assert "--upstream" in err and words in err, err
+        assert not (tmp_path / "leaf").exists()
+    finally:
+        if srv is not None:
+            srv.close()
+
+
+# ---- nested credentials -------------------------------------------------------
+
+def test_whoami_on_a_leaf_is_nested_under_the_leafs_identity(tmp_path):
+    up = broker(tmp_path, "up")
+    mid = broker(tmp_path, "mid", upstream=up)
+    low = broker(tmp_path, "low", upstream=mid)
+    try:
+        with up.connect() as a, mid.connect() as b, low.connect() as c:
+            me = a.me
+            assert a.whoami() == me
+            mid_id = link_identity(mid)
+            assert b.whoami() == f"{mid_id}/{me}"
+            assert mid.stats()["upstream"]["identity"] == mid_id
+            # the low leaf's identity is itself nested, as its link sees it on mid
+            low_id = low.stats()["upstream"]["identity"]
+            assert low_id.startswith(mid_id + "/!/cred/")
+            assert c.whoami() == f"{low_id}/{me}"
+    finally:
+        stop_all(low, mid, up)
+
+
+def test_nested_patterns_only_under_the_leafs_own_identity(tmp_path):
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", upstream=up)
+    try:
+        c = leaf.connect()
+        who = c.whoami()
+        assert c.sub_ok(who + "/mine")                     # own, nested
+        assert c.sub_ok("!/cred////also")                  # own, local form
+        other = leaf.connect()
+        assert not other.sub_ok("!/cred/0/0/1/!/cred/0/0/1/x")  # another leaf's identity
+        assert leaf.wait_for_event("subscribe", predicate=lambda r: not r["accepted"])[
+            "reason"] == "cred_mismatch"
+    finally:
+        stop_all(leaf, up)
+
+
+def proof_party(address, role, peer_hint, ctl):
+    """One side of the spec's four-step identity proof, run in its own process.
+    The initiator (A) publishes its credentials on pub/hello until B answers
+    on A's private key; B proves it holds its claimed identity by returning A's
+    nonce. Returns what was proved and every key received."""
+    c = Conn.to(address, timeout=20)
+    me = c.whoami()
+    c.sub(me + "/proof/")               # the nested form on a leaf: accepted
+    if role == "B":
+        c.sub("pub/")
+    c.sync()
+    ctl.send({"ready": me})
+    ctl.wait()
+    keys = []
+    deadline = time.monotonic() + 20
+    if role == "A":
+        nonce = secrets.token_hex(8)
+        while time.monotonic() < deadline:
+            c.pub("pub/hello", me)                          # 1. A's credentials to B
+            p = c.next_packet(0.3)
+            if p and b"/proof/2\0" in p:
+                keys.append(p.split(b"\0")[0][4:].decode())
+                b_cred = p.split(b"\0", 1)[1].decode()
+                break
+        else:
+            raise AssertionError("no answer from B")
+        c.pub(b_cred + "/proof/3", nonce)                   # 3. a nonce, private to B
+        while time.monotonic() < deadline:
+            p = c.next_packet(1.0)
+            if p and b"/proof/4\0" in p:
+                keys.append(p.split(b"\0")[0][4:].decode())
+                return {"me": me, "peer": b_cred, "proved": p.split(b"\0", 1)[1].decode() == nonce,
+                        "keys": keys}
+        raise AssertionError("the nonce never came back")
+    a_cred = None
+    while time.monotonic() < deadline:
+        p = c.next_packet(1.0)
+        if not p:
+            continue
+        key, _, body = p[4:].partition(b"\0")
+        keys.append(key.decode())
+        if key == b"pub/hello" and a_cred is None:
+            a_cred = body.decode()
+            c.pub(a_cred + "/proof/2", me)                  # 2. B's credentials, private to A
+        elif key.endswith(b"/proof/3"):
+            c.pub(a_cred + "/proof/4", body)                # 4. the nonce back, private to A
+            return {"me": me, "peer": a_cred, "keys": keys}
+    raise AssertionError("no nonce from A")
+
+
+def eavesdropper(address, ctl):
+    """uid 65534 holding every pattern it may: '', '*/', '*/*/', the public key."""
+    c = Conn.to(address, timeout=20)
+    for pattern in ("", "*/", "*/*/", "pub/", "pub/hello"):
+        c.sub(pattern)
+    c.sync()
+    ctl.send({"ready": True})
+    ctl.wait()
+    return sorted({p.split(b"\0")[0][4:].decode() for p in c.drain(0.5)})
+
+
+def run_proof(spawn, servers, a_on, b_on):
+    everyone = [spawn(lambda ctl, s=s: eavesdropper(s.address, ctl)) for s in servers]
+    a = spawn(lambda ctl: proof_party(a_on.address, "A", None, ctl), uid=0, gid=0)
+    b = spawn(lambda ctl: proof_party(b_on.address, "B", None, ctl), uid=0, gid=0)
+    creds = {}
+    for name, child in (("A", a), ("B", b)):
+        creds[name] = child.recv()["ready"]
+    for e in everyone:
+        e.recv()
+    return a, b, everyone, creds
+
+
+def check_proof(spawn, servers, a_on, b_on, wait):
+    a, b, everyone, creds = run_proof(spawn, servers, a_on, b_on)
+    wait()
+    b.send({"go": True})
+    a.send({"go": True})
+    ra, rb = a.result(30), b.result(30)
+    assert ra["proved"] and ra["peer"] == creds["B"] and rb["peer"] == creds["A"]
+    # A receives on its local form: a leaf takes its own prefix off
+    local = "!/cred/" + creds["A"].rsplit("!/cred/", 1)[1]
+    assert ra["keys"] == [local + "/proof/2", local + "/proof/4"]
+    for e in everyone:
+        e.send({"stop": True})
+    for e in everyone:
+        heard = e.result(30)
+        assert "pub/hello" in heard                         # they were listening
+        assert not [k for k in heard if "proof" in k], heard   # and heard nothing private
+    return ra, rb
+
+
+@asroot
+def test_identity_proof_between_an_upstream_and_a_leaf(tmp_path, spawn):
+    d = make_public_dir()
+    try:
+        up = broker(d, "up", "-g", "-o")
+        leaf = broker(d, "leaf", "-g", "-o", upstream=up)
+        try:
+            # A on the upstream, B on the leaf; then the other way round
+            check_proof(spawn, (up, leaf), up, leaf,
+                        lambda: wait_patterns(up, leaf, 1 + 5))
+            check_proof(spawn, (up, leaf), leaf, up,
+                        lambda: wait_patterns(up, leaf, 1 + 5))
+        finally:
+            stop_all(leaf, up)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@asroot
+def test_identity_proof_between_two_leaves(tmp_path, spawn):
+    d = make_public_dir()
+    try:
+        up = broker(d, "up", "-g", "-o")
+        one = broker(d, "one", "-g", "-o", upstream=up)
+        two = broker(d, "two", "-g", "-o", upstream=up)
+        try:
+            assert link_identity(one) != link_identity(two)
+            check_proof(spawn, (up, one, two), one, two,
+                        lambda: (wait_patterns(up, one, 1 + 5), wait_patterns(up, two, 1 + 5)))
+        finally:
+            stop_all(one, two, up)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@asroot
+def test_a_foreign_uid_cannot_subscribe_to_a_nested_key_on_a_leaf(tmp_path, spawn):
+    d = make_public_dir()
+    try:
+        up = broker(d, "up", "-g", "-o")
+        leaf = broker(d, "leaf", "-g", "-o", upstream=up)
+        try:
+            root_cred = leaf.connect().whoami()      # root's nested identity here
+
+            def attempt():
+                c = Conn.to(leaf.address)
+                c.sub(root_cred + "/x")
+                return c.whoami() is None            # closed: cred_mismatch
+            assert spawn(lambda ctl: attempt()).result()
+        finally:
+            stop_all(leaf, up)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
