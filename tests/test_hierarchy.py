@@ -18,7 +18,6 @@ from support.sbusd import Sbusd
 from support.seconduser import asroot, make_public_dir
 from support.waiting import wait_until
 
-
 _STARTED: list = []     # every broker a test started, stopped after it whatever happened
 
 
@@ -248,7 +247,7 @@ def test_upstream_away_local_goes_on_loss_is_bounded_and_counted(tmp_path):
             publisher.sync()
             seen = []
             wait_until(lambda: seen.extend(there.drain(0.2)) or
-                       f"MSG load/599\0".encode() in seen, timeout=10, what="the last message")
+                       "MSG load/599\0".encode() in seen, timeout=10, what="the last message")
             numbers = [int(p[len(b"MSG load/"):-1]) for p in seen]
             held = [k for k in numbers if k < 500]
             # the held messages are the first 100, in order; everything after the return arrives

@@ -22,7 +22,6 @@ from .._version import __version__
 from ..errors import AddressError
 from .config import USAGE, Config, Exit, UsageError, parse_args
 
-
 LINK_EXIT_WAIT = 5.0    # seconds the upstream link has to leave after the broker
 
 
