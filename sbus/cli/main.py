@@ -24,6 +24,11 @@
     sbus consume [--json | -F TEMPLATE | -v | --raw] [-n N] [--prefetch K] PATTERN
                                     print the jobs of the queue on PATTERN, each
                                     acknowledged once written
+    sbus request KEY [PAYLOAD | -] [-W S]
+                                    ask whoever serves KEY and print the reply
+    sbus serve [-j N] PATTERN -- COMMAND ...
+                                    answer requests on PATTERN: COMMAND gets the
+                                    body on stdin, its stdout is the reply
 
 Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
 ``/run/sbus.socket``.
@@ -370,8 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ..bridge.cli import add_parser as add_bridge_parser
     from ..queue.cli import add_parser as add_queue_parser
+    from .requests import add_parsers as add_request_parsers
     add_bridge_parser(commands, common)
     add_queue_parser(commands, common)
+    add_request_parsers(commands, common)
     for command in commands.choices.values():
         command.set_defaults(parser=command)
     return parser

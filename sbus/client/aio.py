@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Any, AsyncIterator, Iterable, List, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Callable, Iterable, List, Optional, Tuple, Union
 
 from .._core.batch import AsyncMessages, Outbox, Sink
 from .._core.batch import take as _take
@@ -41,6 +41,7 @@ from .core import GONE, Core, Request, open_socket
 from .protocol import (MAX_MESSAGE, WHOAMI, ControlMessage, Credentials, Message, Text,
                        _routing_key, pack_control, pack_subscribe, pack_unsubscribe,
                        parse_stats)
+from . import requests as _requests
 from .reconnect import Reconnect
 
 __all__ = ["Client", "ControlMessage", "Credentials", "Message", "Reconnect", "connect",
@@ -128,6 +129,8 @@ class Client(Core):
         self._write_waiter = self._connected = None
         self._receivers.clear()
         self._requests.clear()
+        if self._replies is not None:
+            self._replies.fail(exc)
         for fut in waiters:
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
@@ -478,7 +481,8 @@ class Client(Core):
             self._stop_reading()
 
     def _querying(self) -> bool:
-        return any(r.waiter is not None and not r.waiter.done() for r in self._requests)
+        return (any(r.waiter is not None and not r.waiter.done() for r in self._requests)
+                or (self._replies is not None and bool(self._replies.waiting)))
 
     def _on_readable(self) -> None:
         if self._sink_waiters == len(self._receivers) > 0 and not self._querying():
@@ -514,6 +518,8 @@ class Client(Core):
                 self._fail(BusClosedError(f"the connection failed: {exc}"))
                 return taken
             taken += self._in.taken
+            if self._replies is not None:
+                batch = self._replies.route(batch)
             if not self._in.irregular:
                 inbox.extend(batch)
                 continue
@@ -544,6 +550,8 @@ class Client(Core):
             if request.waiter is not None and not request.waiter.done():
                 request.waiter.set_exception(exc)
         self._requests.clear()
+        if self._replies is not None:
+            self._replies.fail(exc)
         for fut in self._receivers:
             if not fut.done():
                 fut.set_result(None)
@@ -697,6 +705,20 @@ class Client(Core):
         """The broker's counters: the JSON reply to ``CMSG stats``."""
         return parse_stats(await self.query(b"stats", None, flags))
 
+
+    # -- requests to other clients (sbus.client.requests) ------------------------
+
+    async def request(self, key: Text, payload: Text = b"",
+                      timeout: float = _requests.REQUEST_TIMEOUT) -> bytes:
+        """As the blocking client's :meth:`~sbus.client.sync.Client.request`;
+        any number may be in flight at once on one client."""
+        return await _requests.ask_async(self, key, payload, timeout)
+
+    async def serve(self, pattern: Text, handler: Callable[[_requests.IncomingRequest], Any],
+                    concurrency: int = _requests.CONCURRENCY) -> None:
+        """Answer requests on ``pattern`` until the broker closes the connection;
+        ``handler`` may be a coroutine function (at most ``concurrency`` run at once)."""
+        await _requests.serve_async(self, pattern, handler, concurrency)
 
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():

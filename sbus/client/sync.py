@@ -21,7 +21,7 @@ from __future__ import annotations
 import errno
 import socket
 import time
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from .._core.batch import Messages
 from .._core.batch import take as _take
@@ -29,6 +29,7 @@ from .._core.batch import pack_publish as _pack_publish
 from .._core.batch import send_publish as _send_publish
 from ..errors import BacklogFullError, BusClosedError, MessageRefusedError, SbusError
 from .core import GONE, Core, open_socket
+from . import requests as _requests
 from .protocol import (MAX_MESSAGE, WHOAMI, ControlMessage, Credentials, Message, Text,
                        _routing_key, pack_control, pack_subscribe, pack_unsubscribe,
                        parse_stats)
@@ -514,3 +515,21 @@ class Client(Core):
     def stats(self, flags: int = 0, *, timeout: Optional[float] = None) -> Dict[str, Any]:
         """The broker's counters: the JSON reply to ``CMSG stats``."""
         return parse_stats(self.query(b"stats", None, flags, timeout=timeout))
+
+    # -- requests to other clients (sbus.client.requests) ------------------------
+
+    def request(self, key: Text, payload: Text = b"",
+                timeout: float = _requests.REQUEST_TIMEOUT) -> bytes:
+        """Publish a request on ``key`` and return the reply's body
+        (docs/requests.md). RequestTimeoutError once ``timeout`` passes
+        unanswered; HandlerError if the server's handler raised. Messages
+        arriving meanwhile are queued for :meth:`receive`."""
+        return _requests.ask(self, key, payload, timeout)
+
+    def serve(self, pattern: Text, handler: Callable[[_requests.IncomingRequest], Any],
+              count: Optional[int] = None) -> int:
+        """Answer requests on ``pattern`` with ``handler(request)`` (its return
+        value, bytes or str, is the reply; an exception becomes an error reply),
+        until the broker closes the connection or ``count`` were answered."""
+        return _requests.serve(self, pattern, handler, count)
+
