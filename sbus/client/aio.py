@@ -41,6 +41,7 @@ from .core import GONE, Core, Request, open_socket
 from .protocol import (MAX_MESSAGE, WHOAMI, ControlMessage, Credentials, Message, Text,
                        _routing_key, pack_control, pack_subscribe, pack_unsubscribe,
                        parse_stats)
+from . import consume as _consume
 from . import requests as _requests
 from .reconnect import Reconnect
 
@@ -719,6 +720,14 @@ class Client(Core):
         """Answer requests on ``pattern`` until the broker closes the connection;
         ``handler`` may be a coroutine function (at most ``concurrency`` run at once)."""
         await _requests.serve_async(self, pattern, handler, concurrency)
+
+    # -- jobs of an sbus queue service (sbus.client.consume) ---------------------
+
+    def consume(self, pattern: str,
+                prefetch: int = _consume.PREFETCH) -> AsyncIterator[_consume.Job]:
+        """As the blocking client's :meth:`~sbus.client.sync.Client.consume`:
+        ``async for job in bus.consume(pattern)``, ``await job.ack()``."""
+        return _consume.consume_async(self, pattern, prefetch)
 
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():

@@ -20,9 +20,8 @@ The generator owns the client's receiving while it runs: messages that are
 not for its inbox are skipped, so give it a client of its own. The blocking
 twin renews the lease from a thread with a connection of its own, so a job
 may take longer than a lease; the ``--ack-timeout`` of the service still
-bounds it. A ``Client.consume(pattern, prefetch=...)`` method is
-``return consume(self, pattern, prefetch)`` (``consume_async`` in the
-asyncio client).
+bounds it. ``Client.consume(pattern, prefetch=...)`` of either client
+delegates here.
 """
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from .._core.batch import pack_publish as _pack_publish
 from .._core.batch import send_publish as _send_publish
 from ..errors import BacklogFullError, BusClosedError, MessageRefusedError, SbusError
 from .core import GONE, Core, open_socket
+from . import consume as _consume
 from . import requests as _requests
 from .protocol import (MAX_MESSAGE, WHOAMI, ControlMessage, Credentials, Message, Text,
                        _routing_key, pack_control, pack_subscribe, pack_unsubscribe,
@@ -532,4 +533,11 @@ class Client(Core):
         value, bytes or str, is the reply; an exception becomes an error reply),
         until the broker closes the connection or ``count`` were answered."""
         return _requests.serve(self, pattern, handler, count)
+
+    # -- jobs of an sbus queue service (sbus.client.consume) ---------------------
+
+    def consume(self, pattern: str, prefetch: int = _consume.PREFETCH) -> Iterator[_consume.Job]:
+        """The jobs of the ``sbus queue`` service for ``pattern`` (docs/queues.md),
+        forever; ``job.ack()`` each. The generator owns this client's receiving."""
+        return _consume.consume(self, pattern, prefetch)
 
