@@ -3,10 +3,8 @@ asker processes."""
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
