@@ -192,7 +192,8 @@ def consume(client, pattern: str, prefetch: int = PREFETCH) -> Iterator[Job]:
 
     def hold(first: Optional[Packet]) -> None:
         send(first)
-        wake.set()  # the renewer sends held acks when they are due
+        if not wake.is_set():   # Event.set() costs a lock and a notify: once per wake-up
+            wake.set()          # the renewer sends held acks when they are due
 
     client.subscribe(session.inbox.pattern)
     stop, wake = threading.Event(), threading.Event()
