@@ -10,6 +10,9 @@
   ``sbus.aio``).
 - ``reconnect``: ``Reconnect``, the policy for coming back after the broker
   went away; the session it replays and the backlog it delivers.
+- ``requests``: requests and replies between clients (``Client.request``,
+  ``Client.serve``; docs/requests.md); ``consume``: jobs of an ``sbus queue``
+  (``Client.consume``; docs/queues.md); ``private``: the private inbox both use.
 
 ``from sbus.client import Client`` and the protocol names work as before the
 package was split; the clients are imported on first use, so a program that
