@@ -263,6 +263,32 @@ def test_the_asyncio_consumer(bus, queues):
     assert asyncio.run(asyncio.wait_for(run(), TIMEOUT)) == [b"job-0", b"job-1", b"job-2"]
 
 
+def test_a_held_ack_goes_out_while_the_consumer_works_on(bus, queues):
+    """Acks wait to go out together, but a timer sends them: a consumer busy
+    with the next job of its batch holds back neither credit nor the ack timeout."""
+    q = queues(bus.address)
+    publish(bus.address, jobs(2))
+    with Client(bus.address) as c:
+        jobs_in = c.consume(PATTERN, prefetch=2)
+        next(jobs_in).ack()
+        next(jobs_in)       # taken from the batch already received: no wait, no flush
+        s = wait_state(q, lambda s: s["acked"] == 1, "the held ack")
+        assert s["in_flight"] == 1
+        jobs_in.close()
+
+    async def run():
+        async with AsyncClient(bus.address) as c:
+            publish(bus.address, jobs(2, start=2))
+            jobs_in = c.consume(PATTERN, prefetch=2)
+            await (await jobs_in.__anext__()).ack()
+            await jobs_in.__anext__()
+            await asyncio.get_running_loop().run_in_executor(
+                None, wait_state, q, lambda s: s["acked"] == 2, "the held ack")
+            await jobs_in.aclose()
+
+    asyncio.run(asyncio.wait_for(run(), TIMEOUT))
+
+
 def test_sbus_consume_prints_and_acknowledges(bus, queues):
     q = queues(bus.address)
     publish(bus.address, [("jobs/x", "hello"), ("jobs/y", "world")])
