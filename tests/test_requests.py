@@ -12,9 +12,8 @@ import pytest
 from sbus import Client
 from sbus.aio import Client as AsyncClient
 from sbus.client.protocol import Message
-from sbus.client.requests import (IncomingRequest, pack_reply, pack_request, parse_reply,
-                                  parse_request)
-from sbus.errors import HandlerError, RequestTimeoutError
+from sbus.client.requests import IncomingRequest, pack_reply, pack_request, parse_reply, parse_request
+from sbus.errors import HandlerError, KeyRefusedError, MessageTooLargeError, RequestTimeoutError
 
 from support import SBUS, TESTS, Conn, asroot, start_worker, worker_report
 
@@ -236,3 +235,19 @@ def test_wire_round_trips():
     assert parse_reply(pack_reply(None)) == b""
     with pytest.raises(HandlerError, match="^malformed reply"):
         parse_reply(b"what")
+
+
+def test_a_request_the_broker_would_refuse_is_not_sent(bus):
+    async def run():
+        async with AsyncClient(bus.address) as c:
+            with pytest.raises(KeyRefusedError):
+                await c.request("!/not/a/key", "x", TIMEOUT)
+            with pytest.raises(MessageTooLargeError):
+                await c.request("svc/x", b"y" * c.max_message, TIMEOUT)
+            return await c.stats()      # still connected
+
+    assert "clients" in asyncio.run(run())
+    with Client(bus.address) as c:
+        with pytest.raises(KeyRefusedError):
+            c.request("!/not/a/key", "x", TIMEOUT)
+        assert "clients" in c.stats()

@@ -83,8 +83,8 @@ async def run_command(command: list, request: IncomingRequest) -> bytes:
 def serve_main(args: argparse.Namespace, address: str) -> int:
     """Serve until SIGTERM/SIGINT or the broker goes away."""
     from ..aio import Client
-    from ..errors import MessageRefusedError, SbusError
     from ..client.protocol import pack_subscribe
+    from ..errors import MessageRefusedError, SbusError
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         args.parser.error("give the command to run after --")

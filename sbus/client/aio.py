@@ -37,12 +37,12 @@ from .._core.batch import take as _take
 from .._core.batch import pack_publish as _pack_publish
 from .._core.batch import send_publish as _send_publish
 from ..errors import BusClosedError, MessageRefusedError, SbusError
+from . import consume as _consume
+from . import requests as _requests
 from .core import GONE, Core, Request, open_socket
 from .protocol import (MAX_MESSAGE, WHOAMI, ControlMessage, Credentials, Message, Text,
                        _routing_key, pack_control, pack_subscribe, pack_unsubscribe,
                        parse_stats)
-from . import consume as _consume
-from . import requests as _requests
 from .reconnect import Reconnect
 
 __all__ = ["Client", "ControlMessage", "Credentials", "Message", "Reconnect", "connect",
@@ -130,8 +130,6 @@ class Client(Core):
         self._write_waiter = self._connected = None
         self._receivers.clear()
         self._requests.clear()
-        if self._replies is not None:
-            self._replies.fail(exc)
         for fut in waiters:
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
@@ -482,8 +480,7 @@ class Client(Core):
             self._stop_reading()
 
     def _querying(self) -> bool:
-        return (any(r.waiter is not None and not r.waiter.done() for r in self._requests)
-                or (self._replies is not None and bool(self._replies.waiting)))
+        return any(r.waiter is not None and not r.waiter.done() for r in self._requests)
 
     def _on_readable(self) -> None:
         if self._sink_waiters == len(self._receivers) > 0 and not self._querying():
@@ -551,8 +548,6 @@ class Client(Core):
             if request.waiter is not None and not request.waiter.done():
                 request.waiter.set_exception(exc)
         self._requests.clear()
-        if self._replies is not None:
-            self._replies.fail(exc)
         for fut in self._receivers:
             if not fut.done():
                 fut.set_result(None)
@@ -707,26 +702,18 @@ class Client(Core):
         return parse_stats(await self.query(b"stats", None, flags))
 
 
-    # -- requests to other clients (sbus.client.requests) ------------------------
+    # -- other clients: requests (docs/requests.md), queue jobs (docs/queues.md) --
 
-    async def request(self, key: Text, payload: Text = b"",
-                      timeout: float = _requests.REQUEST_TIMEOUT) -> bytes:
-        """As the blocking client's :meth:`~sbus.client.sync.Client.request`;
-        any number may be in flight at once on one client."""
+    async def request(self, key: Text, payload: Text = b"", timeout: float = _requests.REQUEST_TIMEOUT) -> bytes:
+        """The reply to a request on ``key``; many may be in flight: :func:`sbus.client.requests.ask_async`."""
         return await _requests.ask_async(self, key, payload, timeout)
 
-    async def serve(self, pattern: Text, handler: Callable[[_requests.IncomingRequest], Any],
-                    concurrency: int = _requests.CONCURRENCY) -> None:
-        """Answer requests on ``pattern`` until the broker closes the connection;
-        ``handler`` may be a coroutine function (at most ``concurrency`` run at once)."""
+    async def serve(self, pattern: Text, handler: Callable[..., Any], concurrency: int = _requests.CONCURRENCY) -> None:
+        """Answer the requests on ``pattern``: :func:`sbus.client.requests.serve_async`."""
         await _requests.serve_async(self, pattern, handler, concurrency)
 
-    # -- jobs of an sbus queue service (sbus.client.consume) ---------------------
-
-    def consume(self, pattern: str,
-                prefetch: int = _consume.PREFETCH) -> AsyncIterator[_consume.Job]:
-        """As the blocking client's :meth:`~sbus.client.sync.Client.consume`:
-        ``async for job in bus.consume(pattern)``, ``await job.ack()``."""
+    def consume(self, pattern: str, prefetch: int = _consume.PREFETCH) -> AsyncIterator[_consume.Job]:
+        """``async for`` the jobs of ``sbus queue``: :func:`sbus.client.consume.consume_async`."""
         return _consume.consume_async(self, pattern, prefetch)
 
 def _wake(fut: asyncio.Future) -> None:

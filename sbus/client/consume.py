@@ -32,9 +32,9 @@ import threading
 import time
 from typing import AsyncIterator, Callable, Iterator, List, Optional, Tuple
 
+from ..errors import SbusError
 from ..queue import wire
 from ..queue.defaults import PREFETCH, RENEWALS_PER_LEASE
-from ..errors import SbusError
 from .private import PrivateInbox
 from .protocol import ControlMessage
 

@@ -30,7 +30,7 @@ import inspect
 import time
 from typing import Any, Awaitable, Callable, Dict, List, NamedTuple, Optional, Union
 
-from .._core.batch import check_publish_key
+from .._core.batch import check_publish_key, pack_publish
 from ..errors import HandlerError, MessageRefusedError, RequestTimeoutError
 from .private import PrivateInbox, is_private
 from .protocol import Credentials, Message, Text, encode
@@ -151,13 +151,6 @@ class Replies:
                 rest.append(m)
         return rest
 
-    def fail(self, exc: BaseException) -> None:
-        """The connection ended: every waiting future raises ``exc``."""
-        for fut in self.waiting.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        self.waiting.clear()
-
 
 def _timed_out(key: Text, timeout: float) -> RequestTimeoutError:
     return RequestTimeoutError(f"no reply to a request on {key!r} within {timeout:g} s")
@@ -167,7 +160,9 @@ def _timed_out(key: Text, timeout: float) -> RequestTimeoutError:
 
 def ask(client, key: Text, payload: Text, timeout: float) -> bytes:
     """:meth:`sbus.client.sync.Client.request`: publish a request on ``key``
-    and return the reply's body. Messages that arrive meanwhile are queued
+    and return the reply's body. RequestTimeoutError once ``timeout``
+    (seconds) passes unanswered; HandlerError (the server's text) if the
+    server's handler raised. Messages that arrive meanwhile are queued
     for ``receive()``, in order. After a timeout the inbox is dropped (a new
     one is made for the next request), so a late reply is not received."""
     replies = client._replies
@@ -265,21 +260,28 @@ def _expire(fut: asyncio.Future, key: Text, timeout: float) -> None:
 
 
 async def ask_async(client, key: Text, payload: Text, timeout: float) -> bytes:
-    """:meth:`sbus.client.aio.Client.request`; any number may be in flight at once."""
+    """:meth:`sbus.client.aio.Client.request`; any number may be in flight at once.
+
+    The future is also one of the client's requests (``Core._asked``): the
+    client keeps reading while it waits, fails it if the connection ends, and
+    after a reconnect publishes the request again to the new broker."""
     replies = client._replies
     if replies is None or not replies.opening.done():
         replies = await _open_async(client)
     loop = client._loop
     fut = loop.create_future()
     reply_to = replies.expect(fut)
+    packet = pack_publish(key, pack_request(reply_to, payload), client.max_message)
+    request = client._asked(reply_to, packet, fut)
     timer = loop.call_later(timeout, _expire, fut, key, timeout)
     try:
-        await client.publish(key, pack_request(reply_to, payload))
+        await client.send_packet(packet)
         client._start_reading()
         return parse_reply(await fut)
     finally:
         timer.cancel()
         replies.forget(reply_to)
+        client._unask(request)
         client._update_reading()
 
 
@@ -310,8 +312,8 @@ async def serve_async(client, pattern: Text,
     if concurrency < 1:
         raise ValueError("concurrency must be 1 or more")
     await client.subscribe(pattern)
-    is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
-        getattr(handler, "__call__", None))
+    is_async = (inspect.iscoroutinefunction(handler)
+                or inspect.iscoroutinefunction(type(handler).__call__))
     slots = asyncio.Semaphore(concurrency)
     tasks: set = set()
 

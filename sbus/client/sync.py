@@ -28,9 +28,9 @@ from .._core.batch import take as _take
 from .._core.batch import pack_publish as _pack_publish
 from .._core.batch import send_publish as _send_publish
 from ..errors import BacklogFullError, BusClosedError, MessageRefusedError, SbusError
-from .core import GONE, Core, open_socket
 from . import consume as _consume
 from . import requests as _requests
+from .core import GONE, Core, open_socket
 from .protocol import (MAX_MESSAGE, WHOAMI, ControlMessage, Credentials, Message, Text,
                        _routing_key, pack_control, pack_subscribe, pack_unsubscribe,
                        parse_stats)
@@ -517,27 +517,16 @@ class Client(Core):
         """The broker's counters: the JSON reply to ``CMSG stats``."""
         return parse_stats(self.query(b"stats", None, flags, timeout=timeout))
 
-    # -- requests to other clients (sbus.client.requests) ------------------------
+    # -- other clients: requests (docs/requests.md), queue jobs (docs/queues.md) --
 
-    def request(self, key: Text, payload: Text = b"",
-                timeout: float = _requests.REQUEST_TIMEOUT) -> bytes:
-        """Publish a request on ``key`` and return the reply's body
-        (docs/requests.md). RequestTimeoutError once ``timeout`` passes
-        unanswered; HandlerError if the server's handler raised. Messages
-        arriving meanwhile are queued for :meth:`receive`."""
+    def request(self, key: Text, payload: Text = b"", timeout: float = _requests.REQUEST_TIMEOUT) -> bytes:
+        """The reply to a request on ``key``: :func:`sbus.client.requests.ask`."""
         return _requests.ask(self, key, payload, timeout)
 
-    def serve(self, pattern: Text, handler: Callable[[_requests.IncomingRequest], Any],
-              count: Optional[int] = None) -> int:
-        """Answer requests on ``pattern`` with ``handler(request)`` (its return
-        value, bytes or str, is the reply; an exception becomes an error reply),
-        until the broker closes the connection or ``count`` were answered."""
+    def serve(self, pattern: Text, handler: Callable[..., Any], count: Optional[int] = None) -> int:
+        """Answer the requests on ``pattern``: :func:`sbus.client.requests.serve`."""
         return _requests.serve(self, pattern, handler, count)
 
-    # -- jobs of an sbus queue service (sbus.client.consume) ---------------------
-
     def consume(self, pattern: str, prefetch: int = _consume.PREFETCH) -> Iterator[_consume.Job]:
-        """The jobs of the ``sbus queue`` service for ``pattern`` (docs/queues.md),
-        forever; ``job.ack()`` each. The generator owns this client's receiving."""
+        """The jobs of ``sbus queue`` on ``pattern``: :func:`sbus.client.consume.consume`."""
         return _consume.consume(self, pattern, prefetch)
-
