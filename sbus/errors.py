@@ -91,3 +91,13 @@ class BacklogFullError(SbusError, BufferError):
 
 class ProtocolError(SbusError, ValueError):
     """A packet that is not a well-formed sbus message."""
+
+
+class RequestTimeoutError(SbusError, TimeoutError):
+    """No reply to a request (``Client.request``) within its timeout: nobody
+    serves the key, or its server is slower than the timeout."""
+
+
+class HandlerError(SbusError):
+    """The server's handler raised while answering a request; the text is the
+    server's (``ExceptionType: message``). The server goes on serving."""

@@ -14,7 +14,7 @@ import pytest
 from sbus import Client
 from sbus import logschema as ls
 from sbus.aio import Client as AsyncClient
-from sbus.client.consume import consume, consume_async
+from sbus.client.consume import consume
 from sbus.client.private import PrivateInbox
 from sbus.client.protocol import Credentials
 from sbus.queue import state as st
@@ -211,7 +211,7 @@ def test_a_job_held_past_the_ack_timeout_goes_to_another_consumer(bus, queues, c
 def test_nack_gives_a_job_out_again_and_reject_drops_it(bus, queues):
     q = queues(bus.address)
     with Client(bus.address) as c:
-        jobs_in = consume(c, PATTERN, prefetch=1)
+        jobs_in = c.consume(PATTERN, prefetch=1)     # the method: consume(c, ...)
         publish(bus.address, [("jobs/a", "one"), ("jobs/b", "two")])
         first = next(jobs_in)
         assert (first.key, first.payload, first.deliveries) == (b"jobs/a", b"one", 1)
@@ -253,7 +253,7 @@ def test_the_asyncio_consumer(bus, queues):
         async with AsyncClient(bus.address) as c:
             got = []
             publish(bus.address, jobs(3))
-            async for job in consume_async(c, PATTERN, prefetch=2):
+            async for job in c.consume(PATTERN, prefetch=2):     # consume_async(c, ...)
                 got.append(job.payload)
                 await job.ack()
                 if len(got) == 3:
@@ -261,6 +261,32 @@ def test_the_asyncio_consumer(bus, queues):
             return got
 
     assert asyncio.run(asyncio.wait_for(run(), TIMEOUT)) == [b"job-0", b"job-1", b"job-2"]
+
+
+def test_a_held_ack_goes_out_while_the_consumer_works_on(bus, queues):
+    """Acks wait to go out together, but a timer sends them: a consumer busy
+    with the next job of its batch holds back neither credit nor the ack timeout."""
+    q = queues(bus.address)
+    publish(bus.address, jobs(2))
+    with Client(bus.address) as c:
+        jobs_in = c.consume(PATTERN, prefetch=2)
+        next(jobs_in).ack()
+        next(jobs_in)       # taken from the batch already received: no wait, no flush
+        s = wait_state(q, lambda s: s["acked"] == 1, "the held ack")
+        assert s["in_flight"] == 1
+        jobs_in.close()
+
+    async def run():
+        async with AsyncClient(bus.address) as c:
+            publish(bus.address, jobs(2, start=2))
+            jobs_in = c.consume(PATTERN, prefetch=2)
+            await (await jobs_in.__anext__()).ack()
+            await jobs_in.__anext__()
+            await asyncio.get_running_loop().run_in_executor(
+                None, wait_state, q, lambda s: s["acked"] == 2, "the held ack")
+            await jobs_in.aclose()
+
+    asyncio.run(asyncio.wait_for(run(), TIMEOUT))
 
 
 def test_sbus_consume_prints_and_acknowledges(bus, queues):

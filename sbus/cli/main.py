@@ -28,6 +28,11 @@
                                     record messages and answer replays (docs/store.md)
     sbus replay PATTERN [--since T] [--until T] [--follow]
     sbus last PATTERN               recorded messages, or each key's last one
+    sbus request KEY [PAYLOAD | -] [-W S]
+                                    ask whoever serves KEY and print the reply
+    sbus serve [-j N] PATTERN -- COMMAND ...
+                                    answer requests on PATTERN: COMMAND gets the
+                                    body on stdin, its stdout is the reply
 
 Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
 ``/run/sbus.socket``.
@@ -375,9 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
     from ..bridge.cli import add_parser as add_bridge_parser
     from ..queue.cli import add_parser as add_queue_parser
     from ..store.cli import add_parsers as add_store_parsers
+    from .requests import add_parsers as add_request_parsers
     add_bridge_parser(commands, common)
     add_queue_parser(commands, common)
     add_store_parsers(commands, common)
+    add_request_parsers(commands, common)
     for command in commands.choices.values():
         command.set_defaults(parser=command)
     return parser

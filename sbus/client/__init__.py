@@ -10,6 +10,13 @@
   ``sbus.aio``).
 - ``reconnect``: ``Reconnect``, the policy for coming back after the broker
   went away; the session it replays and the backlog it delivers.
+- ``requests``: requests and replies between clients (``Client.request``,
+  ``Client.serve``; docs/requests.md); ``consume``: jobs of an ``sbus queue``
+  (``Client.consume``; docs/queues.md); ``store``: replay and last values of
+  an ``sbus store`` (``Client.replay``, ``Client.last``; docs/store.md);
+  ``private``: the private inbox they use.
+- ``services``: those methods, mixed into both clients as doors to the modules
+  above.
 
 ``from sbus.client import Client`` and the protocol names work as before the
 package was split; the clients are imported on first use, so a program that

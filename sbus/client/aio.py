@@ -52,6 +52,7 @@ from .protocol import (
     parse_stats,
 )
 from .reconnect import Reconnect
+from .services import AsyncServiceMethods
 
 __all__ = ["Client", "ControlMessage", "Credentials", "Message", "Reconnect", "connect",
            "FLUSH_DELAY"]
@@ -66,7 +67,7 @@ _INBOX_HIGH = 4096
 Received = Union[Message, ControlMessage]
 
 
-class Client(Core):
+class Client(Core, AsyncServiceMethods):
     """An asyncio connection to an sbus broker; create it inside a running loop.
 
     The arguments are those of :class:`sbus.Client`, and ``flush_delay``
@@ -524,6 +525,8 @@ class Client(Core):
                 self._fail(BusClosedError(f"the connection failed: {exc}"))
                 return taken
             taken += self._in.taken
+            if self._replies is not None:
+                batch = self._replies.route(batch)
             if not self._in.irregular:
                 inbox.extend(batch)
                 continue
@@ -709,17 +712,6 @@ class Client(Core):
     async def stats(self, flags: int = 0) -> dict:
         """The broker's counters: the JSON reply to ``CMSG stats``."""
         return parse_stats(await self.query(b"stats", None, flags))
-
-    async def replay(self, pattern: Text, since=None, until=None, after=None, **options: Any):
-        """What ``sbus store`` recorded on ``pattern``: :func:`sbus.client.store.areplay`."""
-        from .store import areplay
-        return await areplay(self, pattern, since, until, after, **options)
-
-    async def last(self, pattern: Text, **options: Any) -> List[Message]:
-        """The last recorded message of each key: :func:`sbus.client.store.alast`."""
-        from .store import alast
-        return await alast(self, pattern, **options)
-
 
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():

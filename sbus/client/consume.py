@@ -10,9 +10,11 @@ the clients' public API only:
   lease renewal, and it finds a restarted service (whose welcome brings a new
   token, which the consumer takes);
 - yield each job delivered to the inbox; ``job.ack()`` tells the service it
-  is done, at once (a held ack would hold back the next job's credit and,
-  past ``--ack-timeout``, get a finished job done again), ``job.nack()``
-  gives it back (``requeue=False``: drop it);
+  is done: acks are held to go out together, one control message naming
+  many tags, when the generator is about to wait for more jobs or ACK_DELAY
+  after the first (a timer: a held ack must not hold back credit, nor, past
+  ``--ack-timeout``, get a finished job done again); ``job.nack()`` gives
+  it back at once (``requeue=False``: drop it);
 - on leaving (the generator closed or garbage-collected), say bye, so that
   the jobs not acknowledged go to other consumers at once.
 
@@ -20,9 +22,8 @@ The generator owns the client's receiving while it runs: messages that are
 not for its inbox are skipped, so give it a client of its own. The blocking
 twin renews the lease from a thread with a connection of its own, so a job
 may take longer than a lease; the ``--ack-timeout`` of the service still
-bounds it. A ``Client.consume(pattern, prefetch=...)`` method is
-``return consume(self, pattern, prefetch)`` (``consume_async`` in the
-asyncio client).
+bounds it. ``Client.consume(pattern, prefetch=...)`` of either client
+delegates here.
 """
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ from .protocol import ControlMessage
 
 # Seconds between hellos while no service has answered.
 HELLO_RETRY = 1.0
+# The longest an ack waits to go out with others (one control message names
+# many tags): short against any --ack-timeout, and credit comes back as soon.
+ACK_DELAY = 0.02
+# Seconds the generator waits, when it ends, for the renewer thread to stop.
+RENEWER_JOIN = 1.0
 # How long to wait for the broker's whoami reply.
 REPLY_TIMEOUT = 10.0
 
@@ -84,6 +90,39 @@ class Job:
 Packet = Tuple[str, bytes]     # (key, payload) to publish
 
 
+class _Acks:
+    """Acks held to go out together: ``ack TOKEN TAG TAG...`` once the consumer
+    is about to wait for more jobs, or ACK_DELAY after the first (a timer
+    sends them then, so a long job after an ack holds back neither credit nor
+    the ack timeout). Safe to use from two threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tags: List[int] = []
+        self._to: Tuple[str, str] = ("", "")      # control key, token
+        self.due: Optional[float] = None         # when the oldest must go
+
+    def add(self, control: str, token: str, tag: int) -> Optional[Packet]:
+        """Hold one ack; returns what must go out first (acks for another token)."""
+        with self._lock:
+            out = self._take() if self._tags and self._to != (control, token) else None
+            if not self._tags:
+                self._to = (control, token)
+                self.due = time.monotonic() + ACK_DELAY
+            self._tags.append(tag)
+            return out
+
+    def take(self) -> Optional[Packet]:
+        with self._lock:
+            return self._take() if self._tags else None
+
+    def _take(self) -> Packet:
+        control, token = self._to
+        packet = (control, wire.pack_control(wire.ACK, token, *self._tags))
+        self._tags, self.due = [], None
+        return packet
+
+
 class _Session:
     """What both twins know: the inbox, the hello, the current token and control key."""
 
@@ -96,15 +135,25 @@ class _Session:
         self.token: Optional[str] = None
         self.control = ""
         self.lease = 0.0
+        self.acks = _Acks()
 
     @property
     def renew_every(self) -> float:
         return self.lease / RENEWALS_PER_LEASE if self.token else HELLO_RETRY
 
-    def jobs(self, batch, send) -> List[Job]:
+    def jobs(self, batch, send, hold) -> List[Job]:
         """The jobs among received messages, after noting welcomes and expiries.
-        ``send((key, payload))`` is how a job's settlement reaches the bus."""
+        ``send(packet...)`` is how a nack or reject reaches the bus (the acks
+        held go before it); ``hold(packet)`` is told of each ack held, with
+        what must go out before it, if anything."""
         out = []
+        acks = self.acks
+
+        def settle(verb: str, tag: int, token: str, control: str):
+            if verb == wire.ACK:
+                return hold(acks.add(control, token, tag))
+            return send(acks.take(), (control, wire.pack_control(verb, token, tag)))
+
         for message in batch:
             if type(message) is ControlMessage:
                 continue
@@ -115,7 +164,7 @@ class _Session:
                     token, control = self.token, self.control
                     out.append(Job(key, payload, deliveries, tag,
                                    lambda verb, tag, token=token, control=control:
-                                   send((control, wire.pack_control(verb, token, tag)))))
+                                   settle(verb, tag, token, control)))
                 elif suffix == b"welcome":
                     welcome = wire.parse_welcome(message.payload)
                     self.token, self.control = welcome.token, welcome.control
@@ -136,13 +185,19 @@ def consume(client, pattern: str, prefetch: int = PREFETCH) -> Iterator[Job]:
     session = _Session(PrivateInbox(client.whoami(timeout=REPLY_TIMEOUT), "queue"), pattern,
                        prefetch)
 
-    def send(packet: Optional[Packet]) -> None:
-        if packet is not None:
-            client.publish(*packet)
+    def send(*packets: Optional[Packet]) -> None:
+        for packet in packets:
+            if packet is not None:
+                client.publish(*packet)
+
+    def hold(first: Optional[Packet]) -> None:
+        send(first)
+        if not wake.is_set():   # Event.set() costs a lock and a notify: once per wake-up
+            wake.set()          # the renewer sends held acks when they are due
 
     client.subscribe(session.inbox.pattern)
-    stop = threading.Event()
-    renewer = threading.Thread(target=_renew, args=(client, session, stop),
+    stop, wake = threading.Event(), threading.Event()
+    renewer = threading.Thread(target=_renew, args=(client, session, stop, wake),
                                name="sbus-consume-renew", daemon=True)
     client.publish(wire.HELLO_KEY, session.hello)
     next_hello = time.monotonic() + HELLO_RETRY
@@ -151,13 +206,14 @@ def consume(client, pattern: str, prefetch: int = PREFETCH) -> Iterator[Job]:
             if session.token is None and time.monotonic() >= next_hello:
                 client.publish(wire.HELLO_KEY, session.hello)
                 next_hello = time.monotonic() + HELLO_RETRY
+            send(session.acks.take())   # about to wait: what is done goes now
             try:
                 batch = client.receive_many(session.prefetch,
                                             timeout=None if session.token else HELLO_RETRY)
             except TimeoutError:
                 continue
             known = session.token
-            jobs = session.jobs(batch, send)
+            jobs = session.jobs(batch, send, hold)
             if session.token is None and known is not None:
                 next_hello = 0.0
             if session.token is not None and renewer.ident is None:
@@ -165,21 +221,38 @@ def consume(client, pattern: str, prefetch: int = PREFETCH) -> Iterator[Job]:
             yield from jobs
     finally:
         stop.set()
+        wake.set()
+        if renewer.ident is not None:
+            renewer.join(RENEWER_JOIN)
         try:
-            send(session.bye())
+            send(session.acks.take(), session.bye())
             client.unsubscribe(session.inbox.pattern)
         except (OSError, SbusError):
             pass    # the connection may be what ended the loop
 
 
-def _renew(client, session: _Session, stop: threading.Event) -> None:
-    """Hello every third of the lease, from a connection of this thread's own
-    (the blocking client is not shared between threads)."""
+def _renew(client, session: _Session, stop: threading.Event, wake: threading.Event) -> None:
+    """Hello every third of the lease, and held acks once due, from a
+    connection of this thread's own (the blocking client is not shared
+    between threads; the service knows a consumer by its token, not its
+    connection). ``wake`` is set when an ack is held, and to stop."""
     from .sync import Client
     try:
         with Client(client.address, max_message=client.max_message, reconnect=True) as own:
-            while not stop.wait(session.renew_every):
-                own.publish(wire.HELLO_KEY, session.hello)
+            next_hello = time.monotonic() + session.renew_every
+            while not stop.is_set():
+                now = time.monotonic()
+                if now >= next_hello:
+                    own.publish(wire.HELLO_KEY, session.hello)
+                    next_hello = now + session.renew_every
+                due = session.acks.due
+                if due is not None and now >= due:
+                    packet = session.acks.take()
+                    if packet is not None:
+                        own.publish(*packet)
+                    due = None
+                wake.wait(max(0.0, min(next_hello, due or next_hello) - now))
+                wake.clear()
     except (OSError, SbusError):
         pass    # the broker is gone for good: no lease to renew
 
@@ -189,9 +262,21 @@ async def consume_async(client, pattern: str, prefetch: int = PREFETCH) -> Async
     ``await job.ack()``."""
     session = _Session(PrivateInbox(await client.whoami(), "queue"), pattern, prefetch)
 
-    async def send(packet: Optional[Packet]) -> None:
-        if packet is not None:
-            await client.publish(*packet)
+    timer: List[Optional[asyncio.TimerHandle]] = [None]
+
+    async def send(*packets: Optional[Packet]) -> None:
+        for packet in packets:
+            if packet is not None:
+                await client.publish(*packet)
+
+    def due() -> None:
+        timer[0] = None
+        asyncio.ensure_future(send(session.acks.take()))
+
+    async def hold(first: Optional[Packet]) -> None:
+        await send(first)
+        if timer[0] is None:
+            timer[0] = asyncio.get_running_loop().call_later(ACK_DELAY, due)
 
     async def renew() -> None:
         while True:
@@ -202,17 +287,20 @@ async def consume_async(client, pattern: str, prefetch: int = PREFETCH) -> Async
     renewer = asyncio.ensure_future(renew())
     try:
         while True:
+            await send(session.acks.take())     # about to wait: what is done goes now
             batch = await client.receive_many(session.prefetch)
             known = session.token
-            jobs = session.jobs(batch, send)
+            jobs = session.jobs(batch, send, hold)
             if session.token is None and known is not None:
                 await client.publish(wire.HELLO_KEY, session.hello)
             for job in jobs:
                 yield job
     finally:
         renewer.cancel()
+        if timer[0] is not None:
+            timer[0].cancel()
         try:
-            await send(session.bye())
+            await send(session.acks.take(), session.bye())
             await client.unsubscribe(session.inbox.pattern)
         except (OSError, SbusError):
             pass    # the connection may be what ended the loop

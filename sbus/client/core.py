@@ -8,6 +8,8 @@ wait in their own way, the core decides what to send, keep or raise:
   send flags of what it holds (:meth:`Core._pack`);
 - the queue of what was received ahead of the caller, errors included in
   their turn;
+- the requests to other clients (:mod:`sbus.client.requests`): the reply
+  inbox and the requests waiting on it;
 - the requests: queries sent and not yet answered, oldest first (the broker
   answers in order). One whose caller gave up is abandoned and still owns
   its reply, which is dropped when it comes (:meth:`Core._late`);
@@ -195,6 +197,9 @@ class Core:
         # Received and not yet taken: messages, or the exception to raise in that place.
         self._inbox: Deque[Any] = collections.deque()
         self._requests: Deque[Request] = collections.deque()    # oldest first
+        # Requests to other clients and their reply inbox (sbus.client.requests.Replies),
+        # made on the first one.
+        self._replies: Any = None
         self._failures = 0          # failed reconnect attempts in a row
         self._last_failure: Optional[BaseException] = None
         self._refusals = 0          # new connections in a row closed during the replay
@@ -385,6 +390,10 @@ class Core:
             return False
         self._requests.remove(request)
         return True
+
+    def _requeue(self, items: List[Any]) -> None:
+        """Put items taken off the front of the received queue back there, in order."""
+        self._inbox.extendleft(reversed(items))
 
     # -- losing and finding the broker ---------------------------------------------
 

@@ -44,11 +44,12 @@ from .protocol import (
     parse_stats,
 )
 from .reconnect import Reconnect
+from .services import ServiceMethods
 
 __all__ = ["Client"]
 
 
-class Client(Core):
+class Client(Core, ServiceMethods):
     """A connection to an sbus broker.
 
     ``address`` uses the sbusd syntax (a path, ``/dev/unix/abstract/HEX`` or
@@ -529,13 +530,3 @@ class Client(Core):
     def stats(self, flags: int = 0, *, timeout: Optional[float] = None) -> Dict[str, Any]:
         """The broker's counters: the JSON reply to ``CMSG stats``."""
         return parse_stats(self.query(b"stats", None, flags, timeout=timeout))
-
-    def replay(self, pattern: Text, since=None, until=None, after=None, **options: Any):
-        """What ``sbus store`` recorded on ``pattern``: :func:`sbus.client.store.replay`."""
-        from .store import replay
-        return replay(self, pattern, since, until, after, **options)
-
-    def last(self, pattern: Text, **options: Any) -> List[Message]:
-        """The last recorded message of each key: :func:`sbus.client.store.last`."""
-        from .store import last
-        return last(self, pattern, **options)
