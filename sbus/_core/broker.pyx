@@ -1308,5 +1308,10 @@ cdef class Broker:
         return self.poller.name
 
     @property
+    def backend_fallback(self):
+        """Why the backend asked for is not the one running, or None."""
+        return self.poller.fallback
+
+    @property
     def client_count(self):
         return self.nconns

@@ -156,6 +156,8 @@ def serve(cfg: Config, listener, allowed, ready, early_stop=(), warnings=()) -> 
     log.info(schema.BROKER_START, version=__version__,
              address=listener.printed_address or cfg.address, pid=os.getpid(),
              config=cfg.summary())
+    if broker.backend_fallback:
+        warnings = [*warnings, f"--backend {cfg.backend}: {broker.backend_fallback}"]
     for text in warnings:
         log.warning(schema.CONFIG_WARNING, detail=text)
     lifecycle.detach_stdio()

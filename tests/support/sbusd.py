@@ -18,7 +18,7 @@ ROOT = TESTS.parent
 BIN = Path(sys.executable).parent
 SBUSD = str(BIN / "sbusd")
 SBUS = str(BIN / "sbus")
-BACKENDS = ("epoll", "select")
+BACKENDS = ("epoll", "select", "io_uring")
 
 
 def read_to_eof(pipe, timeout=5.0) -> bytes:
@@ -42,18 +42,19 @@ class Sbusd:
     """``sbusd`` with exactly the given arguments, plus JSON logging at
     ``log_level`` to ``log_path`` (none with ``log_level=None``). stdout is a
     pipe: sbusd closes it once it listens, which ``ready()`` waits for.
-    ``address`` is where ``connect()`` goes (the caller passed it in args)."""
+    ``address`` is where ``connect()`` goes (the caller passed it in args).
+    ``wrapper`` is a command that runs sbusd (it gets sbusd's argv)."""
 
     _seq = 0
 
     def __init__(self, workdir: Path, args=(), *, address=None, log_level="debug", env=None,
-                 pass_fds=(), umask=-1, cwd=None):
+                 pass_fds=(), umask=-1, cwd=None, wrapper=()):
         Sbusd._seq += 1
         self.workdir = Path(workdir)
         self.address = address
         self.log_path = self.workdir / f"sbusd-{Sbusd._seq}.log"
         self.stderr_path = self.log_path.with_suffix(".stderr")
-        argv = [SBUSD, *args]
+        argv = [*wrapper, SBUSD, *args]
         if log_level is not None:
             argv += ["--log-format", "json", "--log-file", str(self.log_path),
                      "--log-level", log_level]
