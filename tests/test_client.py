@@ -1,4 +1,4 @@
-"""sbus.Client against real sbusd processes (both backends) and, where the
+"""sbus.Client against real sbusd processes (every backend) and, where the
 broker cannot be made to misbehave on cue, against the far end of a socket pair."""
 from __future__ import annotations
 
