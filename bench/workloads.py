@@ -71,7 +71,8 @@ def flood_rows(spec: Flood, name, plan: Plan):
         rows.append(Row(name, name, size, spec.unit, relay=r.value, sbus=s.value,
                         relay_cpu_us=r.cpu_us, sbus_cpu_us=s.cpu_us,
                         relay_busy=res["relay"].utilisation(), sbus_busy=res["sbus"].utilisation(),
-                        problems=r.problems + s.problems, foreign_cores=worst_foreign(r.foreign_cores, s.foreign_cores),
+                        problems=r.problems + s.problems,
+                        foreign_cores=worst_foreign(r.foreign_cores, s.foreign_cores),
                         goals=spec.goals, note=spec.note, raw=raw(res)))
         say(f"{name} {size} B: relay {fmt(r.value)} sbus {fmt(s.value)} {spec.unit} "
             f"{' '.join(r.problems + s.problems)}")
@@ -102,7 +103,7 @@ def manypubs_rows(plan: Plan):
     rows = []
     for size in plan.sizes:
         for label, extra, figure, unit, goals, lower in modes:
-            def loadgen_args(kind, _label):
+            def loadgen_args(kind, _label, extra=extra, size=size):
                 return [*base, *extra, "-s", str(size), "-d", str(plan.duration), "-w", window(size)]
 
             res = plan.harness.interleave(RELAY_AND_SBUS, plan.reps, "manypubs", loadgen_args)

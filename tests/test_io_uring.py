@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from sbus import logschema as ls
+
 from support import Sbusd
 
 C_DIR = Path(__file__).resolve().parent / "c"
@@ -76,7 +77,8 @@ def test_refused_io_uring_falls_back_to_epoll_with_a_warning(tmp_path, no_io_uri
     try:
         round_trip(b)
         assert b.stats()["backend"] == "epoll"
-        assert warnings(b) == [f"--backend io_uring: io_uring is unavailable (io_uring_setup: {why}): using epoll"]
+        assert warnings(b) == [
+            f"--backend io_uring: io_uring is unavailable (io_uring_setup: {why}): using epoll"]
     finally:
         assert b.stop() == 0
 

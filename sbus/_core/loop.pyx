@@ -28,8 +28,12 @@ cdef enum:
 
 
 cdef int raise_oserror(str what) except -1:
+    return raise_errno(errno, what)
+
+
+cdef int raise_errno(int err, str what) except -1:
     import os
-    raise OSError(errno, f"{what}: {os.strerror(errno)}")
+    raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
 cdef class Poller:
@@ -218,8 +222,7 @@ cdef class IoUringPoller(Poller):
             raise MemoryError()
         err = sbus_uring_init(&self.ring, URING_ENTRIES)
         if err < 0:
-            import os
-            raise OSError(-err, f"io_uring_setup: {os.strerror(-err)}")
+            raise_errno(-err, "io_uring_setup")
 
     def __dealloc__(self):
         sbus_uring_free(&self.ring)
@@ -258,8 +261,7 @@ cdef class IoUringPoller(Poller):
         self.gen[fd] += 1
         err = sbus_uring_poll_add(&self.ring, fd, events, poll_tag(fd, self.gen[fd]))
         if err < 0:
-            errno = -err
-            raise_oserror("io_uring poll_add")
+            raise_errno(-err, "io_uring poll_add")
         self.armed[fd] = <unsigned char>mask
         return 0
 
@@ -272,8 +274,7 @@ cdef class IoUringPoller(Poller):
         if self.armed[fd]:
             err = sbus_uring_poll_remove(&self.ring, poll_tag(fd, self.gen[fd]), REMOVE_TAG)
             if err < 0:
-                errno = -err
-                raise_oserror("io_uring poll_remove")
+                raise_errno(-err, "io_uring poll_remove")
             self.armed[fd] = 0
             self.gen[fd] += 1       # whatever the removed poll still reports is stale
         if mask:
@@ -283,8 +284,7 @@ cdef class IoUringPoller(Poller):
             # number: the removal must reach the kernel first.
             err = sbus_uring_submit(&self.ring, 0, 0)
             if err < 0 and err != -EINTR:
-                errno = -err
-                raise_oserror("io_uring_enter")
+                raise_errno(-err, "io_uring_enter")
         return 0
 
     cdef int poll(self, int timeout_ms) except -1:
@@ -299,8 +299,7 @@ cdef class IoUringPoller(Poller):
         with nogil:
             err = sbus_uring_submit(&self.ring, 1, timeout_ms)
         if err < 0 and err != -EINTR:
-            errno = -err
-            raise_oserror("io_uring_enter")
+            raise_errno(-err, "io_uring_enter")
         while count < self.max_fired and sbus_uring_peek(&self.ring, &tag, &res):
             sbus_uring_advance(&self.ring)
             if tag & REMOVE_TAG:
