@@ -34,6 +34,8 @@ THROUGHPUT_GOALS = (Goal("ratio", ">=", 0.9), Goal("cpu_ratio", "<=", 1.2))
 P99_US_GOAL = Goal("sbus", "<=", 80.0)
 BYTES_PER_CLIENT_GOAL = Goal("sbus", "<=", 2048)
 MANYSUBS_VS_PAIR_GOAL = Goal("sbus", ">=", 0.9)
+MANYPUBS_CPU_GOAL = Goal("cpu_ratio", "<=", 0.85)       # many publishers at saturation
+MANYPUBS_RATE_CPU_GOAL = Goal("cpu_ratio", "<=", 1.0)   # at the fixed offered rate: no worse than the relay
 LOG_DEFAULT_DROP_GOAL = Goal("drop_vs_off", "<=", 0.05)
 LOG_SAMPLED_DROP_GOAL = Goal("drop_vs_off", "<=", 0.15)
 

@@ -21,6 +21,8 @@ from report import (
     BYTES_PER_CLIENT_GOAL,
     LOG_DEFAULT_DROP_GOAL,
     LOG_SAMPLED_DROP_GOAL,
+    MANYPUBS_CPU_GOAL,
+    MANYPUBS_RATE_CPU_GOAL,
     MANYSUBS_VS_PAIR_GOAL,
     P99_US_GOAL,
     THROUGHPUT_GOALS,
@@ -80,7 +82,8 @@ def flood_rows(spec: Flood, name, plan: Plan):
         rows.append(Row(name, name, size, spec.unit, relay=r.value, sbus=s.value,
                         relay_cpu_us=r.cpu_us, sbus_cpu_us=s.cpu_us,
                         relay_busy=res["relay"].utilisation(), sbus_busy=res["sbus"].utilisation(),
-                        problems=r.problems + s.problems, foreign_cores=worst_foreign(r.foreign_cores, s.foreign_cores),
+                        problems=r.problems + s.problems,
+                        foreign_cores=worst_foreign(r.foreign_cores, s.foreign_cores),
                         goals=spec.goals, note=spec.note, raw=raw(res)))
         say(f"{name} {size} B: relay {fmt(r.value)} sbus {fmt(s.value)} {spec.unit} "
             f"{' '.join(r.problems + s.problems)}")
@@ -89,6 +92,42 @@ def flood_rows(spec: Flood, name, plan: Plan):
 
 def raw(series: dict[str, Series]):
     return {label: s.to_json() for label, s in series.items()}
+
+
+# ------------------------------------------------------------------- manypubs
+
+MANYPUBS_PUBLISHERS = 256
+MANYPUBS_PROCS = 2
+MANYPUBS_RATE = 100_000  # messages/s offered over all publishers in the fixed-rate mode
+
+
+def manypubs_rows(plan: Plan):
+    """256 publisher connections (over 2 processes), one message each in
+    turn, to one subscriber in blocking/hard/block mode: at saturation, and
+    at a fixed offered rate.  CPU per delivery for both, p99 publish-to-
+    delivery latency at the fixed rate (at saturation it is the window's
+    queueing, shown in the results file only)."""
+    base = ("-N", str(MANYPUBS_PUBLISHERS), "-G", str(MANYPUBS_PROCS), "-n", "1")
+    modes = [("manypubs", (), "msgs_per_s", "msg/s", (MANYPUBS_CPU_GOAL,), False),
+             (f"manypubs {MANYPUBS_RATE // 1000}k/s", ("-r", str(MANYPUBS_RATE)), "p99_us", "p99 µs",
+              (MANYPUBS_RATE_CPU_GOAL,), True)]
+    rows = []
+    for size in plan.sizes:
+        for label, extra, figure, unit, goals, lower in modes:
+            def loadgen_args(kind, _label, extra=extra, size=size):
+                return [*base, *extra, "-s", str(size), "-d", str(plan.duration), "-w", window(size)]
+
+            res = plan.harness.interleave(RELAY_AND_SBUS, plan.reps, "manypubs", loadgen_args)
+            r, s = res["relay"].summary(figure), res["sbus"].summary(figure)
+            rows.append(Row("manypubs", label, size, unit, relay=r.value, sbus=s.value,
+                            relay_cpu_us=r.cpu_us, sbus_cpu_us=s.cpu_us,
+                            relay_busy=res["relay"].utilisation(), sbus_busy=res["sbus"].utilisation(),
+                            problems=r.problems + s.problems,
+                            foreign_cores=worst_foreign(r.foreign_cores, s.foreign_cores),
+                            goals=goals, lower_is_better=lower, raw=raw(res)))
+            say(f"{label} {size} B: relay {fmt(r.value)} sbus {fmt(s.value)} {unit}, "
+                f"µs/dlv relay {fmt(r.cpu_us)} sbus {fmt(s.cpu_us)} {' '.join(r.problems + s.problems)}")
+    return rows
 
 
 # ----------------------------------------------------------------------- idle
@@ -416,6 +455,7 @@ WORKLOADS = {w.name: w for w in [
     # that never reads), so its ceiling is the relay serving the fast ones alone.
     flood("slow", sbus_args=("-n", "4", "-S", "1"), relay_args=("-n", "4"), figure="deliveries_per_s",
           unit="dlv/s", note="relay: the 4 fast subscribers without the slow one"),
+    Workload("manypubs", manypubs_rows),
     Workload("idle", idle_rows),
     latency("latency", one_core=False),
     latency("latency1", one_core=True),

@@ -133,7 +133,7 @@ def test_parse(argv, field, value):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--backend", "kqueue"], "--backend: choose one of epoll, select"),
+    (["--backend", "kqueue"], "--backend: choose one of epoll, select, io_uring"),
     (["--hard", "queue"], "--hard: choose one of discard, block, error"),
     (["--max-message", "lots"], "--max-message: not a whole number: 'lots'"),
     (["--max-message", "63"], "--max-message: out of range: '63' (64 to 67108864)"),

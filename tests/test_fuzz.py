@@ -1,6 +1,6 @@
 """Hostile input against a live broker, and the limits against memory abuse.
 
-The live fuzz runs over real sockets on both backends: hostile client
+The live fuzz runs over real sockets on every backend: hostile client
 processes (tests/workers/hostile.py) send random verbs, missing NULs, huge
 patterns, SUB/UNSUB bursts, '!' in every position, invalid and foreign
 !/cred/ forms, oversized packets, empty packets and half-closed sockets while

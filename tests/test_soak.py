@@ -1,7 +1,7 @@
 """Resources under churn: descriptors, memory, fd exhaustion and SIGPIPE.
 
 The churn soak runs for ``SBUS_SOAK_SECONDS`` in total (default 50, split
-between the epoll and select backends; ``make soak`` sets 600). Churn worker
+between the event-loop backends; ``make soak`` sets 600). Churn worker
 processes run waves of clients that connect, subscribe, publish and leave:
 some close cleanly, some close or half-close in the middle of a burst, some
 never read and leave with data queued for them, and forked children are

@@ -2,11 +2,13 @@
 #
 # The life of a message:
 #   1. receive: recvmmsg reads up to RECV_BATCH packets of one connection
-#      into fixed receive slots (rhdrs/riov over recv_area).
+#      into the loop turn's next free receive slots (rhdrs/riov over
+#      recv_area); every readable connection of the turn gets slots of its own.
 #   2. match: a MSG's key is looked up in the segment trie (index); every
 #      recipient gets a Pending entry naming the slot, chained per recipient.
-#   3. send: at the end of the batch each recipient gets one sendmmsg of its
-#      chain, straight from the receive slots.
+#   3. send: once per loop turn (before_sleep, as redis's beforeSleep), or
+#      sooner when the slots run out, each recipient gets one sendmmsg of its
+#      chain from every publisher, straight from the receive slots.
 #   4. queue: only what a send could not take is copied, once per message,
 #      into a refcounted Packet that every recipient's send queue shares; the
 #      flood policy (policy.pxd) decides per delivery to queue, drop, block
@@ -30,9 +32,12 @@ cdef enum:
     ACCEPT_BATCH = 64       # connections accepted per readable event
     RECV_BATCH = 32         # packets read from one connection per recvmmsg
     SEND_BATCH = 64         # packets written to one connection per sendmmsg
+    TURN_SLOTS_MAX = 256    # receive slots one loop turn fills before a flush
+    TURN_AREA_BYTES = 32 << 20  # ...and at most this much address space for them
+    RECV_BATCH_MIN = 8      # a connection is read only with this many slots free
 
 
-# One delivery waiting for the end of the batch: a receive slot or a packet.
+# One delivery waiting for the flush: a receive slot or a packet.
 cdef struct Pending:
     int32_t next            # next entry of the same recipient, or -1
     int32_t slot            # receive slot, or -1 for pkt
@@ -63,8 +68,10 @@ cdef class Broker:
     cdef uint32_t nconns
     cdef uint32_t list_cap          # capacity of the per-connection lists below
     cdef Conn **recips              # one message's recipients
-    cdef Conn **touched             # recipients with pending deliveries this batch
+    cdef Conn **touched             # recipients with pending deliveries this turn
     cdef uint32_t ntouched
+    cdef Conn **blockers            # of those, the ones in a block mode (may_block_bus)
+    cdef uint32_t nblockers
     cdef Conn **closing             # marked; torn down by finalize_closing
     cdef uint32_t nclosing
     cdef Conn **paused              # not read while the bus is blocked
@@ -74,19 +81,24 @@ cdef class Broker:
     cdef size_t scratch_cap
 
     # ---- the message path
-    # 1. receive slots
+    # 1. receive slots, filled in turn by every connection read until the flush
     cdef char *recv_area
     cdef size_t recv_area_size
     cdef size_t recv_high           # largest packet since the area was last released
-    cdef mmsghdr rhdrs[RECV_BATCH]
-    cdef iovec riov[RECV_BATCH]
-    cdef uint64_t batch_seqs[RECV_BATCH]
+    cdef uint32_t turn_slots        # slots in recv_area (TURN_SLOTS_MAX, TURN_AREA_BYTES)
+    cdef uint32_t nslots            # slots used since the last flush
+    cdef mmsghdr rhdrs[TURN_SLOTS_MAX]
+    cdef iovec riov[TURN_SLOTS_MAX]
+    cdef uint64_t batch_seqs[TURN_SLOTS_MAX]
     cdef uint64_t seq               # messages published since start
     cdef uint64_t rng               # xorshift state for sampling
     # 2. pending entries, chained per recipient (Conn.pend_head/pend_tail)
     cdef Pending *pend
     cdef int32_t npend
     cdef int32_t pend_cap
+    cdef uint64_t pend_bytes        # their lengths: the most the flush can queue anywhere
+    cdef bint flushing              # flush_conn is writing (mark_closing must not flush)
+    cdef int32_t batch_pend         # the first entry of the batch being read, or -1
     # 3. one sendmmsg per recipient: siov/sreply are filled, send_prepared writes them
     cdef mmsghdr shdrs[SEND_BATCH]
     cdef iovec siov[SEND_BATCH]
@@ -95,7 +107,7 @@ cdef class Broker:
     cdef Packet *ssel[SEND_BATCH]           # drain: the queued packets behind each siov
     cdef uint32_t spos[SEND_BATCH]
     # 4. a slot's shared packet, made once some recipient had to queue it
-    cdef Packet *batch_pkts[RECV_BATCH]
+    cdef Packet *batch_pkts[TURN_SLOTS_MAX]
 
     # ---- configuration (the names of the configuration's options)
     cdef size_t max_message
@@ -155,13 +167,14 @@ cdef class Broker:
     # ---- the loop: one turn is poll, dispatch, before_sleep, housekeeping
     cdef int poll_timeout(self) noexcept         # ms until the next tick or block check
     cdef int dispatch(self, int n) except -1     # handle fired[0:n]
-    cdef int before_sleep(self) except -1        # tear down marked conns, block timeouts
+    cdef int before_sleep(self) except -1        # flush, tear down marked conns, block timeouts
     cdef int housekeeping(self) except -1        # on the tick: trim memory, on_tick
     cdef int release_buffers(self) except -1     # madvise away pages large packets touched
     cdef int raise_callback_error(self) except -1   # the turn's kept exception, once
 
-    # ---- receiving: one batch of one connection, then flush_pending
+    # ---- receiving: one batch of one connection into the turn's free slots
     cdef int on_readable(self, Conn *c, int mask) except -1   # EOF, oversize, empty: close c
+    cdef bint may_block_bus(self) noexcept       # the flush could stop the bus: flush first
     cdef int handle_packet(self, Conn *c, int slot, size_t n) except -1  # by verb, or close c
     cdef int publish(self, Conn *c, int slot, const char *key, size_t klen,
                      size_t n) except -1         # check the key, count, pend_add per recipient
@@ -173,7 +186,8 @@ cdef class Broker:
     # ---- delivering: pending entries, one sendmmsg per recipient, the queue
     cdef int reply(self, Conn *c, bytes packet) except -1      # behind c's deliveries
     cdef int pend_add(self, Conn *c, int32_t slot, Packet *pkt) except -1  # chain onto c's entries
-    cdef int flush_pending(self) except -1       # every recipient's chain, then the batch's packets
+    cdef int flush_pending(self) except -1       # every recipient's chain, then the turn's packets
+    cdef int flush_deliveries(self) except -1    # every recipient's chain; the slots stay
     cdef int flush_conn(self, Conn *c) except -1  # send c's chain; the rest goes to enqueue
     cdef int send_prepared(self, Conn *c, uint32_t k) except -1  # sendmmsg siov[0:k]; returns sent
     cdef int enqueue(self, Conn *c, Pending *e) except -1        # act on policy.flood_action
@@ -221,6 +235,7 @@ cdef class Broker:
 
     # ---- closing: mark now, tear down at the end of the turn
     cdef int mark_closing(self, Conn *c, int reason, detail) except -1   # first reason wins
+    cdef int flush_before_close(self, Conn *c) except -1   # c's entries of earlier batches
     cdef int finalize_closing(self) except -1    # free, log client_disconnect, auto_close
     cdef void count_drops_disconnect(self, Conn *c, uint64_t n) noexcept
 

@@ -4,11 +4,12 @@ around the per-message path (receive, parse, match, fan out, send), and the
 loop that drives them.
 
 The message path is C over C structs (broker.pxd tells the life of a
-message): a batch is read with recvmmsg into fixed slots, each MSG is matched
-through the segment trie, every recipient gets a ``Pending`` entry, and at
-the end of the batch each recipient's deliveries go out in one sendmmsg,
-straight from the receive buffers. Only what cannot be sent without blocking
-is copied into a shared Packet. Python is called only for sampled message
+message): each readable connection's batch is read with recvmmsg into the
+loop turn's next free slots, each MSG is matched through the segment trie,
+every recipient gets a ``Pending`` entry, and once per turn each recipient's
+deliveries from every publisher go out in one sendmmsg, straight from the
+receive buffers. Only what cannot be sent without blocking is copied into a
+shared Packet. Python is called only for sampled message
 records, control replies and connection events.
 
 Connections that misbehave are only *marked* closing; they are torn down at
@@ -37,7 +38,7 @@ from sbus._core.includes.sys cimport (
     SO_SNDBUFFORCE, SOCK_NONBLOCK, SOCK_CLOEXEC, clock_gettime, timespec, CLOCK_MONOTONIC,
     malloc_trim, recv, recvmmsg, sendmmsg, MSG_DONTWAIT, MSG_NOSIGNAL, MSG_TRUNC, MSG_PEEK,
     mmap, munmap, madvise, MAP_FAILED, PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_ANONYMOUS,
-    MADV_DONTNEED,
+    MAP_NORESERVE, MADV_DONTNEED,
 )
 from sbus._core.index cimport (
     Sub, index_init, index_free, index_add, index_remove, index_match)
@@ -135,6 +136,7 @@ cdef class Broker:
         cdef int i
         cdef void *area
         cdef size_t slot = <size_t>config.max_message + 1
+        cdef size_t fit = TURN_AREA_BYTES // slot
         self.listen_fd = -1
         self.wakeup_fd = -1
         self.spare_fd = -1
@@ -145,18 +147,22 @@ cdef class Broker:
         if index_init(&self.index) < 0 or accounts_init(&self.accounts) < 0:
             raise MemoryError()
         self.rng = 0x9E3779B97F4A7C15 ^ <uint64_t>(<size_t><void *>self)
-        # One slot per batched packet, each big enough for the largest packet
-        # plus one byte so MSG_TRUNC can tell an oversized one apart.
-        # Mapped, not malloc'd, so the pages a burst of large packets touched
-        # can be handed back (release_buffers) without freeing the area.
-        self.recv_area_size = RECV_BATCH * slot
+        # One slot per packet received in a loop turn, each big enough for
+        # the largest packet plus one byte so MSG_TRUNC can tell an oversized
+        # one apart; as many as TURN_AREA_BYTES holds, and never fewer than
+        # one batch. Mapped, not malloc'd, so the pages a burst of large
+        # packets touched can be handed back (release_buffers) without
+        # freeing the area; only touched pages count.
+        self.turn_slots = TURN_SLOTS_MAX if fit > TURN_SLOTS_MAX else (
+            RECV_BATCH if fit < RECV_BATCH else <uint32_t>fit)
+        self.recv_area_size = self.turn_slots * slot
         area = mmap(NULL, self.recv_area_size, PROT_READ | PROT_WRITE,
-                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
         if area == MAP_FAILED:
             raise MemoryError()
         self.recv_area = <char *>area
         memset(self.rhdrs, 0, sizeof(self.rhdrs))
-        for i in range(RECV_BATCH):
+        for i in range(self.turn_slots):
             self.riov[i].iov_base = self.recv_area + i * slot
             self.riov[i].iov_len = slot
             self.rhdrs[i].msg_hdr.msg_iov = &self.riov[i]
@@ -165,6 +171,7 @@ cdef class Broker:
         for i in range(SEND_BATCH):
             self.shdrs[i].msg_hdr.msg_iov = &self.siov[i]
             self.shdrs[i].msg_hdr.msg_iovlen = 1
+        self.batch_pend = -1
         self.pend_cap = 1024
         self.pend = <Pending *>malloc(self.pend_cap * sizeof(Pending))
         if self.pend == NULL:
@@ -249,6 +256,7 @@ cdef class Broker:
         accounts_free(&self.accounts)
         free(self.recips)
         free(self.touched)
+        free(self.blockers)
         free(self.closing)
         free(self.paused)
         free(self.scratch)
@@ -289,6 +297,7 @@ cdef class Broker:
     def close(self):
         """Disconnect every client (reason 'shutdown'), logging each."""
         cdef int fd
+        self.flush_pending()
         for fd in range(self.conns_cap):
             if self.conns[fd] != NULL:
                 self.mark_closing(self.conns[fd], R_SHUTDOWN, None)
@@ -332,6 +341,10 @@ cdef class Broker:
         return 0
 
     cdef int before_sleep(self) except -1:
+        # The turn's deliveries, from every connection read, go out now:
+        # one sendmmsg per recipient per turn.
+        if self.ntouched or self.nslots:
+            self.flush_pending()
         if self.nclosing:
             self.finalize_closing()
         if self.nblocking:
@@ -377,10 +390,14 @@ cdef class Broker:
     # ---- receiving ---------------------------------------------------------
 
     cdef int on_readable(self, Conn *c, int mask) except -1:
-        cdef int n, i
+        cdef int n, i, slot
+        cdef uint32_t base, room
         cdef unsigned int length
         cdef char probe
         cdef ssize_t r
+        if self.nslots + RECV_BATCH_MIN > self.turn_slots or (
+                self.nblockers and self.may_block_bus()):
+            self.flush_pending()
         if self.nblocking:
             # A peer that hung up can never read its queue: drop it, so a dead
             # client cannot hold the bus. Its unread input waits, like every
@@ -389,7 +406,10 @@ cdef class Broker:
                 self.stop_writing(c)
             if self.nblocking:
                 return self.pause(c)
-        n = recvmmsg(c.fd, self.rhdrs, RECV_BATCH, MSG_DONTWAIT, NULL)
+        base = self.nslots
+        room = self.turn_slots - base
+        n = recvmmsg(c.fd, &self.rhdrs[base], RECV_BATCH if room > RECV_BATCH else room,
+                     MSG_DONTWAIT, NULL)
         if n < 0:
             if errno == EAGAIN or errno == EINTR:
                 return 0
@@ -398,11 +418,14 @@ cdef class Broker:
                 # socket: an ordinary close, not a fault.
                 return self.mark_closing(c, R_EOF, "closed with unread deliveries")
             return self.mark_closing(c, R_ERROR, f"recv: {os.strerror(errno)}")
+        self.nslots = base + n
+        self.batch_pend = self.npend
         for i in range(n):
-            length = self.rhdrs[i].msg_len
+            slot = base + i
+            length = self.rhdrs[slot].msg_len
             if length > self.recv_high:
                 self.recv_high = length
-            if length > self.max_message or self.rhdrs[i].msg_hdr.msg_flags & MSG_TRUNC:
+            if length > self.max_message or self.rhdrs[slot].msg_hdr.msg_flags & MSG_TRUNC:
                 self.mark_closing(c, R_OVERSIZE,
                                   f"packet larger than {self.max_message} bytes")
                 break
@@ -415,10 +438,29 @@ cdef class Broker:
                 else:
                     self.mark_closing(c, R_PROTOCOL, "empty packet")
                 break
-            self.handle_packet(c, i, length)
+            self.handle_packet(c, slot, length)
             if c.closing:
                 break
-        return self.flush_pending()
+        self.batch_pend = -1
+        return 0
+
+    cdef bint may_block_bus(self) noexcept:
+        """Whether flushing the turn could make a recipient in a block mode
+        stop the bus: then the flush comes before another connection is
+        read, so the bus stops where it did with a flush per batch. pend_bytes
+        bounds what the flush can add to any queue, account or the total."""
+        cdef uint32_t i
+        cdef Conn *c
+        cdef PacketStats *ps = get_packet_stats()
+        for i in range(self.nblockers):
+            c = self.blockers[i]
+            if c.soft == MODE_BLOCK or (
+                    c.q.bytes + self.pend_bytes > self.queue_max_bytes or
+                    c.q.live + <uint64_t>self.npend > self.queue_max_msgs or
+                    c.acct.queued_bytes + self.pend_bytes > c.acct.max_queued_bytes or
+                    ps.bytes + self.pend_bytes > self.total_max_bytes):
+                return True
+        return False
 
     cdef int handle_packet(self, Conn *c, int slot, size_t n) except -1:
         cdef ParsedPacket p
@@ -526,6 +568,7 @@ cdef class Broker:
         cdef Pending *e
         cdef Pending *grown
         cdef int32_t idx = self.npend
+        self.pend_bytes += pkt.len if pkt != NULL else self.rhdrs[slot].msg_len
         if idx == self.pend_cap:
             grown = <Pending *>realloc(self.pend, 2 * self.pend_cap * sizeof(Pending))
             if grown == NULL:
@@ -541,28 +584,46 @@ cdef class Broker:
             c.pend_head = idx
             self.touched[self.ntouched] = c
             self.ntouched += 1
+            if c.soft == MODE_BLOCK or c.hard == MODE_BLOCK:
+                self.blockers[self.nblockers] = c
+                self.nblockers += 1
         else:
             self.pend[c.pend_tail].next = idx
         c.pend_tail = idx
         return 0
 
     cdef int flush_pending(self) except -1:
-        """Send every delivery collected in this batch, one sendmmsg per
-        recipient, then let go of the batch's packets."""
+        """Send every delivery collected since the last flush, one sendmmsg
+        per recipient, then let go of the receive slots and their packets."""
         cdef uint32_t i
-        cdef int j
+        self.flush_deliveries()
+        for i in range(self.nslots):
+            if self.batch_pkts[i] != NULL:
+                packet_release(self.batch_pkts[i])
+                self.batch_pkts[i] = NULL
+        self.nslots = 0
+        return 0
+
+    cdef int flush_deliveries(self) except -1:
+        """Send every pending delivery, one sendmmsg per recipient; the
+        receive slots stay as they are."""
+        cdef uint32_t i
         cdef Conn *c
-        for i in range(self.ntouched):
-            c = self.touched[i]
-            self.flush_conn(c)
-            c.pend_head = -1
-            c.pend_tail = -1
+        self.flushing = True
+        try:
+            for i in range(self.ntouched):
+                c = self.touched[i]
+                self.flush_conn(c)
+                c.pend_head = -1
+                c.pend_tail = -1
+        finally:
+            self.flushing = False
         self.ntouched = 0
+        self.nblockers = 0
         self.npend = 0
-        for j in range(RECV_BATCH):
-            if self.batch_pkts[j] != NULL:
-                packet_release(self.batch_pkts[j])
-                self.batch_pkts[j] = NULL
+        self.pend_bytes = 0
+        if self.batch_pend > 0:
+            self.batch_pend = 0     # flushed in the middle of a batch (stats)
         return 0
 
     cdef int flush_conn(self, Conn *c) except -1:
@@ -892,9 +953,11 @@ cdef class Broker:
             cap = cap * 2 if cap else 64
         self.recips = <Conn **>realloc(self.recips, cap * sizeof(Conn *))
         self.touched = <Conn **>realloc(self.touched, cap * sizeof(Conn *))
+        self.blockers = <Conn **>realloc(self.blockers, cap * sizeof(Conn *))
         self.closing = <Conn **>realloc(self.closing, cap * sizeof(Conn *))
         self.paused = <Conn **>realloc(self.paused, cap * sizeof(Conn *))
-        if self.recips == NULL or self.touched == NULL or self.closing == NULL or self.paused == NULL:
+        if (self.recips == NULL or self.touched == NULL or self.blockers == NULL or
+                self.closing == NULL or self.paused == NULL):
             raise MemoryError()
         self.list_cap = cap
         return 0
@@ -1125,7 +1188,9 @@ cdef class Broker:
         elif key_is(key, n, b"echo/off", 8):
             return self.set_mode(c, WHICH_ECHO, 0)
         elif key_is(key, n, b"stats", 5):
-            self.flush_pending()    # count this batch's deliveries first
+            # Count the deliveries so far first; the batch being read still
+            # points into its receive slots, so they stay.
+            self.flush_deliveries()
             snapshot = self.stats()
             body = json.dumps(snapshot, separators=(",", ":")).encode()
             if <size_t>len(body) + 11 > self.max_message:
@@ -1217,12 +1282,37 @@ cdef class Broker:
     cdef int mark_closing(self, Conn *c, int reason, detail) except -1:
         if c.closing:
             return 0
+        if c.pend_head >= 0 and not self.flushing:
+            self.flush_before_close(c)
         c.closing = 1
         c.reason = reason
         if detail is not None:
             self.close_details[c.id] = detail
         self.closing[self.nclosing] = c
         self.nclosing += 1
+        return 0
+
+    cdef int flush_before_close(self, Conn *c) except -1:
+        """Send c what is pending for it from batches read before the one
+        being read now: with a flush after every batch it had those already.
+        What the current batch holds for it goes with c, as it always did."""
+        cdef int32_t cut = self.batch_pend if self.batch_pend >= 0 else self.npend
+        cdef int32_t e = c.pend_head
+        cdef int32_t last = -1
+        cdef int32_t tail = c.pend_tail
+        while e >= 0 and e < cut:     # entries are numbered in the order added
+            last = e
+            e = self.pend[e].next
+        if last < 0:
+            return 0
+        self.pend[last].next = -1
+        self.flushing = True
+        try:
+            self.flush_conn(c)
+        finally:
+            self.flushing = False
+        c.pend_head = e
+        c.pend_tail = tail if e >= 0 else -1
         return 0
 
     cdef int finalize_closing(self) except -1:
@@ -1330,6 +1420,11 @@ cdef class Broker:
     @property
     def backend(self):
         return self.poller.name
+
+    @property
+    def backend_fallback(self):
+        """Why the backend asked for is not the one running, or None."""
+        return self.poller.fallback
 
     @property
     def client_count(self):

@@ -1,6 +1,27 @@
 # Readiness backends for the broker's event loop: one small interface
-# (set interest, poll) with an epoll and a select(2) implementation.
+# (set interest, poll) with epoll, select(2) and io_uring implementations.
+from libc.stdint cimport uint32_t
+
 from sbus._core.includes.sys cimport epoll_event
+
+
+cdef extern from "csrc/uring.h" nogil:
+    struct sbus_uring:
+        int fd
+    enum:
+        POLLIN
+        POLLOUT
+        POLLERR
+        POLLHUP
+        ECANCELED
+    int sbus_uring_init(sbus_uring *r, unsigned entries)
+    void sbus_uring_free(sbus_uring *r)
+    int sbus_uring_submit(sbus_uring *r, int wait, int timeout_ms)
+    int sbus_uring_poll_add(sbus_uring *r, int fd, unsigned events, unsigned long long user_data)
+    int sbus_uring_poll_remove(sbus_uring *r, unsigned long long target,
+                               unsigned long long user_data)
+    int sbus_uring_peek(sbus_uring *r, unsigned long long *user_data, int *res)
+    void sbus_uring_advance(sbus_uring *r)
 
 
 cdef enum:
@@ -20,6 +41,7 @@ cdef class Poller:
     cdef unsigned char *interest  # fd-indexed EV_READ|EV_WRITE masks
     cdef int interest_cap
     cdef readonly str name
+    cdef readonly str fallback    # why the backend asked for is not this one, or None
 
     cdef int set(self, int fd, int mask) except -1
     cdef int poll(self, int timeout_ms) except -1
@@ -34,3 +56,15 @@ cdef class EpollPoller(Poller):
 
 cdef class SelectPoller(Poller):
     cdef int maxfd
+
+
+cdef class IoUringPoller(Poller):
+    cdef sbus_uring ring
+    cdef unsigned char *armed     # fd-indexed: the mask of its one-shot poll in flight, or 0
+    cdef uint32_t *gen            # fd-indexed: the generation of its current poll
+    cdef int *rearm               # the fds that fired last poll(): armed again before waiting
+    cdef int nrearm
+    cdef int state_cap
+
+    cdef int grow_state(self, int fd) except -1
+    cdef int arm(self, int fd, int mask) except -1

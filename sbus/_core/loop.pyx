@@ -1,11 +1,15 @@
 # cython: language_level=3
-"""epoll and select(2) backends; the broker picks one by name at start-up.
+"""epoll, select(2) and io_uring backends; the broker picks one by name at
+start-up. io_uring falls back to epoll where the kernel lacks or refuses it
+(``Poller.fallback`` says why).
 
 Contract: ``set(fd, mask)`` registers, changes or (mask 0) removes interest;
 a mask of 0 unregisters the fd entirely, so a paused or closing socket never
 fires. ``poll(timeout_ms)`` fills ``fired[0:n]`` and returns n (0 on EINTR).
+Every backend is level-triggered: an fd that stays ready fires again.
 """
 from libc.errno cimport errno, EINTR, ENOENT
+from libc.stdint cimport uint32_t
 from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memset
 from posix.unistd cimport close
@@ -19,11 +23,17 @@ from sbus._core.includes.sys cimport (
 
 cdef enum:
     MAX_FIRED = 1024     # select can report every fd below FD_SETSIZE at once
+    URING_ENTRIES = 1024     # submission ring; a fuller one is submitted early
+    REMOVE_TAG = 1 << 62     # user_data of a POLL_REMOVE's own completion
 
 
 cdef int raise_oserror(str what) except -1:
+    return raise_errno(errno, what)
+
+
+cdef int raise_errno(int err, str what) except -1:
     import os
-    raise OSError(errno, f"{what}: {os.strerror(errno)}")
+    raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
 cdef class Poller:
@@ -191,14 +201,151 @@ cdef class SelectPoller(Poller):
         return count
 
 
+cdef inline unsigned long long poll_tag(int fd, uint32_t gen) noexcept nogil:
+    return (<unsigned long long>(gen & 0x3fffffff) << 32) | <unsigned int>fd
+
+
+cdef class IoUringPoller(Poller):
+    """io_uring, readiness only: a one-shot POLL_ADD per watched fd, armed
+    again after it fires, and one io_uring_enter per poll() that submits the
+    turn's polls and waits. One-shot polls check readiness when armed, so an
+    fd that stays readable fires again, as with epoll. Raises OSError where
+    the kernel lacks io_uring, refuses it, or lacks what this needs (5.11)."""
+
+    def __cinit__(self, *args, **kwargs):
+        cdef int err
+        self.name = "io_uring"
+        self.armed = NULL
+        self.gen = NULL
+        self.rearm = <int *>malloc(MAX_FIRED * sizeof(int))
+        if self.rearm == NULL:
+            raise MemoryError()
+        err = sbus_uring_init(&self.ring, URING_ENTRIES)
+        if err < 0:
+            raise_errno(-err, "io_uring_setup")
+
+    def __dealloc__(self):
+        sbus_uring_free(&self.ring)
+        free(self.armed)
+        free(self.gen)
+        free(self.rearm)
+
+    cdef int grow_state(self, int fd) except -1:
+        cdef int cap
+        cdef unsigned char *armed
+        cdef uint32_t *gen
+        self.ensure(fd)
+        if fd < self.state_cap:
+            return 0
+        cap = self.interest_cap
+        armed = <unsigned char *>realloc(self.armed, cap)
+        if armed == NULL:
+            raise MemoryError()
+        self.armed = armed
+        gen = <uint32_t *>realloc(self.gen, cap * sizeof(uint32_t))
+        if gen == NULL:
+            raise MemoryError()
+        self.gen = gen
+        memset(self.armed + self.state_cap, 0, cap - self.state_cap)
+        memset(self.gen + self.state_cap, 0, (cap - self.state_cap) * sizeof(uint32_t))
+        self.state_cap = cap
+        return 0
+
+    cdef int arm(self, int fd, int mask) except -1:
+        cdef unsigned events = 0
+        cdef int err
+        if mask & EV_READ:
+            events |= POLLIN
+        if mask & EV_WRITE:
+            events |= POLLOUT
+        self.gen[fd] += 1
+        err = sbus_uring_poll_add(&self.ring, fd, events, poll_tag(fd, self.gen[fd]))
+        if err < 0:
+            raise_errno(-err, "io_uring poll_add")
+        self.armed[fd] = <unsigned char>mask
+        return 0
+
+    cdef int set(self, int fd, int mask) except -1:
+        cdef int err
+        self.grow_state(fd)
+        self.interest[fd] = <unsigned char>mask
+        if self.armed[fd] == mask:
+            return 0
+        if self.armed[fd]:
+            err = sbus_uring_poll_remove(&self.ring, poll_tag(fd, self.gen[fd]), REMOVE_TAG)
+            if err < 0:
+                raise_errno(-err, "io_uring poll_remove")
+            self.armed[fd] = 0
+            self.gen[fd] += 1       # whatever the removed poll still reports is stale
+        if mask:
+            self.arm(fd, mask)
+        else:
+            # The caller may close fd next and a new connection reuse its
+            # number: the removal must reach the kernel first.
+            err = sbus_uring_submit(&self.ring, 0, 0)
+            if err < 0 and err != -EINTR:
+                raise_errno(-err, "io_uring_enter")
+        return 0
+
+    cdef int poll(self, int timeout_ms) except -1:
+        cdef int i, fd, err, mask, count = 0
+        cdef int res
+        cdef unsigned long long tag
+        for i in range(self.nrearm):
+            fd = self.rearm[i]
+            if self.interest[fd] and not self.armed[fd]:
+                self.arm(fd, self.interest[fd])
+        self.nrearm = 0
+        with nogil:
+            err = sbus_uring_submit(&self.ring, 1, timeout_ms)
+        if err < 0 and err != -EINTR:
+            raise_errno(-err, "io_uring_enter")
+        while count < self.max_fired and sbus_uring_peek(&self.ring, &tag, &res):
+            sbus_uring_advance(&self.ring)
+            if tag & REMOVE_TAG:
+                continue
+            fd = <int>(tag & 0xffffffff)
+            if fd >= self.state_cap or tag != poll_tag(fd, self.gen[fd]):
+                continue        # a poll since removed or replaced
+            self.armed[fd] = 0
+            self.rearm[self.nrearm] = fd
+            self.nrearm += 1
+            if res < 0:
+                if res == -ECANCELED:
+                    continue
+                mask = EV_HUP | EV_READ     # let the read find out what is wrong
+            else:
+                mask = 0
+                if res & POLLIN:
+                    mask |= EV_READ
+                if res & POLLOUT:
+                    mask |= EV_WRITE
+                if res & (POLLHUP | POLLERR):
+                    mask |= EV_HUP | EV_READ
+            self.fired[count].fd = fd
+            self.fired[count].mask = mask
+            count += 1
+        return count
+
+
 def backend_names():
-    return ("epoll", "select")
+    return ("epoll", "select", "io_uring")
 
 
 cpdef Poller make_poller(str name):
-    """The backend called name ('epoll' or 'select')."""
+    """The backend called name ('epoll', 'select' or 'io_uring'). Where
+    io_uring is unavailable the epoll backend is returned, its ``fallback``
+    saying why."""
+    cdef Poller p
     if name == "epoll":
         return EpollPoller()
     if name == "select":
         return SelectPoller()
-    raise ValueError(f"unknown event-loop backend {name!r} (choose epoll or select)")
+    if name == "io_uring":
+        try:
+            return IoUringPoller()
+        except OSError as err:
+            p = EpollPoller()
+            p.fallback = f"io_uring is unavailable ({err.strerror or err}): using epoll"
+            return p
+    raise ValueError(f"unknown event-loop backend {name!r} (choose epoll, select or io_uring)")

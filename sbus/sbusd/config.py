@@ -136,8 +136,9 @@ OPTIONS = (
            help="socket mode allows others (0707; with -g 0777)"),
     Option("reuse", "reuse", short="r", default=False,
            help="replace a stale socket at the path (only a socket)"),
-    Option("backend", "backend", arg="NAME", default="epoll", choices=("epoll", "select"),
-           help="event loop: {choices} (default {default})"),
+    Option("backend", "backend", arg="NAME", default="epoll", choices=("epoll", "select", "io_uring"),
+           help="event loop: {choices} (default {default}); io_uring falls back to epoll, "
+                "with a warning, where the kernel lacks or refuses it"),
     Option("max_message", "max-message", arg="BYTES", default=MAX_MESSAGE,
            parse=number(low=64, high=64 << 20),
            help="largest packet accepted (default {default})"),

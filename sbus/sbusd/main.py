@@ -218,6 +218,8 @@ def serve(cfg: Config, listener, allowed, ready, early_stop=(), warnings=()) -> 
     log.info(schema.BROKER_START, version=__version__,
              address=listener.printed_address or cfg.address, pid=os.getpid(),
              config=cfg.summary())
+    if broker.backend_fallback:
+        warnings = [*warnings, f"--backend {cfg.backend}: {broker.backend_fallback}"]
     # Before the loop reads any client: the link is told of each from the first.
     link = start_link(cfg, broker) if cfg.upstream else None
     for text in warnings:

@@ -18,7 +18,7 @@ ROOT = TESTS.parent
 BIN = Path(sys.executable).parent
 SBUSD = str(BIN / "sbusd")
 SBUS = str(BIN / "sbus")
-BACKENDS = ("epoll", "select")
+BACKENDS = ("epoll", "select", "io_uring")
 
 
 def read_to_eof(pipe, timeout=5.0) -> bytes:
@@ -43,18 +43,19 @@ class Sbusd:
     ``log_level`` to ``log_path`` (none with ``log_level=None``). stdout is a
     pipe: sbusd closes it once it listens, which ``ready()`` waits for.
     ``address`` is where ``connect()`` goes (the caller passed it in args);
-    ``command`` is the broker's argv before the arguments (another build)."""
+    ``command`` is the broker's argv before the arguments (another build), and
+    ``wrapper`` a command that runs it (it gets that argv)."""
 
     _seq = 0
 
     def __init__(self, workdir: Path, args=(), *, address=None, log_level="debug", env=None,
-                 pass_fds=(), umask=-1, cwd=None, command=(SBUSD,)):
+                 pass_fds=(), umask=-1, cwd=None, command=(SBUSD,), wrapper=()):
         Sbusd._seq += 1
         self.workdir = Path(workdir)
         self.address = address
         self.log_path = self.workdir / f"sbusd-{Sbusd._seq}.log"
         self.stderr_path = self.log_path.with_suffix(".stderr")
-        argv = [*command, *args]
+        argv = [*wrapper, *command, *args]
         if log_level is not None:
             argv += ["--log-format", "json", "--log-file", str(self.log_path),
                      "--log-level", log_level]

@@ -123,6 +123,7 @@ cdef extern from "<sys/mman.h>" nogil:
         PROT_WRITE
         MAP_PRIVATE
         MAP_ANONYMOUS
+        MAP_NORESERVE
         MADV_DONTNEED
     void *MAP_FAILED
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
