@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 import sys
 
 from .. import argtypes
@@ -95,24 +93,4 @@ def main(args: argparse.Namespace, address: str) -> int:
         sys.stderr.write("sbus bridge: needs nats-py, the bridge extra of pysbus: "
                          "pip install nats-py\n")
         return 1
-    stream = _log.ReopenableStream(args.log_file, _log.fallback_stream())
-    logger = _log.configure(args.log_format or _log.default_format(stream), args.log_level,
-                            stream)
-
-    async def run() -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, stream.reopen)
-        bridge = Bridge(settings, logger)
-        try:
-            reason = await bridge.run(stop)
-        except OSError as exc:
-            bridge.stopped(f"error: {exc}")
-            sys.stderr.write(f"sbus bridge: {address}: {exc.strerror or exc}\n")
-            return 1
-        bridge.stopped(reason)
-        return 0
-
-    return asyncio.run(run())
+    return _log.run_service("bridge", address, args, lambda logger: Bridge(settings, logger))

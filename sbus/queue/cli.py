@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 import sys
 
 from .. import argtypes
@@ -58,24 +56,4 @@ def main(args: argparse.Namespace, address: str) -> int:
                         ack_timeout=args.ack_timeout, lease=args.lease,
                         max_held=args.max_held, stats_interval=args.stats_interval,
                         max_message=args.max_message)
-    stream = _log.ReopenableStream(args.log_file, _log.fallback_stream())
-    logger = _log.configure(args.log_format or _log.default_format(stream), args.log_level,
-                            stream)
-
-    async def run() -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, stream.reopen)
-        service = QueueService(settings, logger)
-        try:
-            reason = await service.run(stop)
-        except OSError as exc:
-            service.stopped(f"error: {exc}")
-            sys.stderr.write(f"sbus queue: {address}: {exc.strerror or exc}\n")
-            return 1
-        service.stopped(reason)
-        return 0
-
-    return asyncio.run(run())
+    return _log.run_service("queue", address, args, lambda logger: QueueService(settings, logger))
