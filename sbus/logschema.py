@@ -244,6 +244,8 @@ BRIDGE_LOCAL_LOST = "bridge_local_lost"      # the local broker went away
 BRIDGE_LOCAL_BACK = "bridge_local_back"      # ... and is back, subscriptions restored
 BRIDGE_STATS = "bridge_stats"                # every --stats-interval seconds
 BRIDGE_DROP = "bridge_drop"                  # one message dropped for bad input (rate-limited)
+BRIDGE_REFUSED = "bridge_refused"            # NATS refused a subscription or publication
+                                             # (its authorization: permissions violation)
 
 # Why a message was dropped (``bridge_drop.reason``; counters in sbus.bridge.counters).
 BRIDGE_DROP_REASONS = ("full", "unmappable", "private", "oversize", "refused", "local")
@@ -252,12 +254,13 @@ _BRIDGE_COUNTERS = tuple((name, INT) for name in (
     "out_forwarded", "out_forwarded_bytes", "out_private", "out_dropped_full",
     "out_dropped_unmappable", "out_dropped", "in_forwarded", "in_forwarded_bytes",
     "in_dropped_private", "in_dropped_unmappable", "in_dropped_oversize", "in_dropped_refused",
-    "in_dropped_local", "in_dropped_full", "in_dropped", "nats_connects", "nats_disconnects"))
+    "in_dropped_local", "in_dropped_full", "in_dropped", "private_out", "private_in",
+    "private_local", "nats_connects", "nats_disconnects"))
 
 BRIDGE_EVENT_FIELDS = {
     BRIDGE_START: (("version", STR), ("path", STR), ("nats_py", STR), ("address", STR),
                    ("nats", STR), ("exports", STR), ("imports", STR), ("subject_prefix", STR),
-                   ("max_pending", INT), ("drop", STR), ("stats_key", STR)),
+                   ("max_pending", INT), ("drop", STR), ("stats_key", STR), ("identity", STR)),
     BRIDGE_STOP: (("reason", STR), ("uptime_s", FLOAT)) + _BRIDGE_COUNTERS,
     BRIDGE_CONNECTED: (("server", STR), ("nats_connects", INT), ("pending_msgs", INT)),
     BRIDGE_DISCONNECTED: (("server", STR), ("error", STR), ("pending_msgs", INT)),
@@ -267,6 +270,7 @@ BRIDGE_EVENT_FIELDS = {
                    ("pending_bytes", INT), ("max_pending", INT)) + _BRIDGE_COUNTERS,
     BRIDGE_DROP: (("direction", STR), ("reason", STR), ("subject", STR), ("key", STR),
                   ("size", INT), ("detail", STR), ("suppressed", INT)),
+    BRIDGE_REFUSED: (("server", STR), ("error", STR)),
 }
 
 # --- the queue service (``sbus queue``, docs/queues.md) ---------------------

@@ -159,8 +159,10 @@ cdef class Broker:
     cdef object on_tick
     cdef object callback_error      # the first exception a callback raised this turn
     cdef dict last_totals
-    # ---- the upstream link (sbusd --upstream; sbus/sbusd/link.py), NULL without one
+    # ---- the upstream link (sbusd --upstream; sbus/sbusd/link.py), or a bridge
+    # that claimed the link place (CMSG link/attach: sbus bridge --private); NULL without one
     cdef Conn *link
+    cdef bint link_notes            # tell the link of connections and subscriptions (a leaf's)
     cdef bytes upstream_cred        # the link's credentials upstream: the nesting prefix
     cdef dict upstream_state        # the link's last reported state, for stats
 
@@ -216,6 +218,7 @@ cdef class Broker:
 
     # ---- the upstream link: told of connections and subscriptions
     cdef int link_note(self, bytes packet) except -1
+    cdef int claim_link(self, Conn *c) except -1
     cdef int link_control(self, const char *key, size_t n, const char *payload,
                           size_t plen) except -1
     cdef size_t nested_prefix(self, const char *pat, size_t n) noexcept

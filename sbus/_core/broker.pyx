@@ -49,7 +49,7 @@ from sbus._core.policy cimport (
     FLOOD_CLOSE_SOFT, FLOOD_CLOSE_HARD)
 from sbus._core.protocol cimport (
     ParsedPacket, parse_packet, VERB_MSG, VERB_SUB, VERB_UNSUB, VERB_CMSG,
-    CredForm, parse_cred_form, is_cred_key, check_rest, KEY_OK, CRED_EMPTY,
+    CredForm, parse_cred_form, is_cred_key, check_rest, KEY_OK, KEY_BANG_MISUSE, CRED_EMPTY,
     CRED_CANONICAL_MAX, cred_canonical_prefix,
     normalise_pattern, PATTERN_OK, PATTERN_CRED_MALFORMED, PATTERN_CRED_MISMATCH,
     PATTERN_NESTED_CRED_MALFORMED, PATTERN_BANG_MISUSE, PATTERN_TOO_LONG)
@@ -118,6 +118,24 @@ cdef void fan_one(void *ctx, Sub *sub) noexcept nogil:
         return
     f.recips[f.n] = c
     f.n += 1
+
+
+cdef int link_pattern(const char *pat, size_t n, char *out, size_t cap,
+                      size_t *out_len) noexcept nogil:
+    """A !/cred/ pattern of the link, stored as written once well formed: the
+    link receives private keys for others anyway, and a bridge subscribes to
+    the host form of every other host with '*' for the host field
+    (!/cred/*/4294967295/0/, docs/bridge.md)."""
+    cdef int check = check_rest(pat, n, True)
+    if check == KEY_BANG_MISUSE:
+        return PATTERN_BANG_MISUSE
+    if check != KEY_OK:
+        return PATTERN_CRED_MALFORMED
+    if n > cap:
+        return PATTERN_TOO_LONG
+    memcpy(out, pat, n)
+    out_len[0] = n
+    return PATTERN_OK
 
 
 cdef class Broker:
@@ -981,8 +999,11 @@ cdef class Broker:
             stored = self.nested_prefix(pat, n)
             pat += stored
             n -= stored
-        refusal = normalise_pattern(pat, n, c.gid, c.uid, c.pid, self.scratch,
-                                    self.scratch_cap, &stored)
+        if c.link and is_cred_key(pat, n):
+            refusal = link_pattern(pat, n, self.scratch, self.scratch_cap, &stored)
+        else:
+            refusal = normalise_pattern(pat, n, c.gid, c.uid, c.pid, self.scratch,
+                                        self.scratch_cap, &stored)
         if refusal != PATTERN_OK:
             logged, reason, detail = _PATTERN_REFUSALS[refusal]
             return self.refuse_pattern(c, logged, pat, n, reason, detail)
@@ -1054,8 +1075,11 @@ cdef class Broker:
             stored = self.nested_prefix(pat, n)
             pat += stored
             n -= stored
-        refusal = normalise_pattern(pat, n, c.gid, c.uid, c.pid, self.scratch,
-                                    self.scratch_cap, &stored)
+        if c.link and is_cred_key(pat, n):
+            refusal = link_pattern(pat, n, self.scratch, self.scratch_cap, &stored)
+        else:
+            refusal = normalise_pattern(pat, n, c.gid, c.uid, c.pid, self.scratch,
+                                        self.scratch_cap, &stored)
         if refusal == PATTERN_BANG_MISUSE:
             # as in SUB; a pattern refused for its credentials was simply
             # never stored, so it is not found
@@ -1110,6 +1134,7 @@ cdef class Broker:
         c.soft = MODE_QUEUE
         c.hard = MODE_BLOCK
         self.link = c
+        self.link_notes = True
         self.upstream_state = {"state": "starting"}
         self.update_interest(c)
         self.emit(CLIENT_CONNECT, report.ident(c))
@@ -1125,9 +1150,29 @@ cdef class Broker:
         return None
 
     cdef int link_note(self, bytes packet) except -1:
-        if not self.link.closing:
+        if self.link_notes and not self.link.closing:
             self.reply(self.link, packet)
         return 0
+
+    cdef int claim_link(self, Conn *c) except -1:
+        """CMSG link/attach: a client of the broker's own uid (or root) takes
+        the link place, free on a broker without --upstream. Like the leaf's
+        link it then receives every private key its patterns match and may set
+        the nesting prefix (link/identity); it keeps its own flood modes and is
+        told nothing of the others (sbus bridge --private, docs/bridge.md).
+        Answered "ok" or "refused: why"."""
+        if c.link:
+            return self.reply(c, b"CMSG link/attach\0ok")
+        if c.uid != 0 and c.uid != self.own_uid:
+            return self.reply(c, b"CMSG link/attach\0refused: only the broker's own uid "
+                                 b"or root may take the link place")
+        if self.link != NULL:
+            return self.reply(c, b"CMSG link/attach\0refused: the broker has a link already "
+                                 b"(an upstream, or another bridge)")
+        c.link = 1
+        self.link = c
+        self.link_notes = False
+        return self.reply(c, b"CMSG link/attach\0ok")
 
     cdef int link_control(self, const char *key, size_t n, const char *payload,
                           size_t plen) except -1:
@@ -1135,6 +1180,8 @@ cdef class Broker:
         (link/identity), a record for the log (link/log: JSON with "event"),
         its state for stats (link/state: JSON)."""
         body = payload[:plen] if payload != NULL else b""
+        if key_is(key, n, b"link/attach", 11):
+            return self.claim_link(self.link)
         if key_is(key, n, b"link/identity", 13):
             self.upstream_cred = body if body.startswith(b"!/cred/") else None
             return 0
@@ -1166,6 +1213,8 @@ cdef class Broker:
     # ---- control messages --------------------------------------------------
 
     cdef int control(self, Conn *c, const char *key, size_t n) except -1:
+        if key_is(key, n, b"link/attach", 11):
+            return self.claim_link(c)
         if key_is(key, n, b"!/cred/whoami", 13):
             if self.upstream_cred is not None:
                 return self.reply(c, b"CMSG !/cred/whoami\0%s/!/cred/%d/%d/%d" % (
@@ -1323,7 +1372,10 @@ cdef class Broker:
             self.poller.set(c.fd, 0)
             close(c.fd)
             if c == self.link:
+                # Nothing forwards for the prefix any more: whoami answers
+                # the local form again until a link says who it is.
                 self.link = NULL
+                self.upstream_cred = None
             elif self.link != NULL:
                 for j in range(c.nsubs):
                     self.link_note(b"CMSG link/unsub\0" + c.subs[j].pattern[:c.subs[j].len])

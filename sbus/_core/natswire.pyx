@@ -441,6 +441,29 @@ cdef class Importer:
         self.map_message(s, len(s), vp, vlen, payload, len(payload))
         return self.pending_msgs > before
 
+    def deliver(self, bytes key, bytes payload, str subject=""):
+        """A private message for a process of this host (``sbus bridge
+        --private``; the bridge has checked that ``key`` names one): checked as
+        the broker checks a key, and against --max-message, then packed as is;
+        False if it was dropped."""
+        cdef bytes s = subject.encode("utf-8", "surrogateescape")
+        cdef size_t klen = len(key), plen = len(payload)
+        if 5 + klen + plen > self.max_message:
+            self.drop(IN_OVERSIZE, key, klen, plen,
+                      f"over the broker's --max-message {self.max_message}", s, len(s))
+            return False
+        if check_rest(key, klen, False) != KEY_OK:
+            self.drop(IN_REFUSED, key, klen, plen, "a malformed private key", s, len(s))
+            return False
+        before = self.pending_msgs
+        self.pack(key, klen, payload, plen, s, len(s))
+        return self.pending_msgs > before
+
+    def refuse(self, bytes key, bytes payload, str detail, str subject=""):
+        """Count and describe a private message the bridge will not deliver."""
+        cdef bytes s = subject.encode("utf-8", "surrogateescape")
+        self.drop(IN_REFUSED, key, len(key), len(payload), detail, s, len(s))
+
     cdef int pack(self, const char *key, size_t klen, const char *payload, size_t plen,
                   const char *subject, size_t slen) except -1:
         if self.pending_bytes + klen + plen > self.max_pending:
@@ -494,6 +517,15 @@ cdef class Importer:
 
 # -- local bus -> NATS -------------------------------------------------------------
 
+cdef tuple frame_parts(tuple mapped):
+    """(b"HPUB subject hlen ", header block, what it counts beyond the
+    payload) of a (subject, Sbus-Key value) mapping."""
+    subject, value = mapped
+    hdr = b"NATS/1.0\r\nSbus-Key: " + value.encode("ascii") + b"\r\n\r\n"
+    head = b"HPUB " + subject.encode("ascii") + b" %d " % len(hdr)
+    return head, hdr, len(subject) + len(value)
+
+
 # Outbound counts: indexes into Exporter.counts_.
 cdef enum:
     OUT_PRIVATE = 0             # not a drop: kept home
@@ -515,6 +547,9 @@ cdef class Exporter(Sink):
     receive_many list); ``take()`` frames."""
 
     cdef object mapper              # key -> (subject, Sbus-Key value) or None
+    cdef public object private      # None: '!' keys stay home; else (key, payload) ->
+                                    # (subject, Sbus-Key value) to send, None to keep
+                                    # home, False to drop as unmappable
     cdef bytes last_key             # the key of the last message, and its mapping:
     cdef object last_mapped         # a run of one key makes no object per message
     cdef object message_type
@@ -572,12 +607,9 @@ cdef class Exporter(Sink):
         m = self.mapper(key)
         if m is None:
             return None
-        subject, value = m
-        hdr = b"NATS/1.0\r\nSbus-Key: " + value.encode("ascii") + b"\r\n\r\n"
-        head = b"HPUB " + subject.encode("ascii") + b" %d " % len(hdr)
         if len(self.cache) >= self.cache_size:
             self.cache.clear()
-        out = self.cache[key] = (head, hdr, len(subject) + len(value))
+        out = self.cache[key] = frame_parts(m)
         return out
 
     def add(self, list batch):
@@ -600,9 +632,15 @@ cdef class Exporter(Sink):
         cdef object m
         cdef size_t size
         if klen and key[0] == b'!':
-            self.counts_[OUT_PRIVATE] += 1
-            return 0
-        if (self.last_key is not None and <size_t>PyBytes_GET_SIZE(self.last_key) == klen
+            # Rare and addressed to one process: no cache, one call each.
+            m = None if self.private is None else self.private(key[:klen], payload[:plen])
+            if m is None:
+                self.counts_[OUT_PRIVATE] += 1
+                return 0
+            if m is False:
+                return self.drop(key[:klen], plen, "the subject would be longer than NATS accepts")
+            m = frame_parts(m)
+        elif (self.last_key is not None and <size_t>PyBytes_GET_SIZE(self.last_key) == klen
                 and memcmp(PyBytes_AS_STRING(self.last_key), key, klen) == 0):
             m = self.last_mapped
         else:

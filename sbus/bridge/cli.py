@@ -46,6 +46,13 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
                         "(and counts) what overflows its queue, or blocks the publishers "
                         "(default: the broker's default, discard)")
     p.add_argument("--name", default="sbus-bridge", help="the client name NATS shows")
+    p.add_argument("--private", action="store_true",
+                   help="carry private keys between bridged hosts: take the local broker's "
+                        "link place, answer whoami under this host's identity, use the "
+                        "private subjects PREFIX-private.HOST.> (needs --host-id)")
+    p.add_argument("--host-id", metavar="N", type=_host_id, default=None,
+                   help="this host's id among the bridged hosts (0 to 4294967295), as the "
+                        "NATS permissions name it; with --private")
     p.add_argument("--no-fast-path", dest="fast_path", action="store_false",
                    help="meet nats-py through its public API only (the reference path, "
                         "as with an untested nats-py release; slower, same results)")
@@ -66,6 +73,13 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
     p.set_defaults(standalone=main)
 
 
+def _host_id(text: str) -> int:
+    try:
+        return mapping.parse_host_id(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def settings_of(args: argparse.Namespace, address: str):
     from .core import Settings
     return Settings(
@@ -74,6 +88,7 @@ def settings_of(args: argparse.Namespace, address: str):
         max_message=args.max_message, stats_key=args.stats_key,
         stats_interval=args.stats_interval, reconnect_wait=args.reconnect_wait, name=args.name,
         local_flood=args.local_flood, fast_path=args.fast_path,
+        private=args.private, host_id=args.host_id,
         creds=args.creds, token=args.token, user=args.user, password=args.password,
         tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
 

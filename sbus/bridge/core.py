@@ -18,10 +18,18 @@ private names (the fast path) or its public API (the reference path).
 Echo is off on both sides (``CMSG echo/off`` on sbus, ``no_echo`` on NATS):
 what the bridge publishes never comes back to it, so two bridges through
 one NATS carry each message at most once and never back to its origin.
+
+With ``--private`` a second local connection takes the broker's link place
+(``CMSG link/attach``), names the host (``link/identity``: the nesting
+prefix of every whoami here) and subscribes to every host's identity; what
+it receives under another host's identity goes to that host's private
+subject, what comes in on this host's private subject goes to the process
+its key names (docs/bridge.md, "Private keys across hosts").
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import ssl
 import time
@@ -83,6 +91,8 @@ class Settings:
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
     fast_path: bool = True      # False: nats-py's public API for every message
+    private: bool = False       # carry private keys between hosts (--private)
+    host_id: Optional[int] = None   # this host's id among the bridged hosts (--host-id)
 
 
 class SettingsError(ValueError):
@@ -118,6 +128,14 @@ def check(settings: Settings) -> None:
         raise SettingsError(f"--drop must be {DROP_OLDEST} or {DROP_NEWEST}")
     if settings.max_pending < 0:
         raise SettingsError("--max-pending must be 0 or more")
+    if settings.private and settings.host_id is None:
+        raise SettingsError("--private needs --host-id N: this host's id among the bridged "
+                            "hosts, as the NATS permissions name it")
+    if settings.host_id is not None:
+        if not settings.private:
+            raise SettingsError("--host-id names this host for --private only")
+        if not 0 <= settings.host_id <= mapping.MAX_HOST_ID:
+            raise SettingsError(f"--host-id must be 0 to {mapping.MAX_HOST_ID}")
 
 
 def _tls(settings: Settings) -> Optional[ssl.SSLContext]:
@@ -166,6 +184,14 @@ class Bridge:
         self._wire = wire.choose(s.fast_path, self._importer, self._on_import_read,
                                  self._dropped)
         self.path = self._wire.name
+        # --private: the connection holding the broker's link place, this
+        # host's identity, and the NATS subject of its private messages.
+        self._link: Optional[BusClient] = None
+        self.identity = b""
+        if s.private:
+            self.identity = mapping.host_identity(s.host_id)
+            self._private_subject = f"{mapping.private_prefix(s.subject_prefix)}.{s.host_id}"
+            self._exporter.private = self._route_private
 
     # -- the local side --------------------------------------------------------
 
@@ -185,6 +211,80 @@ class Bridge:
         for pattern in s.exports:
             await self.bus.subscribe(pattern)
         await self.bus.whoami()     # answered in order: the SUBs are in place
+        if s.private:
+            self._link = await self._claim_link()
+
+    async def _claim_link(self) -> BusClient:
+        """A connection in the broker's link place, named this host, holding
+        every host's identity. PermissionError when the broker refuses it (not
+        its uid or root, or a leaf or another bridge has the place)."""
+        s = self.settings
+        link = BusClient(s.address, max_message=s.max_message)
+        try:
+            answer = await link.query(b"link/attach")
+            if answer != b"ok":
+                raise PermissionError(errno.EACCES, answer.decode("utf-8", "replace"))
+            await link.send_cmsg("link/identity", self.identity)
+            await link.send_cmsg("echo/off")
+            if s.local_flood:
+                await link.send_cmsg(f"blocking/hard/{s.local_flood}")
+            # A pattern naming others, which the client library refuses to
+            # send: only the link place's holder may hold it.
+            await link.send_packet(b"SUB " + mapping.host_pattern().encode())
+            await link.whoami()
+        except BaseException:
+            link.close()
+            raise
+        return link
+
+    async def _read_link(self) -> None:
+        """The link connection -> the Exporter, whose private hook routes each
+        key; a lost link is claimed again (the broker restarted)."""
+        ex = self._exporter
+        while True:
+            try:
+                await self._link.receive_into(ex, _BATCH)
+            except BusClosedError as exc:
+                self._link.close()
+                self.log.warning(schema.BRIDGE_LOCAL_LOST, address=self.settings.address,
+                                 error=f"the link connection: {exc}")
+                self._link = await self._reclaim_link()
+                self.log.info(schema.BRIDGE_LOCAL_BACK, address=self.settings.address)
+                continue
+            if ex.drops_pending:
+                self._log_drops("out", ex)
+            if ex.pending_msgs and self.connected:
+                self._wake.set()
+
+    async def _reclaim_link(self) -> BusClient:
+        delay = _CONNECT_DELAY[0]
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                return await self._claim_link()
+            except (OSError, BusClosedError):
+                delay = min(delay * 2, _CONNECT_DELAY[1])
+
+    def _route_private(self, key: bytes, payload: bytes):
+        """The Exporter's hook for a key under a host's identity: another host's
+        goes to its private subject; this host's is delivered here."""
+        s, c = self.settings, self.counters
+        hit = mapping.host_of(key)
+        if hit is None:
+            return None
+        host, rest = hit
+        if not mapping.names_a_process(rest):
+            return None     # names no process (or another host's identity): nowhere to go
+        if host == s.host_id:
+            c.private_local += 1
+            self._importer.deliver(rest, payload)
+            self._on_import_read()
+            return None
+        subject = mapping.private_subject(s.subject_prefix, host, s.host_id, rest)
+        if len(subject) > MAX_SUBJECT:
+            return False
+        c.private_out += 1
+        return subject, mapping.encode_header(rest)
 
     def _map_out(self, key: bytes) -> Optional[Tuple[str, str]]:
         """(subject, Sbus-Key value) of a key; None if NATS would refuse the subject."""
@@ -221,6 +321,24 @@ class Bridge:
                 c.out_forwarded_bytes += sent[1]
 
     # -- the NATS side ---------------------------------------------------------
+
+    async def _on_private(self, msg) -> None:
+        """A message on this host's private subject: to the process its key names."""
+        subject, imp = msg.subject, self._importer
+        try:
+            sender = subject[len(self._private_subject) + 1:].split(".", 1)[0]
+            mapping.parse_host_id(sender)
+            value = msg.headers.get(mapping.HEADER) if msg.headers else None
+            key = mapping.decode_header(value) if value is not None else mapping.subject_to_key(
+                subject, f"{self._private_subject}.{sender}")
+        except (ValueError, mapping.UnmappableError) as exc:
+            imp.refuse(b"", msg.data, f"not a private subject of this host: {exc}", subject)
+        else:
+            if not mapping.names_a_process(key):
+                imp.refuse(key, msg.data, "names no process of this host", subject)
+            elif imp.deliver(key, msg.data, subject):
+                self.counters.private_in += 1
+        self._on_import_read()
 
     async def _on_nats(self, msg) -> None:
         """A message nats-py delivered through its public API: on the
@@ -326,6 +444,10 @@ class Bridge:
             # On the fast path its frames go to the Importer from here; anything
             # nats-py parsed before still reaches _on_nats, which hands it over.
             self._wire.subscribed(sub)
+        if s.private:
+            # nats-py's public API on either path: private messages are few.
+            await nc.subscribe(self._private_subject + ".>", cb=self._on_private,
+                               pending_msgs_limit=-1, pending_bytes_limit=256 << 20)
         await self._connected()
 
     async def _connected(self) -> None:
@@ -363,6 +485,10 @@ class Bridge:
         if isinstance(exc, SlowConsumerError):
             return self._dropped("in", "local", None, 0, "NATS dropped for this slow subscriber",
                                  getattr(exc, "subject", ""))
+        if "permissions violation" in str(exc).lower():
+            # The server refused a subscription or a publication: its
+            # authorization, logged every time (the message is lost).
+            return self.log.warning(schema.BRIDGE_REFUSED, server=self.server, error=str(exc))
         if self.connected:
             return
         # A failed (re)connection attempt: nats-py tries the next server, and
@@ -427,10 +553,10 @@ class Bridge:
                       nats_py=wire.nats_py_version(), address=s.address, nats=self._seeds(),
                       exports=" ".join(s.exports), imports=" ".join(s.imports),
                       subject_prefix=s.subject_prefix, max_pending=s.max_pending, drop=s.drop,
-                      stats_key=s.stats_key)
+                      stats_key=s.stats_key, identity=self.identity.decode())
         tasks = [asyncio.ensure_future(t) for t in (
             self._read_local(), self._forward(), self._write_local(), self._connect_nats(),
-            self._report())]
+            self._report(), *([self._read_link()] if s.private else []))]
         stopping = asyncio.ensure_future(stop.wait())
         try:
             running = {stopping, *tasks}
@@ -456,6 +582,8 @@ class Bridge:
                 pass
         if self.bus is not None:
             self.bus.close()
+        if self._link is not None:
+            self._link.close()
 
     def stopped(self, reason: str) -> None:
         self.log.info(schema.BRIDGE_STOP, reason=reason,

@@ -17,6 +17,9 @@ FIELDS = (
     "in_dropped_local",       # the local broker was away and the backlog full, or NATS
                               # reported this subscriber slow (it dropped for us)
     "in_dropped_full",        # more than --max-pending bytes waiting for the local broker
+    "private_out",            # --private: keys under another host's identity, to its subject
+    "private_in",             # --private: from this host's private subject, to a process here
+    "private_local",          # --private: keys under this host's own identity, delivered here
     "nats_connects",          # successful connections to NATS, the first and reconnections
     "nats_disconnects",       # connections to NATS lost
 )

@@ -156,3 +156,80 @@ def check_import(subject: str) -> Optional[str]:
         if "*" in t and t != "*":
             return "'*' must be a whole token"
     return None
+
+
+# ---- private keys across hosts (sbus bridge --private) -----------------------
+#
+# A bridged host's identity is a !/cred/ form that names no process on any
+# broker: the host id in the gid field, uid 4294967295 ((uid_t)-1, which the
+# kernel gives no process) and pid 0. A key under another host's identity
+# therefore reaches, on any broker, the bridge alone (it holds the broker's
+# link place), which carries it on that host's private subject.
+
+NO_ONE = 4294967295
+MAX_HOST_ID = 4294967295
+CRED = b"!/cred/"
+
+
+def host_identity(host_id: int) -> bytes:
+    """The nesting prefix of a bridged host: what its processes' whoami starts with."""
+    return b"!/cred/%d/%d/0" % (host_id, NO_ONE)
+
+
+def host_pattern() -> str:
+    """The bridge's local subscription: every host's identity, its own included."""
+    return f"!/cred/*/{NO_ONE}/0/"
+
+
+def private_prefix(subject_prefix: str) -> str:
+    """The first token(s) of private subjects: apart from the public ones, so a
+    NATS permission can name them (``sbus-private`` for ``sbus``)."""
+    return subject_prefix + "-private"
+
+
+def parse_host_id(text: str) -> int:
+    """A --host-id: a decimal number 0..4294967295 without leading zeros (it is
+    a subject token and a !/cred/ field, spelled one way); ValueError if not."""
+    if not text.isascii() or not text.isdigit() or (len(text) > 1 and text[0] == "0") \
+            or int(text) > MAX_HOST_ID:
+        raise ValueError(f"a host id is a number from 0 to {MAX_HOST_ID} "
+                         f"without leading zeros, not {text!r}")
+    return int(text)
+
+
+def cred_fields(key: bytes):
+    """(gid, uid, pid, length of the form with its '/') of a key's leading
+    ``!/cred/G/U/P/`` form, a field None when empty; None if malformed."""
+    if not key.startswith(CRED):
+        return None
+    parts = key[len(CRED):].split(b"/", 3)
+    if len(parts) < 4:
+        return None
+    fields = []
+    for part in parts[:3]:
+        if part and (not part.isdigit() or len(part) > 10 or int(part) > NO_ONE):
+            return None
+        fields.append(int(part) if part else None)
+    return fields[0], fields[1], fields[2], len(CRED) + sum(len(p) + 1 for p in parts[:3])
+
+
+def host_of(key: bytes):
+    """(host id, the key after the host's identity) for a key under a host's
+    identity (``!/cred/H/4294967295/0/REST``), else None."""
+    form = cred_fields(key)
+    if form is None or form[0] is None or form[1] != NO_ONE or form[2] != 0:
+        return None
+    return form[0], key[form[3]:]
+
+
+def names_a_process(key: bytes) -> bool:
+    """True for ``!/cred/G/U/P/...`` with all three fields, not a host's identity:
+    what the receiving bridge may publish for a process of its host."""
+    form = cred_fields(key)
+    return form is not None and None not in form[:3] and form[1] != NO_ONE
+
+
+def private_subject(prefix: str, to_host: int, from_host: int, rest: bytes) -> str:
+    """``PREFIX-private.TO.FROM.`` and the tokens of ``rest`` (the key after
+    the destination host's identity)."""
+    return key_to_subject(rest, f"{private_prefix(prefix)}.{to_host}.{from_host}")

@@ -313,10 +313,19 @@ class Core:
 
     def _check_private(self, pattern: bytes) -> None:
         """KeyRefusedError for a ``!/cred/GID/UID/PID/`` pattern naming other
-        credentials than this connection's: the broker would close the connection."""
+        credentials than this connection's: the broker would close the connection.
+        In the nested form a whoami answers behind a leaf broker or a private
+        bridge (``<prefix>/!/cred/GID/UID/PID/...``) the last form of the chain
+        is this client's; the prefix before it is the broker's to check."""
         if self._credentials is None or not pattern.startswith(b"!/cred/"):
             return
         form = cred_form(pattern)
+        while form is not None and pattern[form[3]:].startswith(b"!/cred/"):
+            nested = cred_form(pattern[form[3]:])
+            if nested is None:
+                break
+            pattern = pattern[form[3]:]
+            form = nested
         if form is None or all(f is None or f == own for f, own in zip(form, self._credentials)):
             return
         ours = "!/cred/{}/{}/{}/".format(*self._credentials)

@@ -34,12 +34,20 @@ def is_private(key: bytes) -> bool:
     return key.startswith(b"!/cred/")
 
 
+def local_form(key: bytes) -> bytes:
+    """A private key as its owner receives it: a nested key (under a leaf
+    broker's or a private bridge's prefix, as whoami answers there) from its
+    last ``!/cred/`` form on, since each hop takes its own prefix off."""
+    at = key.rfind(b"/!/cred/")
+    return key[at + 1:] if at >= 0 else key
+
+
 class PrivateInbox:
     """``<credentials>/<kind>/<id>/``: where one asker's answers arrive.
 
     ``pattern`` is what the asker subscribes to; ``key(suffix)`` is where an
-    answer goes; ``suffix_of(key)`` is the suffix of a key in the inbox, or
-    None for any other key.
+    answer goes; ``suffix_of(key)`` is the suffix of a key in the inbox (as
+    the broker delivers it: in the local form), or None for any other key.
     """
 
     __slots__ = ("prefix", "_raw")
@@ -48,7 +56,7 @@ class PrivateInbox:
         if not kind or "/" in kind:
             raise ValueError(f"an inbox kind is one key segment, not {kind!r}")
         self.prefix = f"{credentials}/{kind}/{id or new_id()}/"
-        self._raw = self.prefix.encode()
+        self._raw = local_form(self.prefix.encode())
 
     @property
     def pattern(self) -> str:

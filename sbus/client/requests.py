@@ -32,7 +32,7 @@ from typing import Any, Awaitable, Callable, Dict, List, NamedTuple, Optional, U
 
 from .._core.batch import check_publish_key, pack_publish
 from ..errors import HandlerError, MessageRefusedError, RequestTimeoutError
-from .private import PrivateInbox, is_private
+from .private import PrivateInbox, is_private, local_form
 from .protocol import Credentials, Message, Text, encode
 
 __all__ = ["CONCURRENCY", "REQUEST_TIMEOUT", "IncomingRequest", "Replies", "ask",
@@ -108,28 +108,32 @@ class Replies:
     waiter). Made on a client's first request; the inbox is known once the
     broker said who the client is (:meth:`open`)."""
 
-    __slots__ = ("inbox", "waiting", "opening", "_prefix", "_next")
+    __slots__ = ("inbox", "waiting", "opening", "_prefix", "_reply_prefix", "_next")
 
     def __init__(self) -> None:
         self.inbox: Optional[PrivateInbox] = None
         self.waiting: Dict[bytes, Any] = {}
         self.opening: Optional[asyncio.Future] = None
         self._prefix = b"\xff"      # no key starts with it before open()
+        self._reply_prefix = b""
         self._next = 0
 
     def open(self, credentials: Credentials) -> None:
         self.inbox = PrivateInbox(credentials, KIND)
-        self._prefix = self.inbox.prefix.encode()
+        # Replies are addressed to the inbox as whoami says (nested behind a
+        # leaf or a private bridge) and arrive in the local form.
+        self._reply_prefix = self.inbox.prefix.encode()
+        self._prefix = local_form(self._reply_prefix)
 
     def expect(self, waiter: Any) -> bytes:
         """A new correlation id, its reply awaited by ``waiter``; returns the reply key."""
         self._next += 1
         correlation = b"%d" % self._next
         self.waiting[correlation] = waiter
-        return self._prefix + correlation
+        return self._reply_prefix + correlation
 
     def forget(self, reply_key: bytes) -> None:
-        self.waiting.pop(reply_key[len(self._prefix):], None)
+        self.waiting.pop(reply_key[len(self._reply_prefix):], None)
 
     def correlation(self, key: bytes) -> Optional[bytes]:
         """The correlation id of a key in the inbox; None for any other key."""
@@ -189,7 +193,7 @@ def ask(client, key: Text, payload: Text, timeout: float) -> bytes:
             for i, m in enumerate(batch):
                 if type(m) is not Message or replies.correlation(m.key) is None:
                     held.append(m)
-                elif m.key == reply_to:
+                elif m.key == local_form(reply_to):
                     held.extend(batch[i + 1:])
                     return parse_reply(m.payload)
                 # else: the late reply to an earlier request, dropped
