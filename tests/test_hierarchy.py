@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
+
+from sbus import Client
 
 from support.conn import Conn
 from support.proof import check_proof
@@ -176,6 +180,43 @@ def test_stats_and_top_show_the_upstream(tmp_path):
     assert line.startswith(f"upstream up {up.address}  patterns ")
     assert "  up 1  " in line
     assert "upstream" not in up.stats()        # a broker without --upstream has none
+
+
+# ---- requests and replies across the hierarchy -------------------------------
+
+@pytest.mark.parametrize("asker_on, server_on", [("leaf", "up"), ("up", "leaf"),
+                                                 ("low", "up"), ("up", "low")])
+def test_request_and_reply_across_brokers(tmp_path, asker_on, server_on):
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", upstream=up)
+    low = broker(tmp_path, "low", upstream=leaf)
+    where = {"up": up, "leaf": leaf, "low": low}
+    try:
+        # The server is a process of its own: a local-form key naming a process
+        # connected to a leaf stays on that leaf (docs/hierarchy.md).
+        srv = subprocess.Popen([sys.executable, "-c", SERVE_TWICE, where[server_on].address])
+        try:
+            wait_until(lambda: sum(c["subscriptions"] for c in where[server_on].stats()["clients"]
+                                   if c["pid"] == srv.pid) == 1, 10, "the server subscribed")
+            if server_on != "up":
+                wait_patterns(up, leaf, 2)      # its pattern is held upstream too
+            with Client(where[asker_on].address) as asker:
+                assert asker.request("rpc/echo", b"abc", timeout=10) == b"cba"
+                assert asker.request("rpc/echo", b"xyz", timeout=10) == b"zyx"
+            assert srv.wait(10) == 0
+        finally:
+            srv.kill()
+            srv.wait()
+    finally:
+        stop_all(low, leaf, up)
+
+
+SERVE_TWICE = """
+import sys
+from sbus import Client
+with Client(sys.argv[1]) as srv:
+    srv.serve("rpc/echo", lambda r: r.payload[::-1], count=2)
+"""
 
 
 # ---- a chain of three levels ------------------------------------------------

@@ -15,9 +15,10 @@ echo off.
   what overflows is counted and logged.
 * Downwards: the link subscribes upstream to each distinct public pattern of
   the local clients once (counted by reference) and to ``!/cred////``, its
-  own private keys. A message on ``<own>/!/cred/g/u/p/REST`` is published
-  here as ``!/cred/g/u/p/REST``, so the local rules give it to g/u/p alone;
-  anything else comes down as it is.
+  own private keys. A message on ``<own>/!/cred/g/u/p/REST`` (``<own>`` as
+  whoami answered, or its last form: a nested upstream hands its clients'
+  keys down in the local form) is published here as ``!/cred/g/u/p/REST``,
+  so the local rules give it to g/u/p alone; anything else comes down as it is.
 * Failure: the upstream is reconnected with back-off; on the way back the
   link asks whoami again, resubscribes and flushes its buffer.
 
@@ -136,6 +137,7 @@ class Link:
         self.up: Optional[socket.socket] = None
         self.state = "away"
         self.prefix: Optional[bytes] = None      # our credentials upstream
+        self.own_forms: Tuple[bytes, ...] = ()   # the prefixes of keys private to us
         self.refs: collections.Counter = collections.Counter()  # public pattern -> local subs
         self.local_creds: collections.Counter = collections.Counter()
         self.up_out: Deque[Tuple[bool, bytes]] = collections.deque()  # (is MSG, packet)
@@ -253,6 +255,8 @@ class Link:
 
     def identified(self, creds: bytes) -> None:
         self.prefix = creds
+        last = creds[creds.rfind(b"/!/cred/") + 1:] if b"/!/cred/" in creds else creds
+        self.own_forms = tuple(dict.fromkeys((creds + b"/", last + b"/")))
         self.send_local(b"CMSG link/identity\0" + creds)
         # Subscriptions first, then the held messages, in their order.
         pending = list(self.up_out)
@@ -309,12 +313,15 @@ class Link:
         if verb != b"MSG":
             return      # the upstream's control replies
         self.counts["down_msgs"] += 1
-        own = self.prefix + b"/"
-        if key.startswith(own):
-            rest = packet[4 + len(own):]
-            if not rest.startswith(CRED):
-                return      # addressed to this leaf itself: no one here to take it
-            packet = b"MSG " + rest
+        # Our prefix as whoami answered it, or (when the upstream is itself
+        # nested) its last form: the upstream's own clients reach us by both.
+        for own in self.own_forms:
+            if key.startswith(own):
+                rest = packet[4 + len(own):]
+                if not rest.startswith(CRED):
+                    return      # addressed to this leaf itself: no one here to take it
+                packet = b"MSG " + rest
+                break
         self.send_local(packet)
 
     def from_local(self, packet: bytes) -> None:
