@@ -94,13 +94,16 @@ def one(row: str, up: Sbusd, leaf: Sbusd, count: int, payload: int) -> dict:
             if time.monotonic() > deadline:
                 raise SystemExit("the leaf's subscription never reached the upstream")
             time.sleep(0.02)
-    cpu0 = sum(cpu_seconds(p) for p in pids)
+    cpu0 = [cpu_seconds(p) for p in pids]
     subprocess.run(me + ["--worker", "pub", "--address", up.address], check=True)
     out = json.loads(sub.stdout.readline())
     sub.wait(30)
-    cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+    cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu0)]
     return {"row": row, "msgs_per_s": out["received"] / out["seconds"],
-            "cpu_us_per_msg": cpu / count * 1e6, "received": out["received"]}
+            "cpu_us_per_msg": sum(cpu) / count * 1e6,
+            "cpu_us_per_msg_by_process": dict(zip(("upstream", "leaf", "link"),
+                                                  (c / count * 1e6 for c in cpu))),
+            "received": out["received"]}
 
 
 def run(args) -> dict:
@@ -115,15 +118,21 @@ def run(args) -> dict:
                 for row in runs:
                     r = one(row, up, leaf, args.count, args.payload)
                     runs[row].append(r)
+                    by = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_us_per_msg_by_process"].items())
                     print(f"{row}: {r['msgs_per_s']:.0f} msg/s, "
-                          f"{r['cpu_us_per_msg']:.2f} us CPU/msg", file=sys.stderr)
+                          f"{r['cpu_us_per_msg']:.2f} us CPU/msg ({by})", file=sys.stderr)
         finally:
             leaf.stop()
             up.stop()
     rows = {row: {"msgs_per_s": statistics.median(r["msgs_per_s"] for r in rs),
-                  "cpu_us_per_msg": statistics.median(r["cpu_us_per_msg"] for r in rs)}
+                  "cpu_us_per_msg": statistics.median(r["cpu_us_per_msg"] for r in rs),
+                  "cpu_us_per_msg_by_process": {
+                      k: statistics.median(r["cpu_us_per_msg_by_process"][k] for r in rs)
+                      for k in rs[0]["cpu_us_per_msg_by_process"]}}
             for row, rs in runs.items()}
     rows["leaf"]["vs_direct"] = rows["leaf"]["msgs_per_s"] / rows["direct"]["msgs_per_s"]
+    rows["leaf"]["cpu_vs_direct"] = (rows["leaf"]["cpu_us_per_msg"]
+                                     / rows["direct"]["cpu_us_per_msg"])
     return {"count": args.count, "payload": args.payload, "repeat": args.repeat,
             "rows": rows, "runs": runs}
 
@@ -143,10 +152,12 @@ def main(argv=None) -> int:
     if args.quick:
         args.count, args.repeat = 2000, 1
     result = run(args)
-    print(f"{'row':8} {'msgs/s':>10} {'CPU us/msg':>11} {'vs direct':>10}")
+    print(f"{'row':8} {'msgs/s':>10} {'vs direct':>10} {'CPU us/msg':>11} {'CPU vs direct':>14}"
+          f"  CPU us/msg by process")
     for row, r in result["rows"].items():
-        print(f"{row:8} {r['msgs_per_s']:10.0f} {r['cpu_us_per_msg']:11.2f} "
-              f"{r.get('vs_direct', 1.0):10.2f}")
+        by = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_us_per_msg_by_process"].items())
+        print(f"{row:8} {r['msgs_per_s']:10.0f} {r.get('vs_direct', 1.0):10.2f} "
+              f"{r['cpu_us_per_msg']:11.2f} {r.get('cpu_vs_direct', 1.0):14.2f}  {by}")
     path = args.json or results_path("leaf")
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"results: {path}", file=sys.stderr)

@@ -39,6 +39,8 @@ from typing import Deque, List, Optional, Tuple
 
 from .. import address as addresses
 from .. import logschema as schema
+from .._core.batch import Inbox, Outbox
+from ..client.protocol import ControlMessage, Message
 from ..errors import AddressError
 
 WHOAMI_TIMEOUT = 5.0        # seconds an upstream has to answer whoami
@@ -48,6 +50,7 @@ STATE_INTERVAL = 1.0        # seconds between link/state reports
 RECV_SIZE = 1 << 23         # above any --max-message
 LOCAL_BACKLOG = 1024        # downward packets waiting for the local broker before
                             # the link stops reading the upstream (its queue holds them)
+BATCH = 64                  # packets per recvmmsg from the upstream, per sendmmsg down
 OWN_PRIVATE = b"!/cred////"  # every key private to the link itself, upstream
 CRED = b"!/cred/"
 
@@ -143,6 +146,10 @@ class Link:
         self.up_out: Deque[Tuple[bool, bytes]] = collections.deque()  # (is MSG, packet)
         self.held_msgs = 0
         self.local_out: Deque[bytes] = collections.deque()
+        self.local_writable = True  # not waiting for EVENT_WRITE on the local socket
+        # Downward messages come in recvmmsg batches and go down in sendmmsg ones.
+        self.inbox = Inbox(RECV_SIZE - 1, Message, ControlMessage, BATCH)
+        self.outbox = Outbox(RECV_SIZE)
         self.up_paused = False      # not reading the upstream: local_out is long
         self.retry_at = 0.0
         self.backoff = BACKOFF_FIRST
@@ -174,17 +181,30 @@ class Link:
         self.write_local()
 
     def write_local(self) -> None:
-        while self.local_out:
+        """Send what waits for the local broker, BATCH packets per sendmmsg;
+        watch for writability only while something is left."""
+        out, box = self.local_out, self.outbox
+        fd = self.local.fileno()
+        while out:
+            while out and len(box) < BATCH:
+                if not box.add_packet(out[0]):
+                    if not len(box):
+                        out.popleft()   # larger than RECV_SIZE: no broker takes it
+                    break
+                out.popleft()
             try:
-                self.local.send(self.local_out[0])
+                box.send(fd, socket.MSG_DONTWAIT)
             except BlockingIOError:
+                out.extendleft(reversed(box.unsent()))
+                box.clear()
                 break
-            self.local_out.popleft()
-        if self.up_paused and len(self.local_out) < LOCAL_BACKLOG // 2:
+        if self.up_paused and len(out) < LOCAL_BACKLOG // 2:
             self.up_paused = False
             self.watch_up()
-        self.sel.modify(self.local, selectors.EVENT_READ |
-                        (selectors.EVENT_WRITE if self.local_out else 0), "local")
+        if self.local_writable != (not out):
+            self.local_writable = not out
+            self.sel.modify(self.local, selectors.EVENT_READ |
+                            (0 if self.local_writable else selectors.EVENT_WRITE), "local")
 
     def send_up(self, packet: bytes, is_msg: bool) -> None:
         if is_msg:
@@ -302,27 +322,29 @@ class Link:
         self.report_state()
 
     # ---- packets
-    def from_up(self, packet: bytes) -> None:
-        verb, key, payload = split(packet)
+    def from_up(self, item) -> None:
+        """One Message, ControlMessage or error of an Inbox batch from the upstream."""
         if self.state == "identifying":
-            if verb == b"CMSG" and key == b"!/cred/whoami" and payload.startswith(CRED):
-                self.identified(payload)
-            elif verb != b"CMSG":
-                self.lost(f"not an sbusd (sent {packet[:40]!r} before whoami)")
+            if type(item) is ControlMessage:
+                if item.key == b"!/cred/whoami" and item.payload.startswith(CRED):
+                    self.identified(item.payload)
+            else:
+                self.lost(f"not an sbusd (sent {item!r:.60} before whoami)")
             return
-        if verb != b"MSG":
-            return      # the upstream's control replies
+        if type(item) is not Message:
+            return      # the upstream's control replies; a packet too large for us
         self.counts["down_msgs"] += 1
-        # Our prefix as whoami answered it, or (when the upstream is itself
-        # nested) its last form: the upstream's own clients reach us by both.
-        for own in self.own_forms:
-            if key.startswith(own):
-                rest = packet[4 + len(own):]
-                if not rest.startswith(CRED):
-                    return      # addressed to this leaf itself: no one here to take it
-                packet = b"MSG " + rest
-                break
-        self.send_local(packet)
+        key = item.key
+        if key[:1] == b"!":
+            # Our prefix as whoami answered it, or (when the upstream is itself
+            # nested) its last form: the upstream's own clients reach us by both.
+            for own in self.own_forms:
+                if key.startswith(own):
+                    key = key[len(own):]
+                    if not key.startswith(CRED):
+                        return      # addressed to this leaf itself: no one here to take it
+                    break
+        self.local_out.append(b"MSG " + key + b"\0" + item.payload)
 
     def from_local(self, packet: bytes) -> None:
         verb, key, payload = split(packet)
@@ -409,24 +431,28 @@ class Link:
 
     def read_up(self) -> None:
         # Downward messages wait in the upstream's queue while ours is long.
-        for _ in range(64):
+        for _ in range(16):
             if len(self.local_out) >= LOCAL_BACKLOG:
                 self.up_paused = True
                 self.watch_up()
-                return
+                break
             try:
-                packet = self.up.recv(RECV_SIZE)
+                batch = self.inbox.receive(self.up.fileno(), BATCH, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                return
+                break
             except OSError as e:
                 self.lost(e.strerror or str(e))
-                return
-            if not packet:
-                self.lost("the upstream closed the connection")
-                return
-            self.from_up(packet)
-            if self.up is None:
-                return
+                break
+            for item in batch:
+                if isinstance(item, ConnectionError):   # BusClosedError: the end, last
+                    self.lost("the upstream closed the connection")
+                    break
+                self.from_up(item)
+                if self.up is None:
+                    break
+            if self.up is None or len(batch) < BATCH:
+                break
+        self.write_local()
 
 
 def main(argv: Optional[List[str]] = None) -> int:
