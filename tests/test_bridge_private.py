@@ -261,3 +261,22 @@ def test_request_and_reply_across_bridged_hosts(tmp_path, cleanup):
 
 def subscriptions_of(broker: Sbusd, pid: int) -> int:
     return sum(c["subscriptions"] for c in broker.stats()["clients"] if c["pid"] == pid)
+
+
+def test_the_bridge_takes_the_link_place_again_after_a_broker_restart(tmp_path, cleanup):
+    server = nats_with_hosts(tmp_path, cleanup, 1, 2)
+    one, two = host(tmp_path, "one", cleanup), host(tmp_path, "two", cleanup)
+    b1 = private_bridge(tmp_path, cleanup, one, server, 1).ready()
+    private_bridge(tmp_path, cleanup, two, server, 2).ready()
+    mark = b1.mark()
+    one.stop()
+    one = host(tmp_path, "one", cleanup)
+    b1.wait_for("bridge_local_back", 30, since=mark)
+    wait_until(lambda: one.connect().whoami().startswith(identity(1) + "/"), 30,
+               "whoami under host 1's identity again")
+    with one.connect() as here, two.connect() as there:
+        who = here.whoami()
+        here.sub(who + "/back")
+        here.sync()
+        there.pub(who + "/back", "again")
+        assert here.next_packet(10) == f"MSG {here.me}/back\0again".encode()

@@ -181,17 +181,20 @@ class Link:
         self.write_local()
 
     def write_local(self) -> None:
-        """Send what waits for the local broker, BATCH packets per sendmmsg;
-        watch for writability only while something is left."""
+        """Send what waits for the local broker (the Outbox, then local_out),
+        BATCH packets per sendmmsg; watch for writability only while something
+        is left."""
         out, box = self.local_out, self.outbox
         fd = self.local.fileno()
-        while out:
+        while True:
             while out and len(box) < BATCH:
                 if not box.add_packet(out[0]):
                     if not len(box):
                         out.popleft()   # larger than RECV_SIZE: no broker takes it
                     break
                 out.popleft()
+            if not len(box):
+                break
             try:
                 box.send(fd, socket.MSG_DONTWAIT)
             except BlockingIOError:
@@ -443,6 +446,8 @@ class Link:
             except OSError as e:
                 self.lost(e.strerror or str(e))
                 break
+            if self.state == "up" and not self.local_out:
+                batch = self.pack_public(batch)
             for item in batch:
                 if isinstance(item, ConnectionError):   # BusClosedError: the end, last
                     self.lost("the upstream closed the connection")
@@ -453,6 +458,19 @@ class Link:
             if self.up is None or len(batch) < BATCH:
                 break
         self.write_local()
+
+    def pack_public(self, batch: list) -> list:
+        """The common case, with nothing waiting before it: public messages go
+        straight into the Outbox (which write_local sends ahead of local_out);
+        returns the batch from the first other item on, for from_up."""
+        box = self.outbox
+        for i, item in enumerate(batch):
+            if type(item) is not Message or item.key[:1] == b"!" or len(box) == BATCH \
+                    or not box.add_publish(item.key, item.payload):
+                self.counts["down_msgs"] += i
+                return batch[i:]
+        self.counts["down_msgs"] += len(batch)
+        return []
 
 
 def main(argv: Optional[List[str]] = None) -> int:
