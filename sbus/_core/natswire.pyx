@@ -547,9 +547,9 @@ cdef class Exporter(Sink):
     receive_many list); ``take()`` frames."""
 
     cdef object mapper              # key -> (subject, Sbus-Key value) or None
-    cdef public object private      # None: '!' keys stay home; else (key, payload) ->
-                                    # (subject, Sbus-Key value) to send, None to keep
-                                    # home, False to drop as unmappable
+    # None: '!' keys stay home; else (key, payload) -> (subject, Sbus-Key
+    # value) to send, None to keep home, False to drop as unmappable
+    cdef public object private
     cdef bytes last_key             # the key of the last message, and its mapping:
     cdef object last_mapped         # a run of one key makes no object per message
     cdef object message_type
