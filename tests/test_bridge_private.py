@@ -280,3 +280,20 @@ def test_the_bridge_takes_the_link_place_again_after_a_broker_restart(tmp_path, 
         here.sync()
         there.pub(who + "/back", "again")
         assert here.next_packet(10) == f"MSG {here.me}/back\0again".encode()
+
+
+def test_a_process_on_a_leaf_under_a_bridged_host_is_reached_from_another_host(tmp_path,
+                                                                                cleanup):
+    server = nats_with_hosts(tmp_path, cleanup, 1, 2)
+    one, two = host(tmp_path, "one", cleanup), host(tmp_path, "two", cleanup)
+    private_bridge(tmp_path, cleanup, one, server, 1).ready()
+    private_bridge(tmp_path, cleanup, two, server, 2).ready()
+    leaf = host(tmp_path, "leaf", cleanup, "--upstream", two.address)
+    leaf.wait_for_event("upstream_connected", timeout=10)
+    with leaf.connect() as there, one.connect() as here:
+        who = there.whoami()        # nested twice: host 2, then the leaf's link there
+        assert who.startswith(identity(2) + "/!/cred/") and who.endswith("/" + there.me)
+        there.sub(who + "/x")
+        there.sync()
+        here.pub(who + "/x", "from host 1")
+        assert there.next_packet(10) == f"MSG {there.me}/x\0from host 1".encode()
