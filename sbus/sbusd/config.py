@@ -197,6 +197,9 @@ OPTIONS = (
     Option("log_messages", "log-messages", arg="RATE", default=0.0,
            parse=number(float, low=0, high=1),
            help="fraction of messages logged as samples, 0..1 (default {default})"),
+    Option("upgrade", "upgrade", default=False,
+           help="upgrade the running sbusd that -p names in place (docs/upgrade.md)\n"
+                "and wait: exit 0 once a new pid serves, 1 with the reason"),
     Option(None, "help", short="h", help="show this help"),
     Option(None, "version", short="V", help="show the version"),
 )
