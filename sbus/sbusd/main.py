@@ -20,7 +20,7 @@ from .. import address as addresses
 from .. import logschema as schema
 from .._version import __version__
 from ..errors import AddressError
-from .config import USAGE, Config, Exit, UsageError, parse_args
+from .config import USAGE, Config, Exit, Upgrade, UsageError, parse_args
 
 LINK_EXIT_WAIT = 5.0    # seconds the upstream link has to leave after the broker
 
@@ -29,10 +29,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = parse_args(argv)
-        if cfg.upgrade:
-            from .upgrade import request
-            return request(cfg.pidfile)
         return run(cfg, argv)
+    except Upgrade as e:
+        from .upgrade import request
+        return request(e.pidfile)
     except Exit as e:
         print(e.text, end="")
         return 0
