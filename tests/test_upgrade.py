@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_systemd import ACTIVATE, Notify, seqpacket_listener
 
-from sbus.sbusd.upgrade import FAIL_ENV, STATUS_SUFFIX, STEPS
+from sbus.sbusd.upgrade import FAIL_ENV, SCM_MAX_FD, STATUS_SUFFIX, STEPS
 
 from support import BACKENDS, SBUSD, Conn, Sbusd, alive, wait_gone, wait_until
 
@@ -134,15 +134,15 @@ def c_client(tmp_path_factory) -> Path:
 def test_five_upgrades_under_load(buses, c_client):
     """Five upgrades in a row while a publisher streams to a steady reader:
     it gets every message once, in order; a reader that reads nothing until
-    the end gets its whole queue (thousands of messages) in order; 200 idle
-    clients keep their subscriptions; a C client sees no EOF; the pid changes
-    every time."""
+    the end gets its whole queue (thousands of messages) in order; idle
+    clients keep their subscriptions (300: their descriptors cross in two
+    SCM_RIGHTS chunks); a C client sees no EOF; the pid changes every time."""
     bus = buses()
     steady, lazy, pub = bus.connect(), bus.connect(), bus.connect()
     steady.sub("steady/")
     lazy.sub("lazy/")
     idle = []
-    for i in range(200):
+    for i in range(300):
         c = bus.connect()
         c.sub(f"idle/{i}/")
         c.sub(f"idle/{i}/")     # twice: multiplicity is state too
@@ -210,7 +210,9 @@ def test_five_upgrades_under_load(buses, c_client):
         c.close()
     done = bus.records("upgrade_done")
     assert [r["old_pid"] for r in done] == bus.pids[:-1]
-    assert [r["broker_pid"] for r in bus.records("upgrade_handed_over")] == bus.pids[:-1]
+    handed = bus.records("upgrade_handed_over")
+    assert [r["broker_pid"] for r in handed] == bus.pids[:-1]
+    assert all(r["clients"] > SCM_MAX_FD for r in handed)
 
 
 # What each injected failure is logged as by the old process.

@@ -322,6 +322,9 @@ def restore_state(Broker b, bytes blob, list fds):
     cdef uint64_t connects, disconnects, next_id, peak
     cdef uint64_t budget_sub_bytes
     cdef int64_t pid, uid, gid
+    cdef uint64_t conn_id, seq
+    cdef uint8_t reply, paused
+    cdef size_t cost
     cdef bint exempt
     cdef PacketStats *ps = get_packet_stats()
     check_header(blob)

@@ -242,7 +242,7 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     from .._core.broker import Broker
     from . import lifecycle
     from .events import Service
-    from .upgrade import UPGRADE_REASON, Predecessor
+    from .upgrade import UPGRADE_REASON, Predecessor, ms_since
 
     stream = logging_.ReopenableStream(cfg.log_file, logging_.fallback_stream())
     json_copy = logging_.ReopenableStream(cfg.json_log, stream) if cfg.json_log else None
@@ -281,7 +281,7 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     else:
         log.info(schema.UPGRADE_DONE, version=__version__, old_pid=successor.meta["old_pid"],
                  old_version=successor.meta["version"], clients=broker.client_count,
-                 restore_ms=round((time.monotonic() - successor.started) * 1000, 3))
+                 restore_ms=ms_since(successor.started), **successor.figures)
         link = successor.link()
     upgrade = Predecessor(cfg, tenure.argv, tenure.start_dir, log, listener,
                           link.pid if link is not None else None)

@@ -75,6 +75,10 @@ class UpgradeFailed(Exception):
         self.reason = reason
 
 
+def ms_since(start: float) -> float:
+    return round((time.monotonic() - start) * 1000, 3)
+
+
 def injected(step: str) -> bool:
     return os.environ.get(FAIL_ENV) == step
 
@@ -243,7 +247,7 @@ class Attempt:
         except UpgradeFailed:
             pass        # it serves all the same; it could not tell us it took over
         return {"new_pid": self.pid, "clients": len(fds) - 1, "state_bytes": len(blob),
-                "pause_ms": round((time.monotonic() - paused_at) * 1000, 3)}
+                "pause_ms": ms_since(paused_at)}
 
 
 class Predecessor:
@@ -361,7 +365,8 @@ class Successor:
         self.meta: dict = {}
         self.blob = b""
         self.fds: List[int] = []
-        self.started = time.monotonic()
+        self.started = 0.0
+        self.figures: dict = {}     # for the upgrade_done record
 
     @classmethod
     def from_env(cls) -> Optional["Successor"]:
@@ -389,6 +394,7 @@ class Successor:
         if not packet.startswith(b"STATE "):
             raise UpgradeFailed("state", f"expected the state, got {packet[:40]!r}")
         self.meta = json.loads(packet[6:])
+        self.started = time.monotonic()     # the old one's safe point, near enough
         parts = []
         while True:
             packet, fds = self.channel.recv("transfer")
@@ -400,6 +406,7 @@ class Successor:
             if injected("transfer") and len(self.fds) > 0:
                 os._exit(3)
         self.blob = b"".join(parts)
+        self.figures["transfer_ms"] = ms_since(self.started)
         if len(self.fds) != self.meta["fds"]:
             raise UpgradeFailed("transfer", f"{len(self.fds)} descriptors of "
                                             f"{self.meta['fds']} arrived")
@@ -413,10 +420,12 @@ class Successor:
     def restore(self, broker) -> None:
         """Rebuild the old one's state in ``broker``; READY or ERROR to the old one."""
         from .._core import handover
+        rebuilding = time.monotonic()
         try:
             if injected("restore"):
                 raise handover.HandoverError("injected failure")
             handover.restore_state(broker, self.blob, self.fds)
+            self.figures["rebuild_ms"] = ms_since(rebuilding)
         except (handover.HandoverError, MemoryError) as e:
             self.channel.send(b"ERROR " + str(e).encode())
             raise UpgradeFailed("restore", str(e)) from None
