@@ -21,7 +21,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes
 
 from sbus._core.broker cimport Broker
 from sbus._core.budget cimport UNLIMITED, account_get, pattern_cost
-from sbus._core.conn cimport Conn, Counters, Listed
+from sbus._core.conn cimport Conn, Counters
 from sbus._core.includes.sys cimport ucred
 from sbus._core.index cimport Sub, index_add
 from sbus._core.sendq cimport Packet, PacketStats, get_packet_stats, packet_new, sq_push
@@ -308,17 +308,16 @@ def restore_state(Broker b, bytes blob, list fds):
     index), queues, modes and counters; the per-uid accounts are recomputed.
     Raises HandoverError for a blob it cannot trust; b is then unusable."""
     cdef In r
-    cdef uint32_t npackets, nconns, i, j, k, n, nq
+    cdef uint32_t npackets, nconns, i, j, k, n, nq, _slot
     cdef uint32_t fd_index
     cdef int fd
     cdef Packet *p
     cdef Packet **pkts = NULL
     cdef Conn *c
     cdef Sub *sub
-    cdef Sub **grown
     cdef const char *pat
     cdef ucred cred
-    cdef uint64_t sub_bytes, q_bytes, total_sub_bytes = 0
+    cdef uint64_t sub_bytes, q_bytes
     cdef uint64_t connects, disconnects, next_id, peak
     cdef uint64_t budget_sub_bytes
     cdef int64_t pid, uid, gid
@@ -456,7 +455,7 @@ def restore_state(Broker b, bytes blob, list fds):
                                     f"{c.sub_bytes} bytes, the state says {sub_bytes}")
             q_bytes = get_u64(&r)
             nq = get_u32(&r)
-            for j in range(nq):
+            for _slot in range(nq):
                 k = get_u32(&r)
                 if k >= npackets:
                     raise HandoverError(f"connection {conn_id}: bad packet index {k}")
