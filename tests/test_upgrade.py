@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_systemd import ACTIVATE, Notify, seqpacket_listener
+from test_systemd import ACTIVATE, Notify, sandbox, seqpacket_listener  # noqa: F401 - a fixture
 
 from sbus.sbusd.upgrade import FAIL_ENV, SCM_MAX_FD, STATUS_SUFFIX, STEPS
 
@@ -433,17 +433,22 @@ def test_upgrade_of_a_leaf_keeps_its_upstream_link(buses):
     assert wait_gone(link_conn["pid"], TIMEOUT)
 
 
-def test_upgrade_under_socket_activation(tmp_path):
+@pytest.mark.parametrize("sandboxed", [False, True], ids=["plain", "sandboxed"])
+def test_upgrade_under_socket_activation(tmp_path, request, sandboxed):
     """As systemd runs it: the socket passed as fd 3 (LISTEN_FDS), readiness
-    on $NOTIFY_SOCKET. The new process announces itself as the main pid, then
-    ready; the old one never says it is stopping."""
+    on $NOTIFY_SOCKET, and (sandboxed) inside the unit's seccomp filter and
+    network namespace, which the new process inherits. The new process
+    announces itself as the main pid, then ready; the old one never says it
+    is stopping."""
+    wrap = request.getfixturevalue("sandbox") if sandboxed else []
     path = tmp_path / "sbus.socket"
     pidfile = tmp_path / "sbusd.pid"
     listener = seqpacket_listener(path)
-    notify = Notify(tmp_path, abstract=True)
+    # An abstract name is per network namespace: the sandbox's is its own.
+    notify = Notify(tmp_path, abstract=not sandboxed)
     log = tmp_path / "sbusd.log"
     proc = subprocess.Popen(
-        [sys.executable, "-c", ACTIVATE, str(listener.fileno()), "self", SBUSD, "-f",
+        [sys.executable, "-c", ACTIVATE, str(listener.fileno()), "self", *wrap, SBUSD, "-f",
          "-a", str(path), "-p", str(pidfile), "--log-format", "json", "--log-file", str(log)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=(listener.fileno(),),
         env={**os.environ, "NOTIFY_SOCKET": notify.env}, cwd=tmp_path)
