@@ -217,6 +217,7 @@ def test_five_upgrades_under_load(buses, c_client):
 
 # What each injected failure is logged as by the old process.
 FAILED_STEP = {"spawn": "spawn", "start": "hello", "hello": "hello", "version": "version",
+               "prebuild": "prebuild",
                "send-state": "send-state", "corrupt": "restore", "blob-version": "restore",
                "truncated": "restore", "send-fds": "send-fds", "restore": "restore",
                "ready": "ready", "before-go": "before-go"}
@@ -477,6 +478,7 @@ def test_upgrade_under_socket_activation(tmp_path, request, sandboxed):
         assert wait_gone(new, TIMEOUT)
         # The pidfile went with the last process; the socket is systemd's.
         assert path.exists() and not pidfile.exists()
+        assert not Path(str(pidfile) + STATUS_SUFFIX).exists()
     finally:
         for pid in pids:
             if alive(pid):

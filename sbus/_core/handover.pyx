@@ -16,14 +16,14 @@ which are checked against the figures the old process wrote.
 """
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport malloc, realloc, free
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 
 from sbus._core.broker cimport Broker
 from sbus._core.budget cimport UNLIMITED, account_get, pattern_cost
 from sbus._core.conn cimport Conn, Counters
 from sbus._core.includes.sys cimport ucred
-from sbus._core.index cimport Sub, index_add
+from sbus._core.index cimport Sub, index_add, index_remove
 from sbus._core.sendq cimport Packet, PacketStats, get_packet_stats, packet_new, sq_push
 
 import json
@@ -31,6 +31,7 @@ import zlib
 
 FORMAT_VERSION = 1
 MAGIC = b"SBUSHAND"
+SUBS_MAGIC = b"SBUSSUBS"    # export_subscriptions: the index ahead of the state
 cdef enum:
     HEADER_BYTES = 24       # magic, version u32, crc32 u32, body length u64
     NO_CRED = 0xFFFFFFFF    # upstream_cred absent
@@ -208,11 +209,106 @@ def export_state(Broker b):
         blob = PyBytes_FromStringAndSize(o.buf, o.len)
     finally:
         free(o.buf)
-    body_len = len(blob) - HEADER_BYTES
-    header = MAGIC + (FORMAT_VERSION).to_bytes(4, "little") + \
-        (zlib.crc32(memoryview(blob)[HEADER_BYTES:])).to_bytes(4, "little") + \
-        body_len.to_bytes(8, "little")
-    return header + blob[HEADER_BYTES:], fds
+    return sealed(MAGIC, blob), fds
+
+
+cdef bytes sealed(bytes magic, bytes blob):
+    """blob (whose first HEADER_BYTES are room for it) with its header."""
+    cdef object body = memoryview(blob)[HEADER_BYTES:]
+    return (magic + (FORMAT_VERSION).to_bytes(4, "little") +
+            (zlib.crc32(body)).to_bytes(4, "little") +
+            (len(blob) - HEADER_BYTES).to_bytes(8, "little") + body.tobytes())
+
+
+def export_subscriptions(Broker b):
+    """Every connection's subscriptions in order, by connection id: what a
+    new process indexes (prebuild) while this one still serves, so that the
+    hand-over itself only checks them."""
+    cdef Out o
+    cdef Conn *c
+    cdef int fd
+    cdef uint32_t i, nconns = 0
+    o.buf = NULL
+    o.len = o.cap = 0
+    try:
+        out_room(&o, HEADER_BYTES + 4)
+        o.len = HEADER_BYTES + 4
+        for fd in range(b.conns_cap):
+            c = b.conns[fd]
+            if c == NULL:
+                continue
+            nconns += 1
+            put_u64(&o, c.id)
+            put_u32(&o, c.nsubs)
+            for i in range(c.nsubs):
+                put_u32(&o, c.subs[i].len)
+                put(&o, c.subs[i].pattern, c.subs[i].len)
+        memcpy(o.buf + HEADER_BYTES, &nconns, 4)
+        blob = PyBytes_FromStringAndSize(o.buf, o.len)
+    finally:
+        free(o.buf)
+    return sealed(SUBS_MAGIC, blob)
+
+
+cdef class Prebuilt:
+    """Subscriptions indexed in a broker before their connections are there
+    (owner NULL): restore_state gives each connection its own when they are
+    what the state says, and removes the rest."""
+    cdef Sub **subs         # every one, by connection, in order; NULL once taken
+    cdef uint32_t n
+    cdef dict spans         # connection id -> (first, count) in subs
+
+    def __dealloc__(self):
+        free(self.subs)
+
+    cdef int discard(self, Broker b) except -1:
+        cdef uint32_t i
+        for i in range(self.n):
+            if self.subs[i] != NULL:
+                index_remove(&b.index, self.subs[i])
+                self.subs[i] = NULL
+        return 0
+
+
+def prebuild(Broker b, bytes blob):
+    """Index the subscriptions of export_subscriptions in b, a fresh broker,
+    for restore_state to take over; a Prebuilt."""
+    cdef In r
+    cdef Prebuilt pre = Prebuilt()
+    cdef uint32_t nconns, i, j, n, k, total = 0
+    cdef uint64_t conn_id
+    cdef const char *pat
+    cdef Sub *sub
+    cdef Sub **grown
+    check_header(blob, SUBS_MAGIC)
+    pre.spans = {}
+    r.p = PyBytes_AS_STRING(blob) + HEADER_BYTES
+    r.end = PyBytes_AS_STRING(blob) + PyBytes_GET_SIZE(blob)
+    nconns = get_u32(&r)
+    try:
+        for i in range(nconns):
+            conn_id = get_u64(&r)
+            n = get_u32(&r)
+            if <size_t>n > <size_t>(r.end - r.p) // 4:
+                raise HandoverError("the subscriptions are truncated")
+            grown = <Sub **>realloc(pre.subs, (total + n + 1) * sizeof(Sub *))
+            if grown == NULL:
+                raise MemoryError()
+            pre.subs = grown
+            pre.spans[conn_id] = (total, n)
+            for j in range(n):
+                k = get_u32(&r)
+                pat = get_span(&r, k)
+                sub = index_add(&b.index, NULL, pat, k)
+                if sub == NULL:
+                    raise MemoryError()
+                pre.subs[total] = sub
+                total += 1
+                pre.n = total
+    except BaseException:
+        pre.discard(b)
+        raise
+    return pre
 
 
 # ---- reading -----------------------------------------------------------------
@@ -286,9 +382,9 @@ cdef int get_counters(In *r, Counters *c) except -1:
     return 0
 
 
-def check_header(bytes blob):
+def check_header(bytes blob, bytes magic=MAGIC):
     """Raise HandoverError unless blob is whole and in this build's format."""
-    if len(blob) < HEADER_BYTES or blob[:8] != MAGIC:
+    if len(blob) < HEADER_BYTES or blob[:8] != magic:
         raise HandoverError("not an sbusd hand-over state (bad magic)")
     version = int.from_bytes(blob[8:12], "little")
     if version != FORMAT_VERSION:
@@ -302,11 +398,12 @@ def check_header(bytes blob):
         raise HandoverError("the state is corrupt (CRC-32 mismatch)")
 
 
-def restore_state(Broker b, bytes blob, list fds):
+def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
     """Rebuild in b, a fresh broker on fds[0], the state export_state wrote:
     its connections on the descriptors fds[1:], their subscriptions (the
-    index), queues, modes and counters; the per-uid accounts are recomputed.
-    Raises HandoverError for a blob it cannot trust; b is then unusable."""
+    index; those of pre, prebuild's, where they are the same), queues,
+    modes and counters; the per-uid accounts are recomputed. Raises
+    HandoverError for a blob it cannot trust; b is then unusable."""
     cdef In r
     cdef uint32_t npackets, nconns, i, j, k, n, nq, _slot
     cdef uint32_t fd_index
@@ -316,6 +413,9 @@ def restore_state(Broker b, bytes blob, list fds):
     cdef Conn *c
     cdef Sub *sub
     cdef const char *pat
+    cdef const char *mark
+    cdef uint32_t first
+    cdef bint same
     cdef ucred cred
     cdef uint64_t sub_bytes, q_bytes
     cdef uint64_t connects, disconnects, next_id, peak
@@ -437,12 +537,31 @@ def restore_state(Broker b, bytes blob, list fds):
                 if c.subs == NULL:
                     raise MemoryError()
                 c.subs_cap = n
+            # Prebuilt for this connection and still the same: take them over.
+            span = pre.spans.get(conn_id) if pre is not None else None
+            same = span is not None and span[1] == n
+            if same:
+                first = span[0]
+                mark = r.p
+                for j in range(n):
+                    k = get_u32(&r)
+                    pat = get_span(&r, k)
+                    sub = pre.subs[first + j]
+                    if sub == NULL or sub.len != k or memcmp(sub.pattern, pat, k) != 0:
+                        same = False
+                        break
+                r.p = mark
             for j in range(n):
                 k = get_u32(&r)
                 pat = get_span(&r, k)
-                sub = index_add(&b.index, c, pat, k)
-                if sub == NULL:
-                    raise MemoryError()
+                if same:
+                    sub = pre.subs[first + j]
+                    pre.subs[first + j] = NULL
+                    sub.owner = c
+                else:
+                    sub = index_add(&b.index, c, pat, k)
+                    if sub == NULL:
+                        raise MemoryError()
                 sub.owner_pos = j
                 c.subs[j] = sub
                 c.nsubs = j + 1
@@ -473,6 +592,8 @@ def restore_state(Broker b, bytes blob, list fds):
                 b.update_interest(c)
         if r.p != r.end:
             raise HandoverError(f"{r.end - r.p} bytes after the last connection")
+        if pre is not None:
+            pre.discard(b)      # what is no connection's any more
         if b.budgets.sub_bytes != budget_sub_bytes:
             raise HandoverError(f"the subscriptions cost {b.budgets.sub_bytes} bytes, "
                                 f"the state says {budget_sub_bytes}")

@@ -143,12 +143,15 @@ def run(cfg: Config, argv: List[str] = ()) -> int:
 
 
 def leave(cfg: Config, listener, pidfile_written: bool) -> None:
-    """Remove the socket file and the pidfile: the broker that owned them stops."""
+    """Remove the socket file and the pidfile (with the last upgrade's
+    outcome beside it): the broker that owned them stops."""
     from . import lifecycle
+    from .upgrade import status_path
     if listener.path is not None:
         lifecycle.remove_quietly(listener.path)
     if pidfile_written:
         lifecycle.remove_quietly(cfg.pidfile)
+        lifecycle.remove_quietly(status_path(cfg.pidfile))
 
 
 class Tenure:
@@ -242,7 +245,7 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     from .._core.broker import Broker
     from . import lifecycle
     from .events import Service
-    from .upgrade import UPGRADE_REASON, Predecessor, ms_since
+    from .upgrade import PREPARE_REASON, UPGRADE_REASON, Predecessor, ms_since
 
     stream = logging_.ReopenableStream(cfg.log_file, logging_.fallback_stream())
     json_copy = logging_.ReopenableStream(cfg.json_log, stream) if cfg.json_log else None
@@ -250,7 +253,7 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     log = logging_.configure(fmt, cfg.log_level, stream, json_copy)
     if successor is not None:
         successor.hello()
-        listener = successor.receive()
+        listener = successor.receive_listener()
     wakeup = lifecycle.SignalWakeup()
     make_broker = partial(Broker, listener.sock.fileno(), cfg, allowed_uids=allowed,
                           access_mode=cfg.mode if listener.abstract else -1,
@@ -260,6 +263,8 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
                                                           json_copy is not None))
     broker = service.broker
     if successor is not None:
+        successor.prebuild(broker)
+        successor.receive_state()
         successor.restore(broker)
         successor.take_over(cfg.pidfile)
         tenure.owned = True
@@ -310,6 +315,9 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     try:
         while True:
             reason = broker.run()
+            if reason == PREPARE_REASON:
+                upgrade.prepare()
+                continue
             if reason != UPGRADE_REASON:
                 break
             if upgrade.hand_over():

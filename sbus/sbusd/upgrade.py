@@ -47,6 +47,7 @@ STEPS = (
     "start",         # new: exits before saying hello
     "hello",         # new: says something that is no hello
     "version",       # new: speaks a hand-over format the old one does not
+    "prebuild",      # new: fails to index the subscriptions sent ahead
     "send-state",    # old: fails in the middle of sending the state
     "corrupt",       # old: sends a state with a flipped byte
     "blob-version",  # old: sends a state of an unknown format version
@@ -58,6 +59,7 @@ STEPS = (
     "before-go",     # old: fails after ready, before go
 )
 UPGRADE_REASON = "upgrade"      # Broker.run()'s stop reason at the safe point
+PREPARE_REASON = "upgrade-prepare"  # ...to export the subscriptions, then serve on
 STATUS_SUFFIX = ".upgrade"      # beside the pidfile: the last upgrade's outcome
 HELLO_TIMEOUT = 30.0    # seconds the new sbusd has to start (the old one serves meanwhile)
 STEP_TIMEOUT = 10.0     # seconds for each step of the transfer (nobody is served)
@@ -155,12 +157,18 @@ class Channel:
 class Attempt:
     """One upgrade under way: the new process and the channel to it."""
 
-    def __init__(self, argv: List[str], start_dir: str):
+    def __init__(self, argv: List[str], start_dir: str, meta: dict, listen_fd: int):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.channel = Channel(ours)
-        self.started = time.monotonic()
-        self.hello_done = threading.Event()
+        self.meta = meta
+        self.listen_fd = listen_fd
+        # The phase the thread reached, for the loop: "starting", "hello" (the
+        # loop is to export the subscriptions), "prebuilt" (to stop at the
+        # safe point); or a failure.
+        self.phase = "starting"
         self.failure: Optional[UpgradeFailed] = None
+        self.subscriptions: Optional[bytes] = None
+        self.exported = threading.Event()
         try:
             if injected("spawn"):
                 raise OSError("injected failure")
@@ -176,28 +184,51 @@ class Attempt:
                                          f"{e.strerror or e}") from None
         finally:
             theirs.close()
-        threading.Thread(target=self.wait_hello, daemon=True).start()
+        threading.Thread(target=self.prepare, daemon=True).start()
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def wait_hello(self) -> None:
-        """In a thread, so the loop serves while the new one starts; wakes the
-        loop with SIGUSR2 either way."""
+    def prepare(self) -> None:
+        """In a thread, so the loop serves meanwhile: wait for the new one's
+        hello, have the loop export the subscriptions, send them with the
+        listening socket and wait until the new one has indexed them. Wakes
+        the loop with SIGUSR2 after the hello and at the end, either way."""
         try:
-            packet, _ = self.channel.recv("hello", HELLO_TIMEOUT)
-            words = packet.split()
-            if len(words) < 2 or words[0] != b"HELLO" or not words[1].isdigit():
-                raise UpgradeFailed("hello", f"the new sbusd said {packet[:60]!r}, not hello")
-            from .._core.handover import FORMAT_VERSION
-            if int(words[1]) != FORMAT_VERSION:
-                raise UpgradeFailed("version", f"the new sbusd speaks hand-over format "
-                                               f"{int(words[1])}, this one {FORMAT_VERSION}")
+            self.hello()
+            self.phase = "hello"
+            os.kill(os.getpid(), signal.SIGUSR2)
+            if not self.exported.wait(HELLO_TIMEOUT) or self.subscriptions is None:
+                raise UpgradeFailed("prebuild", "the subscriptions were not exported")
+            ch = self.channel
+            ch.send(b"PREPARE " + json.dumps(self.meta).encode(), [self.listen_fd])
+            blob, self.subscriptions = self.subscriptions, None
+            for at in range(0, len(blob), CHUNK):
+                ch.send(b"SUBS" + blob[at:at + CHUNK])
+            ch.send(b"END")
+            packet, _ = ch.recv("prebuild", HELLO_TIMEOUT)
+            if packet.startswith(b"ERROR "):
+                raise UpgradeFailed("prebuild", packet[6:].decode("utf-8", "replace"))
+            if packet != b"PREBUILT":
+                raise UpgradeFailed("prebuild", f"the new sbusd said {packet[:60]!r}")
+            self.phase = "prebuilt"
         except UpgradeFailed as e:
             self.failure = e
-        self.hello_done.set()
+        except OSError as e:
+            self.failure = UpgradeFailed("prebuild", f"the hand-over socket failed: "
+                                                     f"{e.strerror or e}")
         os.kill(os.getpid(), signal.SIGUSR2)
+
+    def hello(self) -> None:
+        from .._core.handover import FORMAT_VERSION
+        packet, _ = self.channel.recv("hello", HELLO_TIMEOUT)
+        words = packet.split()
+        if len(words) < 2 or words[0] != b"HELLO" or not words[1].isdigit():
+            raise UpgradeFailed("hello", f"the new sbusd said {packet[:60]!r}, not hello")
+        if int(words[1]) != FORMAT_VERSION:
+            raise UpgradeFailed("version", f"the new sbusd speaks hand-over format "
+                                           f"{int(words[1])}, this one {FORMAT_VERSION}")
 
     def abort(self) -> None:
         """Make sure the new process is gone: it has read nothing."""
@@ -206,8 +237,9 @@ class Attempt:
             self.proc.kill()
         self.proc.wait()
 
-    def transfer(self, broker, meta: dict) -> dict:
-        """Steps 2 and 3; returns the figures for the log. Raises
+    def transfer(self, broker) -> dict:
+        """At the safe point: the state, the connections; returns the figures
+        for the log. Raises
         UpgradeFailed before GO; after GO the new process serves."""
         from .._core import handover
         handover.quiesce(broker)
@@ -223,12 +255,13 @@ class Attempt:
         elif injected("truncated"):
             blob = blob[:len(blob) // 2]
         ch = self.channel
-        ch.send(b"STATE " + json.dumps({**meta, "bytes": len(blob), "fds": len(fds)}).encode())
+        # fds[0], the listening socket, went with the subscriptions.
+        ch.send(b"STATE " + json.dumps({"bytes": len(blob), "fds": len(fds) - 1}).encode())
         for at in range(0, len(blob), CHUNK):
             ch.send(b"DATA" + blob[at:at + CHUNK])
             if injected("send-state"):
                 raise UpgradeFailed("send-state", "injected failure")
-        for at in range(0, len(fds), SCM_MAX_FD):
+        for at in range(1, len(fds), SCM_MAX_FD):
             ch.send(b"FDS", fds[at:at + SCM_MAX_FD])
             if injected("send-fds"):
                 raise UpgradeFailed("send-fds", "injected failure")
@@ -266,20 +299,43 @@ class Predecessor:
         self.stop_signal: Optional[str] = None     # SIGTERM & co during a hand-over
 
     def on_signal(self, signo, frame) -> None:
-        """SIGUSR2: the operator's (start an upgrade) or the hello thread's
-        (the new sbusd is up, or failed to come up)."""
+        """SIGUSR2: the operator's (start an upgrade) or the attempt's thread's
+        (the new sbusd said hello, has indexed the subscriptions, or failed)."""
         attempt = self.attempt
         if attempt is None:
+            meta = {"old_pid": os.getpid(), "version": __version__,
+                    "path": os.fsdecode(self.listener.path) if self.listener.path else None,
+                    "printed_address": self.listener.printed_address,
+                    "abstract": self.listener.abstract, "link_pid": self.link_pid}
             try:
-                self.attempt = Attempt(self.argv, self.start_dir)
+                self.attempt = Attempt(self.argv, self.start_dir, meta,
+                                       self.listener.sock.fileno())
             except UpgradeFailed as e:
                 return self.failed(e)
             self.log.info(schema.UPGRADE_STARTED, new_pid=self.attempt.pid)
-        elif attempt.hello_done.is_set():
-            if attempt.failure is not None:
-                return self.failed(attempt.failure)
+        elif attempt.failure is not None:
+            self.failed(attempt.failure)
+        elif attempt.phase == "hello" and not attempt.exported.is_set():
+            self.broker.stop(PREPARE_REASON)
+        elif attempt.phase == "prebuilt":
             self.broker.stop(UPGRADE_REASON)
-        # else: the operator again, while the new one starts: one upgrade at a time
+        # else: the operator again, while one is under way: one upgrade at a time
+
+    def prepare(self) -> None:
+        """Between two turns (run() returned PREPARE_REASON): the subscriptions
+        for the new process to index while this one serves on."""
+        from .._core import handover
+        attempt = self.attempt
+        if attempt is not None:
+            attempt.subscriptions = handover.export_subscriptions(self.broker)
+            attempt.exported.set()
+        self.resume()
+
+    def resume(self) -> None:
+        from .._core import handover
+        handover.resume(self.broker)
+        if self.stop_signal is not None:
+            self.broker.stop(self.stop_signal)
 
     def on_stop(self, reason: str) -> None:
         """A stop signal: stop now, or once a hand-over under way has failed."""
@@ -299,14 +355,8 @@ class Predecessor:
     def hand_over(self) -> bool:
         """At the safe point (run() returned UPGRADE_REASON): True once the new
         process serves; False when it failed and this one serves on."""
-        from .._core import handover
-        attempt = self.attempt
-        meta = {"old_pid": os.getpid(), "version": __version__,
-                "path": os.fsdecode(self.listener.path) if self.listener.path else None,
-                "printed_address": self.listener.printed_address,
-                "abstract": self.listener.abstract, "link_pid": self.link_pid}
         try:
-            figures = attempt.transfer(self.broker, meta)
+            figures = self.attempt.transfer(self.broker)
         except UpgradeFailed as e:
             self.failed(e)
         except OSError as e:
@@ -314,9 +364,7 @@ class Predecessor:
         else:
             self.log.info(schema.UPGRADE_HANDED_OVER, **figures)
             return True
-        handover.resume(self.broker)
-        if self.stop_signal is not None:
-            self.broker.stop(self.stop_signal)
+        self.resume()
         return False
 
     def abandon(self) -> None:
@@ -357,14 +405,17 @@ class AdoptedLink:
 
 
 class Successor:
-    """The new process's side: hello, receive, restore, ready, and on GO
-    take over the pidfile and systemd's main pid."""
+    """The new process's side: hello, the listener and the subscriptions
+    (prebuild), the state (restore), ready, and on GO take over the pidfile
+    and systemd's main pid."""
 
     def __init__(self, fd: int):
         self.channel = Channel(socket.socket(fileno=fd))
         self.meta: dict = {}
         self.blob = b""
-        self.fds: List[int] = []
+        self.fds: List[int] = []      # the listening socket, then the connections
+        self.subscriptions = b""
+        self.prebuilt = None
         self.started = 0.0
         self.figures: dict = {}     # for the upgrade_done record
 
@@ -387,35 +438,63 @@ class Successor:
         else:
             self.channel.send(b"HELLO %d %s" % (FORMAT_VERSION, __version__.encode()))
 
-    def receive(self):
-        """The state and the descriptors; returns the listener they carry."""
+    def receive_listener(self):
+        """What the old one sends while it still serves: the listening socket
+        and the subscriptions, to index ahead (prebuild); the listener."""
         from .lifecycle import Listener
-        packet, _ = self.channel.recv("state", HELLO_TIMEOUT)
-        if not packet.startswith(b"STATE "):
-            raise UpgradeFailed("state", f"expected the state, got {packet[:40]!r}")
-        self.meta = json.loads(packet[6:])
-        self.started = time.monotonic()     # the old one's safe point, near enough
-        parts = []
-        while True:
-            packet, fds = self.channel.recv("transfer")
-            self.fds.extend(fds)
-            if packet.startswith(b"DATA"):
-                parts.append(packet[4:])
-            elif packet == b"END":
-                break
-            if injected("transfer") and len(self.fds) > 0:
-                os._exit(3)
-        self.blob = b"".join(parts)
-        self.figures["transfer_ms"] = ms_since(self.started)
-        if len(self.fds) != self.meta["fds"]:
-            raise UpgradeFailed("transfer", f"{len(self.fds)} descriptors of "
-                                            f"{self.meta['fds']} arrived")
+        packet, fds = self.channel.recv("prebuild", HELLO_TIMEOUT)
+        if not packet.startswith(b"PREPARE ") or len(fds) != 1:
+            raise UpgradeFailed("prebuild", f"expected the listening socket, got {packet[:40]!r}")
+        self.meta = json.loads(packet[8:])
+        self.fds = fds
+        self.subscriptions = self.collect(b"SUBS", "prebuild")
         path = self.meta["path"]
-        sock = socket.socket(fileno=self.fds[0])
+        sock = socket.socket(fileno=fds[0])
         sock.setblocking(False)
         return Listener(sock, os.fsencode(path) if path else None,
                         printed_address=self.meta["printed_address"],
                         abstract=self.meta["abstract"])
+
+    def collect(self, kind: bytes, step: str) -> bytes:
+        """The ``kind`` chunks up to END, joined; descriptors go to self.fds."""
+        parts = []
+        while True:
+            packet, fds = self.channel.recv(step)
+            self.fds.extend(fds)
+            if packet.startswith(kind):
+                parts.append(packet[len(kind):])
+            elif packet == b"END":
+                return b"".join(parts)
+            if injected("transfer") and kind == b"DATA" and len(self.fds) > 1:
+                os._exit(3)
+
+    def prebuild(self, broker) -> None:
+        """Index the subscriptions in ``broker``; PREBUILT or ERROR to the old one."""
+        from .._core import handover
+        indexing = time.monotonic()
+        try:
+            if injected("prebuild"):
+                raise handover.HandoverError("injected failure")
+            self.prebuilt = handover.prebuild(broker, self.subscriptions)
+        except (handover.HandoverError, MemoryError) as e:
+            self.channel.send(b"ERROR " + str(e).encode())
+            raise UpgradeFailed("prebuild", str(e)) from None
+        self.subscriptions = b""
+        self.figures["prebuild_ms"] = ms_since(indexing)
+        self.channel.send(b"PREBUILT")
+
+    def receive_state(self) -> None:
+        """At the old one's safe point: the state and the connections."""
+        packet, _ = self.channel.recv("state", HELLO_TIMEOUT)
+        if not packet.startswith(b"STATE "):
+            raise UpgradeFailed("state", f"expected the state, got {packet[:40]!r}")
+        self.started = time.monotonic()     # the old one's safe point, near enough
+        expected = json.loads(packet[6:])
+        self.blob = self.collect(b"DATA", "transfer")
+        self.figures["transfer_ms"] = ms_since(self.started)
+        if len(self.fds) - 1 != expected["fds"]:
+            raise UpgradeFailed("transfer", f"{len(self.fds) - 1} descriptors of "
+                                            f"{expected['fds']} arrived")
 
     def restore(self, broker) -> None:
         """Rebuild the old one's state in ``broker``; READY or ERROR to the old one."""
@@ -424,12 +503,13 @@ class Successor:
         try:
             if injected("restore"):
                 raise handover.HandoverError("injected failure")
-            handover.restore_state(broker, self.blob, self.fds)
+            handover.restore_state(broker, self.blob, self.fds, self.prebuilt)
             self.figures["rebuild_ms"] = ms_since(rebuilding)
         except (handover.HandoverError, MemoryError) as e:
             self.channel.send(b"ERROR " + str(e).encode())
             raise UpgradeFailed("restore", str(e)) from None
         self.blob = b""
+        self.prebuilt = None
         if injected("ready"):
             os._exit(3)
         self.channel.send(b"READY")
