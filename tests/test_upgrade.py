@@ -215,6 +215,56 @@ def test_five_upgrades_under_load(buses, c_client):
     assert all(r["clients"] > SCM_MAX_FD for r in handed)
 
 
+def test_subscriptions_changing_while_the_new_one_indexes_them(buses):
+    """The new process indexes the subscriptions ahead of the safe point; a
+    client that subscribes, unsubscribes, connects or leaves meanwhile ends up
+    with exactly the subscriptions it holds at the safe point."""
+    bus = buses()
+    pub = bus.connect()
+    kept: dict = {}
+    stop = threading.Event()
+    errors = []
+
+    def churn():
+        i = 0
+        try:
+            while not stop.is_set():
+                time.sleep(0.002)   # not faster than a paused broker's backlog holds
+                c = bus.connect()
+                c.sub(f"kept/{i}/")
+                c.sub(f"gone/{i}/")
+                c.sub(f"kept/{i}/")
+                c.unsub(f"gone/{i}/")
+                if i % 3 == 0:
+                    c.close()       # leaves
+                else:
+                    kept[i] = c
+                i += 1
+        except BaseException as e:     # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for _ in range(3):
+            upgraded(bus)
+    finally:
+        stop.set()
+        t.join(TIMEOUT)
+    assert not errors and len(kept) > 10
+    barrier(*kept.values())
+    assert bus.stats()["totals"]["subscriptions"] == 2 * len(kept)
+    for i in kept:
+        pub.pub(f"gone/{i}/x", b"no")
+        pub.pub(f"kept/{i}/x", b"%d" % i)
+    for i, c in kept.items():
+        assert c.recv(1 << 16) == b"MSG kept/%d/x\0%d" % (i, i)
+    barrier(pub, *kept.values())
+    assert all(not c.got for c in kept.values())
+    for c in kept.values():
+        c.close()
+
+
 # What each injected failure is logged as by the old process.
 FAILED_STEP = {"spawn": "spawn", "start": "hello", "hello": "hello", "version": "version",
                "prebuild": "prebuild",
@@ -239,8 +289,17 @@ def test_failed_upgrade_leaves_the_old_one_serving(buses, step):
     fill(pub, "live/", 0, 10, size=10)
     barrier(pub)
     before = bus.stats()["totals"]
+
+    def during():       # while the new process starts, and fails
+        for i in range(10, 210):
+            pub.pub(f"live/{i}", b"x" * 10)
+            time.sleep(0.001)
+
+    publisher = threading.Thread(target=during)
+    publisher.start()
     proc = bus.upgrade()
-    fill(pub, "live/", 10, 10, size=10)
+    publisher.join(TIMEOUT)
+    fill(pub, "live/", 210, 10, size=10)
     assert proc.returncode == 1, proc.stdout
     assert f"pid {bus.first.pid} serves on" in proc.stderr
     assert int(bus.pidfile.read_text()) == bus.first.pid and bus.pids == [bus.first.pid]
@@ -253,10 +312,12 @@ def test_failed_upgrade_leaves_the_old_one_serving(buses, step):
     assert failed["step"] in proc.stderr
     if failed["new_pid"] is not None:
         assert not alive(failed["new_pid"])
-    read_in_order(live, b"live/", 20)
+    read_in_order(live, b"live/", 220)
     read_in_order(lazy, b"lazy/", 3000)
+    barrier(live, lazy)
+    assert not live.got and not lazy.got
     after = bus.stats()["totals"]
-    assert after["msgs_in"] == before["msgs_in"] + 10
+    assert after["msgs_in"] == before["msgs_in"] + 210
     # Only the first stats probe left.
     assert after["clients"] == before["clients"]
     assert after["disconnects"] == before["disconnects"] + 1
