@@ -9,7 +9,9 @@ a probe client that round-trips messages to itself without pause. Then
 ``sbusd --upgrade``. The pause is the largest gap between two round trips the
 probe completed; the row also gives the old process's own figure (from its
 safe point to the new one's DONE, ``upgrade_handed_over.pause_ms``), the new
-one's start to serving (``upgrade_done.restore_ms``) and the state's size.
+one's time from the state's arrival to serving (``upgrade_done.restore_ms``;
+its index was built ahead, ``prebuild_ms``, while the old one served) and the
+state's size.
 Goals: at most 50 ms at 1,000 clients, 500 ms at 10,000. Each row is the
 median of ``--repeat`` upgrades of the same broker. Prints a table on stdout
 and writes JSON (default bench/results/upgrade-<UTC>.json). Nothing here
@@ -129,6 +131,7 @@ def one(clients: int, subs: int, repeat: int) -> dict:
             "pauses_ms": [g * 1000 for g in gaps],
             "handover_ms": statistics.median(r["pause_ms"] for r in handed),
             "restore_ms": statistics.median(r["restore_ms"] for r in done),
+            "prebuild_ms": statistics.median(r["prebuild_ms"] for r in done),
             "transfer_ms": statistics.median(r["transfer_ms"] for r in done),
             "rebuild_ms": statistics.median(r["rebuild_ms"] for r in done),
             "state_bytes": handed[-1]["state_bytes"],

@@ -63,7 +63,8 @@ UPGRADE_FAILED = "upgrade_failed"            # step, reason, new_pid: the old on
 UPGRADE_HANDED_OVER = "upgrade_handed_over"  # new_pid, clients, state_bytes, pause_ms: the
 #                                              old one leaves
 UPGRADE_DONE = "upgrade_done"                # version, old_pid, old_version, clients,
-#                                              restore_ms: the new one serves
+#                                              restore_ms, prebuild_ms, transfer_ms,
+#                                              rebuild_ms: the new one serves
 UPGRADE_EVENTS = (UPGRADE_STARTED, UPGRADE_FAILED, UPGRADE_HANDED_OVER, UPGRADE_DONE)
 # What the link reports for the broker to log (sbus/sbusd/link.py); the broker
 # logs no other name it is sent.

@@ -6,13 +6,17 @@ The old process (``Predecessor``), on SIGUSR2:
 1. makes a socketpair and starts a new sbusd from the executable on disk with
    its own command line, the other end inherited (``HANDOVER_FD_ENV``); it
    keeps serving while the new one starts;
-2. once the new one says ``HELLO <format version>``, stops its loop at the
-   safe point (between turns, everything read delivered or queued, closings
-   torn down: ``handover.quiesce``), and sends ``STATE`` (what the process
-   knows: the socket's path, the link's pid), the state blob in ``DATA``
-   chunks, and the descriptors in ``FDS`` chunks (SCM_RIGHTS, at most
-   ``SCM_MAX_FD`` each), then ``END``;
-3. waits for ``READY`` (the new one rebuilt everything, read nothing), sends
+2. once the new one says ``HELLO <format version>``, exports every
+   connection's subscriptions between two turns (``PREPARE_REASON``) and,
+   from a thread while the loop serves, sends ``PREPARE`` (what the process
+   knows: the socket's path, the link's pid; with the listening socket) and
+   the subscriptions in ``SUBS`` chunks, then ``END``; the new one indexes
+   them and says ``PREBUILT``;
+3. stops its loop at the safe point (between turns, everything read
+   delivered or queued, closings torn down: ``handover.quiesce``) and sends
+   ``STATE``, the state blob in ``DATA`` chunks and the connections in
+   ``FDS`` chunks (SCM_RIGHTS, at most ``SCM_MAX_FD`` each), then ``END``;
+4. waits for ``READY`` (the new one rebuilt everything, read nothing), sends
    ``GO`` and waits for ``DONE`` (the new one owns the pidfile and told
    systemd its main pid); then exits without closing any client.
 
