@@ -418,6 +418,57 @@ def test_upgrade_on_every_backend_and_address(buses, tmp_path, backend, where):
     assert done["clients"] == (3 if users is not None else 2)
 
 
+def test_every_connections_modes_and_counters_cross(buses):
+    """Each client's stats entry (counters, queue, subscriptions, modes) and
+    the totals are the same before and after; a client whose peer stopped
+    reading (write-dead: deliveries dropped) stays so, and still publishes."""
+    bus = buses()
+    modes = [("blocking/soft/discard", "blocking/hard/error"), ("order/random", "echo/off"),
+             ("order/stack", "blocking/hard/block"), ()]
+    clients = []
+    for i, cmsgs in enumerate(modes):
+        c = bus.connect()
+        for key in cmsgs:
+            c.cmsg(key)
+        c.sub(f"m/{i}/")
+        c.sub("m/all/")
+        clients.append(c)
+    dead = bus.connect()
+    dead.sub("m/all/")
+    barrier(dead, *clients)
+    dead.shutdown(socket.SHUT_RD)
+    pub = bus.connect()
+    fill(pub, "m/all/", 0, 2000)
+    for i in range(len(modes)):
+        fill(pub, f"m/{i}/", 0, 10)
+    barrier(pub)
+
+    def snapshot():
+        stats = bus.stats()
+        mine = max(c["client"] for c in stats["clients"])      # the probe itself
+        # Not what the probes change: the counts of connections and replies,
+        # and the peak of queued bytes (a stats reply is queued for a moment).
+        totals = {k: v for k, v in stats["totals"].items()
+                  if k not in ("connects", "disconnects", "replies_out", "clients",
+                               "queued_bytes_peak")}
+        return [c for c in stats["clients"] if c["client"] != mine], totals
+
+    before = snapshot()
+    (dead_entry,) = [c for c in before[0] if c["pid"] == os.getpid() and c["subscriptions"] == 1
+                     and c["drops_disconnect"]]
+    upgraded(bus)
+    assert snapshot() == before
+    pub.pub("m/all/late")
+    barrier(pub)
+    assert dead.pub("m/0/from-the-dead")
+
+    def dead_now():
+        return [c for c in snapshot()[0] if c["client"] == dead_entry["client"]][0]
+
+    wait_until(lambda: dead_now()["msgs_in"] == 1, TIMEOUT)
+    assert dead_now()["drops_disconnect"] == dead_entry["drops_disconnect"] + 1
+
+
 def test_upgrade_while_a_client_holds_the_bus(buses):
     """A client in blocking/soft/block mode with a full socket holds the bus
     and the publisher is paused: both states cross, and once it reads,

@@ -173,6 +173,7 @@ class Attempt:
         self.failure: Optional[UpgradeFailed] = None
         self.subscriptions: Optional[bytes] = None
         self.exported = threading.Event()
+        self.aborted = False        # the thread's last wake-up is no one's any more
         try:
             if injected("spawn"):
                 raise OSError("injected failure")
@@ -202,7 +203,7 @@ class Attempt:
         try:
             self.hello()
             self.phase = "hello"
-            os.kill(os.getpid(), signal.SIGUSR2)
+            self.wake()
             if not self.exported.wait(HELLO_TIMEOUT) or self.subscriptions is None:
                 raise UpgradeFailed("prebuild", "the subscriptions were not exported")
             ch = self.channel
@@ -222,7 +223,12 @@ class Attempt:
         except OSError as e:
             self.failure = UpgradeFailed("prebuild", f"the hand-over socket failed: "
                                                      f"{e.strerror or e}")
-        os.kill(os.getpid(), signal.SIGUSR2)
+        self.wake()
+
+    def wake(self) -> None:
+        """Have the loop look at the phase (SIGUSR2), unless it gave up on us."""
+        if not self.aborted:
+            os.kill(os.getpid(), signal.SIGUSR2)
 
     def hello(self) -> None:
         from .._core.handover import FORMAT_VERSION
@@ -236,6 +242,7 @@ class Attempt:
 
     def abort(self) -> None:
         """Make sure the new process is gone: it has read nothing."""
+        self.aborted = True
         self.channel.close()
         if self.proc.poll() is None:
             self.proc.kill()
