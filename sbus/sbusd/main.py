@@ -163,6 +163,7 @@ class Tenure:
         self.argv = list(argv)
         self.start_dir = start_dir
         self.owned = owned
+        self.listener = None    # a successor's, once it takes over
 
 
 def serve_successor(cfg: Config, successor, tenure: Tenure, early_stop, warnings) -> int:
@@ -242,6 +243,9 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     from functools import partial
 
     from .. import log as logging_
+    # Loaded now, with the broker it was built with: an upgrade may replace
+    # both on disk before SIGUSR2.
+    from .._core import handover  # noqa: F401
     from .._core.broker import Broker
     from . import lifecycle
     from .events import Service
