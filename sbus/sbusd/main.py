@@ -243,6 +243,7 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     from functools import partial
 
     from .. import log as logging_
+
     # Loaded now, with the broker it was built with: an upgrade may replace
     # both on disk before SIGUSR2.
     from .._core import handover  # noqa: F401
