@@ -136,6 +136,8 @@ class Channel:
         except socket.timeout:
             raise UpgradeFailed("send", f"the other sbusd took no packet within "
                                         f"{STEP_TIMEOUT:g} s") from None
+        except OSError as e:
+            raise UpgradeFailed("send", f"the hand-over socket failed: {e.strerror or e}") from None
 
     def recv(self, step: str, timeout: float = STEP_TIMEOUT):
         """(packet, fds); the peer's end closing or silence is UpgradeFailed."""
@@ -220,9 +222,6 @@ class Attempt:
             self.phase = "prebuilt"
         except UpgradeFailed as e:
             self.failure = e
-        except OSError as e:
-            self.failure = UpgradeFailed("prebuild", f"the hand-over socket failed: "
-                                                     f"{e.strerror or e}")
         self.wake()
 
     def wake(self) -> None:
@@ -370,8 +369,6 @@ class Predecessor:
             figures = self.attempt.transfer(self.broker)
         except UpgradeFailed as e:
             self.failed(e)
-        except OSError as e:
-            self.failed(UpgradeFailed("send", f"the hand-over socket failed: {e.strerror or e}"))
         else:
             self.log.info(schema.UPGRADE_HANDED_OVER, **figures)
             return True
@@ -531,15 +528,19 @@ class Successor:
         packet, _ = self.channel.recv("go")
         if packet != b"GO":
             raise UpgradeFailed("go", f"expected go, got {packet[:40]!r}")
+        # From here we serve, whatever else fails.
         if pidfile:
-            write_atomically(pidfile, f"{os.getpid()}\n")
+            try:
+                write_atomically(pidfile, f"{os.getpid()}\n")
+            except OSError as e:
+                self.figures["pidfile_error"] = f"{pidfile}: {e.strerror}"
             write_status(pidfile, result="done", pid=os.getpid(), old_pid=self.meta["old_pid"])
         lifecycle.sd_notify(f"MAINPID={os.getpid()}")
         lifecycle.sd_notify("READY=1")
         try:
             self.channel.send(b"DONE")
-        except (OSError, UpgradeFailed):
-            pass
+        except UpgradeFailed:
+            pass        # the old one left already: nothing to tell
         self.channel.close()
 
     def link(self) -> Optional[AdoptedLink]:
