@@ -120,9 +120,10 @@ def fill(publisher: Conn, prefix: str, start: int, count: int, size=200) -> None
 
 
 @pytest.fixture(scope="module")
-def c_client(tmp_path_factory) -> Path:
+def c_client(tmp_path_factory):
+    """tests/c/upgrade_client.c compiled, or None without gcc."""
     if shutil.which("gcc") is None:
-        pytest.skip("needs gcc")
+        return None
     exe = tmp_path_factory.mktemp("upgrade_client") / "upgrade_client"
     proc = subprocess.run(["gcc", "-std=c99", "-D_DEFAULT_SOURCE", "-O2", "-Wall", "-Wextra",
                            "-Werror", "-o", str(exe), str(C_DIR / "upgrade_client.c")],
@@ -147,8 +148,11 @@ def test_five_upgrades_under_load(buses, c_client):
         c.sub(f"idle/{i}/")
         c.sub(f"idle/{i}/")     # twice: multiplicity is state too
         idle.append(c)
-    c_proc = subprocess.Popen([str(c_client), bus.address], stdout=subprocess.PIPE, text=True)
-    assert c_proc.stdout.readline() == "ready\n"
+    c_proc = None
+    if c_client is not None:
+        c_proc = subprocess.Popen([str(c_client), bus.address], stdout=subprocess.PIPE,
+                                  text=True)
+        assert c_proc.stdout.readline() == "ready\n"
     barrier(steady, lazy, *idle)
 
     streamed = []
@@ -204,8 +208,9 @@ def test_five_upgrades_under_load(buses, c_client):
     for i, c in enumerate(idle):
         assert c.recv(1 << 16) == b"MSG idle/%d/x\0%d" % (i, i)
     pub.pub("c/end")
-    out, _ = c_proc.communicate(timeout=TIMEOUT)
-    assert c_proc.returncode == 0 and out == f"upgrade_client: ok {c_count}\n", out
+    if c_proc is not None:
+        out, _ = c_proc.communicate(timeout=TIMEOUT)
+        assert c_proc.returncode == 0 and out == f"upgrade_client: ok {c_count}\n", out
     for c in (steady, lazy, pub, *idle):
         c.close()
     done = bus.records("upgrade_done")
