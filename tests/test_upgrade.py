@@ -518,7 +518,8 @@ def blocked(bus: Bus) -> bool:
 
 def test_upgrade_of_a_leaf_keeps_its_upstream_link(buses):
     """A leaf's upstream link process is adopted, not restarted: the upstream
-    never sees it leave, and traffic goes both ways across the upgrade."""
+    never sees it leave, and traffic goes both ways across the upgrades; the
+    last broker still waits for it at stop."""
     top = buses()
     leaf = buses("--upstream", top.address)
     local = leaf.connect()
@@ -535,6 +536,7 @@ def test_upgrade_of_a_leaf_keeps_its_upstream_link(buses):
         local.pub(f"up/{i}")
         remote.pub(f"down/{i}")
     upgraded(leaf)
+    upgraded(leaf)      # the adopted link is handed on again
     for i in range(100, 200):
         local.pub(f"up/{i}")
         remote.pub(f"down/{i}")
