@@ -613,3 +613,36 @@ def test_upgrade_command_without_a_running_sbusd(tmp_path):
     proc = subprocess.run([SBUSD, "--upgrade", "-p", str(pidfile)], capture_output=True,
                           text=True, timeout=TIMEOUT)
     assert proc.returncode == 1 and f"no pid in {pidfile}" in proc.stderr
+
+
+def test_a_state_blob_that_cannot_be_trusted_is_refused(tmp_path):
+    """restore_state refuses another format version, a truncated blob, a
+    flipped byte and something that is no state at all, naming which."""
+    from sbus._core.broker import Broker
+    from sbus._core.handover import HandoverError, export_state, restore_state
+    from sbus.sbusd.config import parse_args
+
+    cfg = parse_args(["-f"])
+    listeners = []
+
+    def fresh() -> Broker:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.bind(str(tmp_path / f"l{len(listeners)}"))
+        s.listen()
+        listeners.append(s)
+        return Broker(s.fileno(), cfg)
+
+    blob, fds = export_state(fresh())
+    assert len(fds) == 1
+    restore_state(fresh(), blob, [listeners[-1].fileno()])      # the blob as written
+    bad = {
+        "format version 99": blob[:8] + (99).to_bytes(4, "little") + blob[12:],
+        "truncated": blob[:-3],
+        "CRC-32": blob[:-1] + bytes([blob[-1] ^ 1]),
+        "bad magic": b"no state at all, but long enough to have a header",
+    }
+    for reason, data in bad.items():
+        with pytest.raises(HandoverError, match=reason):
+            restore_state(fresh(), data, [listeners[-1].fileno()])
+    for s in listeners:
+        s.close()
