@@ -130,6 +130,7 @@ def one(clients: int, subs: int, repeat: int) -> dict:
             "pause_ms": statistics.median(gaps) * 1000,
             "pauses_ms": [g * 1000 for g in gaps],
             "handover_ms": statistics.median(r["pause_ms"] for r in handed),
+            "export_ms": statistics.median(r["export_ms"] for r in handed),
             "restore_ms": statistics.median(r["restore_ms"] for r in done),
             "prebuild_ms": statistics.median(r["prebuild_ms"] for r in done),
             "transfer_ms": statistics.median(r["transfer_ms"] for r in done),

@@ -60,8 +60,8 @@ UPSTREAM_LINK_EXIT = "upstream_link_exit"        # returncode: the link process 
 # A live upgrade (SIGUSR2, sbusd --upgrade; docs/upgrade.md).
 UPGRADE_STARTED = "upgrade_started"          # new_pid: the old process started the new one
 UPGRADE_FAILED = "upgrade_failed"            # step, reason, new_pid: the old one serves on
-UPGRADE_HANDED_OVER = "upgrade_handed_over"  # new_pid, clients, state_bytes, pause_ms: the
-#                                              old one leaves
+UPGRADE_HANDED_OVER = "upgrade_handed_over"  # new_pid, clients, state_bytes, pause_ms,
+#                                              export_ms: the old one leaves
 UPGRADE_DONE = "upgrade_done"                # version, old_pid, old_version, clients,
 #                                              restore_ms, prebuild_ms, transfer_ms,
 #                                              rebuild_ms: the new one serves

@@ -68,7 +68,8 @@ STATUS_SUFFIX = ".upgrade"      # beside the pidfile: the last upgrade's outcome
 HELLO_TIMEOUT = 30.0    # seconds the new sbusd has to start (the old one serves meanwhile)
 STEP_TIMEOUT = 10.0     # seconds for each step of the transfer (nobody is served)
 REQUEST_TIMEOUT = 60.0  # seconds sbusd --upgrade waits for the outcome
-CHUNK = 32768           # state bytes per packet on the socketpair
+CHUNK = 65536           # state bytes per packet on the socketpair (its default
+#                         send buffer, 208 KiB, holds a few)
 SCM_MAX_FD = 253        # descriptors one sendmsg may carry (Linux)
 
 
@@ -258,6 +259,7 @@ class Attempt:
             blob, fds = handover.export_state(broker)
         except (handover.HandoverError, MemoryError) as e:
             raise UpgradeFailed("export", str(e)) from None
+        export_ms = ms_since(paused_at)
         if injected("corrupt"):
             blob = blob[:-1] + bytes([blob[-1] ^ 0xFF])
         elif injected("blob-version"):
@@ -290,7 +292,7 @@ class Attempt:
         except UpgradeFailed:
             pass        # it serves all the same; it could not tell us it took over
         return {"new_pid": self.pid, "clients": len(fds) - 1, "state_bytes": len(blob),
-                "pause_ms": ms_since(paused_at)}
+                "pause_ms": ms_since(paused_at), "export_ms": export_ms}
 
 
 class Predecessor:
