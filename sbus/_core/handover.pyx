@@ -275,7 +275,8 @@ def prebuild(Broker b, bytes blob):
     for restore_state to take over; a Prebuilt."""
     cdef In r
     cdef Prebuilt pre = Prebuilt()
-    cdef uint32_t nconns, i, j, n, k, total = 0
+    cdef uint32_t nconns, _conn, _sub, n, k, total = 0
+    cdef size_t cap = 0
     cdef uint64_t conn_id
     cdef const char *pat
     cdef Sub *sub
@@ -286,17 +287,19 @@ def prebuild(Broker b, bytes blob):
     r.end = PyBytes_AS_STRING(blob) + PyBytes_GET_SIZE(blob)
     nconns = get_u32(&r)
     try:
-        for i in range(nconns):
+        for _conn in range(nconns):
             conn_id = get_u64(&r)
             n = get_u32(&r)
             if <size_t>n > <size_t>(r.end - r.p) // 4:
                 raise HandoverError("the subscriptions are truncated")
-            grown = <Sub **>realloc(pre.subs, (total + n + 1) * sizeof(Sub *))
-            if grown == NULL:
-                raise MemoryError()
-            pre.subs = grown
+            if total + n > cap:
+                cap = 2 * (total + n)
+                grown = <Sub **>realloc(pre.subs, cap * sizeof(Sub *))
+                if grown == NULL:
+                    raise MemoryError()
+                pre.subs = grown
             pre.spans[conn_id] = (total, n)
-            for j in range(n):
+            for _sub in range(n):
                 k = get_u32(&r)
                 pat = get_span(&r, k)
                 sub = index_add(&b.index, NULL, pat, k)
