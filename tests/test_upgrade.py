@@ -507,7 +507,7 @@ def blocked(bus: Bus) -> bool:
     """Whether the bus is held: then a new connection is not read, and its
     whoami goes unanswered."""
     with bus.connect() as probe:
-        probe.settimeout(0.3)
+        probe.settimeout(1.0)     # an unblocked bus answers in microseconds
         probe.send(b"CMSG !/cred/whoami")
         try:
             probe.recv(1024)
