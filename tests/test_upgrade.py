@@ -58,6 +58,8 @@ class Bus:
             assert new != old and alive(new)
             assert wait_gone(old, TIMEOUT), f"old pid {old} still runs"
             self.pids.append(new)
+            # The new one logs once it serves, just after the outcome the command read.
+            wait_until(lambda: len(self.records("upgrade_done")) == len(self.pids) - 1, TIMEOUT)
         return proc
 
     def records(self, name: str) -> list:
