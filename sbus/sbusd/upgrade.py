@@ -71,6 +71,10 @@ REQUEST_TIMEOUT = 60.0  # seconds sbusd --upgrade waits for the outcome
 CHUNK = 65536           # state bytes per packet on the socketpair (its default
 #                         send buffer, 208 KiB, holds a few)
 SCM_MAX_FD = 253        # descriptors one sendmsg may carry (Linux)
+# The new sbusd, from the installed package: -c puts the working directory
+# (start_dir) first on sys.path, and nothing may be imported from there
+# (python -P would say so, from 3.11 on).
+SPAWN = "import sys; del sys.path[0]; from sbus.sbusd.main import main; sys.exit(main())"
 
 
 class UpgradeFailed(Exception):
@@ -180,9 +184,8 @@ class Attempt:
         try:
             if injected("spawn"):
                 raise OSError("injected failure")
-            # -P: the package comes from the install, never from start_dir.
             self.proc = subprocess.Popen(
-                [sys.executable, "-P", "-m", "sbus.sbusd", *argv],
+                [sys.executable, "-c", SPAWN, *argv],
                 pass_fds=(theirs.fileno(),), cwd=start_dir, stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 env={**os.environ, HANDOVER_FD_ENV: str(theirs.fileno())})
