@@ -84,6 +84,7 @@ bench: build bench-deps
 	$(PY) bench/bench_store.py
 	$(PY) bench/bench_leaf.py
 	$(PY) bench/bench_requests.py
+	$(PY) bench/bench_upgrade.py
 	$(PY) bench/sub_flood.py
 
 # The peers bench/bench_clients.py measures sbus against; bench-only, so not in

@@ -57,11 +57,20 @@ UPSTREAM_DISCONNECTED = "upstream_disconnected"  # address, reason, held
 UPSTREAM_RETRY = "upstream_retry"                # address, reason, in_s: a new reason to wait
 UPSTREAM_OVERFLOW = "upstream_overflow"          # dropped, buffer_max: at 1, 2, 4, 8, ... drops
 UPSTREAM_LINK_EXIT = "upstream_link_exit"        # returncode: the link process ended
+# A live upgrade (SIGUSR2, sbusd --upgrade; docs/upgrade.md).
+UPGRADE_STARTED = "upgrade_started"          # new_pid: the old process started the new one
+UPGRADE_FAILED = "upgrade_failed"            # step, reason, new_pid: the old one serves on
+UPGRADE_HANDED_OVER = "upgrade_handed_over"  # new_pid, clients, state_bytes, pause_ms,
+#                                              export_ms: the old one leaves
+UPGRADE_DONE = "upgrade_done"                # version, old_pid, old_version, clients,
+#                                              restore_ms, prebuild_ms, transfer_ms,
+#                                              rebuild_ms: the new one serves
+UPGRADE_EVENTS = (UPGRADE_STARTED, UPGRADE_FAILED, UPGRADE_HANDED_OVER, UPGRADE_DONE)
 # What the link reports for the broker to log (sbus/sbusd/link.py); the broker
 # logs no other name it is sent.
 UPSTREAM_EVENTS = (UPSTREAM_CONNECTED, UPSTREAM_DISCONNECTED, UPSTREAM_RETRY, UPSTREAM_OVERFLOW)
 OPERATIONAL_EVENTS = (CMSG_IGNORED, LOG_REOPENED, FD_EXHAUSTED, ACCEPT_PAUSED, ACCEPT_ERROR,
-                      CONFIG_WARNING, *UPSTREAM_EVENTS, UPSTREAM_LINK_EXIT)
+                      CONFIG_WARNING, *UPSTREAM_EVENTS, UPSTREAM_LINK_EXIT, *UPGRADE_EVENTS)
 
 LEVELS = ("debug", "info", "warning", "error")
 

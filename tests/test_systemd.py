@@ -5,7 +5,8 @@ binds and listens on the SOCK_SEQPACKET socket, forks, and in the child puts
 the socket at fd 3, sets ``LISTEN_FDS=1``, ``LISTEN_FDNAMES`` and
 ``LISTEN_PID`` to the child's own pid, then execs sbusd. It listens for
 ``sd_notify`` datagrams on a ``NOTIFY_SOCKET`` with ``SO_PASSCRED``, as systemd
-does, and accepts only those sent by the main pid (``NotifyAccess=main``).
+does, and accepts only those sent by the main pid (as ``NotifyAccess=main``
+would; the units say ``all`` for a live upgrade's new process, tests/test_upgrade.py).
 
 A second test uses Debian's ``systemd-socket-activate`` (package ``systemd``),
 and a third runs sbusd inside the seccomp sandbox that
@@ -301,8 +302,12 @@ def test_unit_files():
     assert path == "/run/sbus.socket"
     assert re.fullmatch(r"0[0-7]{3}", one(sock, "SocketMode"))
     assert one(svc, "Type") == "notify"
-    assert one(svc, "NotifyAccess") == "main"
+    # all: a live upgrade's new process (a child of the main pid) sends MAINPID=.
+    assert one(svc, "NotifyAccess") == "all"
     exec_start = one(svc, "ExecStart").split()
+    pidfile = exec_start[exec_start.index("-p") + 1]
+    assert pidfile.startswith(f"/run/{one(svc, 'RuntimeDirectory')}/")
+    assert one(svc, "ExecReload").split() == ["/usr/bin/env", "sbusd", "--upgrade", "-p", pidfile]
     assert exec_start[:3] == ["/usr/bin/env", "sbusd", "-f"]
     assert exec_start[exec_start.index("--log-format") + 1] == "json"
     assert exec_start[exec_start.index("-a") + 1] == path, "-a should name the socket unit's path"
@@ -378,8 +383,11 @@ def test_store_unit():
 def test_leaf_unit_runs_a_leaf_sandboxed_like_the_broker(tmp_path):
     unit = read_unit("sbusd-leaf.service")
     svc, broker = unit["Service"], read_unit("sbusd.service")["Service"]
-    assert one(svc, "Type") == "notify" and one(svc, "NotifyAccess") == "main"
+    assert one(svc, "Type") == "notify" and one(svc, "NotifyAccess") == "all"
     exec_start = one(svc, "ExecStart").split()
+    pidfile = exec_start[exec_start.index("-p") + 1]
+    assert pidfile.startswith(f"/run/{one(svc, 'RuntimeDirectory')}/")
+    assert one(svc, "ExecReload").split() == ["/usr/bin/env", "sbusd", "--upgrade", "-p", pidfile]
     assert exec_start[:4] == ["/usr/bin/env", "sbusd", "-f", "-g"]
     own = exec_start[exec_start.index("-a") + 1]
     upstream = exec_start[exec_start.index("--upstream") + 1]
@@ -400,6 +408,7 @@ def test_leaf_unit_runs_a_leaf_sandboxed_like_the_broker(tmp_path):
     argv = exec_start[2:]
     argv[argv.index("-a") + 1] = str(tmp_path / "leaf")
     argv[argv.index("--upstream") + 1] = host.address
+    argv[argv.index("-p") + 1] = str(tmp_path / "leaf.pid")
     leaf = Sbusd(tmp_path, argv, address=str(tmp_path / "leaf")).ready(10)
     try:
         leaf.wait_for_event("upstream_connected", timeout=10)

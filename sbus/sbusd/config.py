@@ -43,6 +43,14 @@ class UsageError(Exception):
     """A command line sbusd cannot run with; the text names the option."""
 
 
+class Upgrade(Exception):
+    """--upgrade: not a setting but a command, for the sbusd ``pidfile`` names."""
+
+    def __init__(self, pidfile: Optional[str]):
+        super().__init__(pidfile)
+        self.pidfile = pidfile
+
+
 class Exit(Exception):
     """--help or --version: print ``text`` on stdout and exit 0."""
 
@@ -74,8 +82,8 @@ _UNSET = object()       # no default here: the field's first option gives it
 class Option:
     """One command-line option.
 
-    ``field`` is the ``Config`` attribute it sets (None for --help and
-    --version). ``arg`` names its value in the help; an option without one is
+    ``field`` is the ``Config`` attribute it sets (None for --help,
+    --version and --upgrade). ``arg`` names its value in the help; an option without one is
     a switch that stores ``const`` (``|`` it in with ``store="or"``). The first
     option for a field gives its ``default``. ``help`` may use ``{default}``
     and ``{choices}``; a newline starts a continuation line.
@@ -197,6 +205,9 @@ OPTIONS = (
     Option("log_messages", "log-messages", arg="RATE", default=0.0,
            parse=number(float, low=0, high=1),
            help="fraction of messages logged as samples, 0..1 (default {default})"),
+    Option(None, "upgrade",
+           help="upgrade the running sbusd that -p names in place (docs/upgrade.md)\n"
+                "and wait: exit 0 once a new pid serves, 1 with the reason"),
     Option(None, "help", short="h", help="show this help"),
     Option(None, "version", short="V", help="show the version"),
 )
@@ -244,7 +255,8 @@ _GETOPT_LONG = [o.long + ("=" if o.arg else "") for o in OPTIONS]
 def parse_args(argv: List[str]) -> "Config":
     """The Config for sbusd's arguments, parsed getopt-style as the C sbusd does.
 
-    Raises UsageError for a bad line, Exit for --help and --version.
+    Raises UsageError for a bad line, Exit for --help and --version, Upgrade
+    for --upgrade.
     """
     try:
         opts, rest = getopt.gnu_getopt(argv, _GETOPT_SHORT, _GETOPT_LONG)
@@ -253,12 +265,16 @@ def parse_args(argv: List[str]) -> "Config":
     if rest:
         raise UsageError(f"unexpected argument {rest[0]!r}")
     cfg = Config()
+    upgrade = False
     for flag, text in opts:
         o = _BY_FLAG[flag]
         if o.long == "help":
             raise Exit(help_text())
         if o.long == "version":
             raise Exit(f"sbusd {__version__}\n")
+        if o.long == "upgrade":
+            upgrade = True
+            continue
         value = o.value(flag, text) if o.arg else o.const
         if o.store == "append":
             getattr(cfg, o.field).append(value)
@@ -271,6 +287,8 @@ def parse_args(argv: List[str]) -> "Config":
         cfg.pidfile = PIDFILE
     elif cfg.pidfile == NO_PIDFILE:
         cfg.pidfile = None
+    if upgrade:
+        raise Upgrade(cfg.pidfile)
     return cfg
 
 

@@ -20,7 +20,7 @@ from .. import address as addresses
 from .. import logschema as schema
 from .._version import __version__
 from ..errors import AddressError
-from .config import USAGE, Config, Exit, UsageError, parse_args
+from .config import USAGE, Config, Exit, Upgrade, UsageError, parse_args
 
 LINK_EXIT_WAIT = 5.0    # seconds the upstream link has to leave after the broker
 
@@ -29,7 +29,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = parse_args(argv)
-        return run(cfg)
+        return run(cfg, argv)
+    except Upgrade as e:
+        from .upgrade import request
+        return request(e.pidfile)
     except Exit as e:
         print(e.text, end="")
         return 0
@@ -40,8 +43,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
 
 
-def run(cfg: Config) -> int:
+def run(cfg: Config, argv: List[str] = ()) -> int:
     from . import lifecycle
+    from .upgrade import Successor
+
+    # A live upgrade's new process: the socket and the clients come from the
+    # old one (sbus/sbusd/upgrade.py).
+    successor = Successor.from_env()
+    # Where we were started: a live upgrade starts the new process there, so
+    # relative paths on the command line mean the same.
+    start_dir = os.getcwd()
 
     # Warnings about the configuration go to stderr now and, once the log
     # is open, into it as config_warning records.
@@ -63,7 +74,10 @@ def run(cfg: Config) -> int:
 
     for signo in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signo, remember)
+    # An upgrade asked for before the loop runs has nothing to hand over yet.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     lifecycle.ensure_stdio()
+    tenure = Tenure(argv, start_dir)
 
     # A daemon chdirs to "/": every path it keeps using must be absolute.
     if cfg.pidfile:
@@ -78,6 +92,8 @@ def run(cfg: Config) -> int:
             except OSError as e:
                 warn(f"{flag} {getattr(cfg, field)}: {e.strerror}")
                 return 1
+    if successor is not None:
+        return serve_successor(cfg, successor, tenure, early_stop, warnings)
     try:
         addr = addresses.parse(cfg.address)
         if cfg.upstream:
@@ -117,18 +133,60 @@ def run(cfg: Config) -> int:
                 lifecycle.release_stderr()
         if allowed:
             allowed.append(os.getuid())
-        return serve(cfg, listener, allowed, ready, early_stop, warnings)
+        return serve(cfg, listener, allowed, ready, tenure, early_stop, warnings)
     except lifecycle.StartupError as e:
         warn(str(e))
         return 1
     finally:
-        if listener.path is not None:
-            try:
-                os.unlink(listener.path)
-            except OSError:
-                pass
-        if pidfile_written:
-            lifecycle.remove_quietly(cfg.pidfile)
+        if tenure.owned:
+            leave(cfg, listener, pidfile_written)
+
+
+def leave(cfg: Config, listener, pidfile_written: bool) -> None:
+    """Remove the socket file and the pidfile (with the last upgrade's
+    outcome beside it): the broker that owned them stops."""
+    from . import lifecycle
+    from .upgrade import status_path
+    if listener.path is not None:
+        lifecycle.remove_quietly(listener.path)
+    if pidfile_written:
+        lifecycle.remove_quietly(cfg.pidfile)
+        lifecycle.remove_quietly(status_path(cfg.pidfile))
+
+
+class Tenure:
+    """What this process owns: the socket file and the pidfile, until it
+    hands them to a new sbusd (``owned`` False), or, in the new one, from
+    the moment it takes over. ``argv`` and ``start_dir`` start the next one."""
+
+    def __init__(self, argv: List[str], start_dir: str, owned: bool = True):
+        self.argv = list(argv)
+        self.start_dir = start_dir
+        self.owned = owned
+        self.listener = None    # a successor's, once it takes over
+
+
+def serve_successor(cfg: Config, successor, tenure: Tenure, early_stop, warnings) -> int:
+    """The new process of a live upgrade: serve what the old one hands over.
+    Before it takes over it owns nothing, and leaves without a trace."""
+    from . import lifecycle
+    from .upgrade import UpgradeFailed
+    tenure.owned = False
+    try:
+        allowed = lifecycle.resolve_users(cfg.users)
+    except lifecycle.StartupError as e:
+        print(f"sbusd: {e}", file=sys.stderr)
+        return 1
+    if allowed:
+        allowed.append(os.getuid())
+    try:
+        return serve(cfg, None, allowed, None, tenure, early_stop, warnings, successor)
+    except UpgradeFailed as e:
+        print(f"sbusd: upgrade: {e.step}: {e.reason}", file=sys.stderr)
+        return 1
+    finally:
+        if tenure.owned:
+            leave(cfg, tenure.listener, cfg.pidfile is not None)
 
 
 def check_upstream(text: str) -> None:
@@ -178,18 +236,29 @@ def _tell_terminal(where: str):
     return tell
 
 
-def serve(cfg: Config, listener, allowed, ready, early_stop=(), warnings=()) -> int:
+def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), warnings=(),
+          successor=None) -> int:
+    """Run the broker until it stops or hands over. A successor (a live
+    upgrade's new process) brings the listener and the state with it."""
     from functools import partial
 
     from .. import log as logging_
+
+    # Loaded now, with the broker it was built with: an upgrade may replace
+    # both on disk before SIGUSR2.
+    from .._core import handover  # noqa: F401
     from .._core.broker import Broker
     from . import lifecycle
     from .events import Service
+    from .upgrade import PREPARE_REASON, UPGRADE_REASON, Predecessor, ms_since
 
     stream = logging_.ReopenableStream(cfg.log_file, logging_.fallback_stream())
     json_copy = logging_.ReopenableStream(cfg.json_log, stream) if cfg.json_log else None
     fmt = cfg.log_format or logging_.default_format(stream)
     log = logging_.configure(fmt, cfg.log_level, stream, json_copy)
+    if successor is not None:
+        successor.hello()
+        listener = successor.receive_listener()
     wakeup = lifecycle.SignalWakeup()
     make_broker = partial(Broker, listener.sock.fileno(), cfg, allowed_uids=allowed,
                           access_mode=cfg.mode if listener.abstract else -1,
@@ -198,9 +267,13 @@ def serve(cfg: Config, listener, allowed, ready, early_stop=(), warnings=()) -> 
                       message_log=logging_.message_logger(fmt, cfg.log_level, stream,
                                                           json_copy is not None))
     broker = service.broker
-
-    def stop(signo, frame):
-        broker.stop(signal.Signals(signo).name)
+    if successor is not None:
+        successor.prebuild(broker)
+        successor.receive_state()
+        successor.restore(broker)
+        successor.take_over(cfg.pidfile)
+        tenure.owned = True
+        tenure.listener = listener
 
     def reopen(signo, frame):
         stream.reopen()
@@ -208,41 +281,71 @@ def serve(cfg: Config, listener, allowed, ready, early_stop=(), warnings=()) -> 
             json_copy.reopen()
         log.info(schema.LOG_REOPENED, path=cfg.log_file)
 
+    started = time.monotonic()
+    if successor is None:
+        log.info(schema.BROKER_START, version=__version__,
+                 address=listener.printed_address or cfg.address, pid=os.getpid(),
+                 config=cfg.summary())
+        # Before the loop reads any client: the link is told of each from the first.
+        link = start_link(cfg, broker) if cfg.upstream else None
+    else:
+        log.info(schema.UPGRADE_DONE, version=__version__, old_pid=successor.meta["old_pid"],
+                 old_version=successor.meta["version"], clients=broker.client_count,
+                 restore_ms=ms_since(successor.started), **successor.figures)
+        link = successor.link()
+    upgrade = Predecessor(cfg, tenure.argv, tenure.start_dir, log, listener,
+                          link.pid if link is not None else None)
+    upgrade.broker = broker
+
+    def stop(signo, frame):
+        upgrade.on_stop(signal.Signals(signo).name)
+
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGHUP, stop if cfg.foreground else reopen)
+    signal.signal(signal.SIGUSR2, upgrade.on_signal)
     if early_stop:
         broker.stop(early_stop[0])      # run() then returns at once
-
-    started = time.monotonic()
-    log.info(schema.BROKER_START, version=__version__,
-             address=listener.printed_address or cfg.address, pid=os.getpid(),
-             config=cfg.summary())
     if broker.backend_fallback:
         warnings = [*warnings, f"--backend {cfg.backend}: {broker.backend_fallback}"]
-    # Before the loop reads any client: the link is told of each from the first.
-    link = start_link(cfg, broker) if cfg.upstream else None
     for text in warnings:
         log.warning(schema.CONFIG_WARNING, detail=text)
     lifecycle.detach_stdio()
     if ready is not None:
         ready()
-    lifecycle.sd_notify("READY=1")
+    if successor is None:
+        lifecycle.sd_notify("READY=1")
     reason = "error"
+    handed_over = False
     try:
-        reason = broker.run()
+        while True:
+            reason = broker.run()
+            if reason == PREPARE_REASON:
+                upgrade.prepare()
+                continue
+            if reason != UPGRADE_REASON:
+                break
+            if upgrade.hand_over():
+                handed_over = True
+                break
     finally:
-        lifecycle.sd_notify("STOPPING=1")
-        broker.close()
-        if link is not None:
-            try:
-                link.wait(LINK_EXIT_WAIT)   # it leaves once its end of the socketpair closes
-            except subprocess.TimeoutExpired:
-                link.kill()
-                link.wait()
-            log.info(schema.UPSTREAM_LINK_EXIT, returncode=link.returncode)
-        log.info(schema.BROKER_STOP, reason=reason, uptime_s=round(time.monotonic() - started, 3),
-                 totals=broker.totals())
+        if handed_over:
+            # The new process serves every client, the socket and the pidfile:
+            # leave without touching them.
+            tenure.owned = False
+        else:
+            upgrade.abandon()
+            lifecycle.sd_notify("STOPPING=1")
+            broker.close()
+            if link is not None:
+                try:
+                    link.wait(LINK_EXIT_WAIT)   # it leaves once its end of the socketpair closes
+                except subprocess.TimeoutExpired:
+                    link.kill()
+                    link.wait(LINK_EXIT_WAIT)
+                log.info(schema.UPSTREAM_LINK_EXIT, returncode=link.returncode)
+            log.info(schema.BROKER_STOP, reason=reason,
+                     uptime_s=round(time.monotonic() - started, 3), totals=broker.totals())
         stream.flush()
         wakeup.close()
     return 0

@@ -1,0 +1,630 @@
+# cython: language_level=3
+"""A broker's whole state as one blob and a list of descriptors, for a live
+upgrade (sbus/sbusd/upgrade.py; docs/upgrade.md).
+
+``export_state`` is called in the old process at the hand-over's safe point,
+``restore_state`` in the new one on a fresh Broker that serves the same
+listening socket and has read nothing yet. Between them the state crosses as
+a versioned binary blob: a header (magic, format version, CRC-32 and length
+of the body), the broker-wide counters, every distinct queued packet once,
+then each connection with the index of its descriptor in the list, its
+credentials, modes, counters, subscriptions in order (with their
+multiplicity) and its send queue as indexes into the packets, so a packet
+queued for many recipients is shared again after the restore. What can be
+recomputed is: the index, the per-uid accounts and the subscription bytes,
+which are checked against the figures the old process wrote.
+"""
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
+from libc.stdlib cimport malloc, realloc, free
+from libc.string cimport memcmp, memcpy
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
+
+from sbus._core.broker cimport Broker
+from sbus._core.budget cimport UNLIMITED, account_get, pattern_cost
+from sbus._core.conn cimport Conn, Counters
+from sbus._core.includes.sys cimport ucred
+from sbus._core.index cimport Sub, index_add, index_remove
+from sbus._core.sendq cimport Packet, PacketStats, get_packet_stats, packet_new, sq_push
+
+import json
+import zlib
+
+FORMAT_VERSION = 1
+MAGIC = b"SBUSHAND"
+SUBS_MAGIC = b"SBUSSUBS"    # export_subscriptions: the index ahead of the state
+cdef enum:
+    HEADER_BYTES = 24       # magic, version u32, crc32 u32, body length u64
+    NO_CRED = 0xFFFFFFFF    # upstream_cred absent
+
+
+class HandoverError(ValueError):
+    """A blob this build cannot restore; the text says why."""
+
+
+# ---- writing -----------------------------------------------------------------
+
+cdef struct Out:
+    char *buf
+    size_t len
+    size_t cap
+
+
+cdef int out_room(Out *o, size_t n) except -1:
+    cdef size_t cap = o.cap if o.cap else 65536
+    cdef char *grown
+    if o.len + n <= o.cap:
+        return 0
+    while cap < o.len + n:
+        cap *= 2
+    grown = <char *>realloc(o.buf, cap)
+    if grown == NULL:
+        raise MemoryError()
+    o.buf = grown
+    o.cap = cap
+    return 0
+
+
+cdef inline int put(Out *o, const void *p, size_t n) except -1:
+    out_room(o, n)
+    memcpy(o.buf + o.len, p, n)
+    o.len += n
+    return 0
+
+
+cdef inline int put_u8(Out *o, uint8_t v) except -1:
+    return put(o, &v, 1)
+
+
+cdef inline int put_u32(Out *o, uint32_t v) except -1:
+    return put(o, &v, 4)
+
+
+cdef inline int put_u64(Out *o, uint64_t v) except -1:
+    return put(o, &v, 8)
+
+
+cdef inline int put_i64(Out *o, int64_t v) except -1:
+    return put(o, &v, 8)
+
+
+cdef inline int put_f64(Out *o, double v) except -1:
+    return put(o, &v, 8)
+
+
+cdef int put_counters(Out *o, const Counters *c) except -1:
+    put_u64(o, c.msgs_in)
+    put_u64(o, c.bytes_in)
+    put_u64(o, c.msgs_out)
+    put_u64(o, c.bytes_out)
+    put_u64(o, c.replies_out)
+    put_u64(o, c.drops_soft)
+    put_u64(o, c.drops_hard)
+    put_u64(o, c.drops_disconnect)
+    return put_u64(o, c.blocks)
+
+
+cdef int put_blob(Out *o, bytes data) except -1:
+    put_u32(o, <uint32_t>len(data))
+    return put(o, PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+
+
+cdef inline uint32_t ring_at(Conn *c, uint32_t i) noexcept:
+    return (c.q.head + i) & (c.q.cap - 1)
+
+
+def export_state(Broker b):
+    """(blob, fds) of a quiesced broker (see quiesce): fds[0] is the
+    listening socket, the others its connections in the blob's order. The
+    broker is left as it was, so it can go on serving if the hand-over fails."""
+    cdef Out o
+    cdef Conn *c
+    cdef Packet *p
+    cdef int fd
+    cdef uint32_t i, nconns = 0
+    cdef size_t at
+    cdef dict packet_ids = {}
+    cdef list packets = []
+    cdef list fds = [b.listen_fd]
+    cdef PacketStats *ps = get_packet_stats()
+    if b.nslots or b.npend or b.nclosing:
+        raise HandoverError("the broker is not at a safe point (call quiesce first)")
+    # Every distinct queued packet, numbered in the order first met.
+    for fd in range(b.conns_cap):
+        c = b.conns[fd]
+        if c == NULL:
+            continue
+        for i in range(c.q.count):
+            p = c.q.slots[ring_at(c, i)]
+            if p != NULL and <size_t>p not in packet_ids:
+                packet_ids[<size_t>p] = len(packets)
+                packets.append(<size_t>p)
+    o.buf = NULL
+    o.len = o.cap = 0
+    try:
+        out_room(&o, HEADER_BYTES)
+        o.len = HEADER_BYTES
+        put_counters(&o, &b.tot)
+        for v in (b.connects, b.disconnects, b.trimmed_at, b.cmsgs_ignored, b.next_id, b.seq,
+                  b.budgets.sub_bytes, b.budgets.conns_refused, b.budgets.subs_refused,
+                  ps.bytes_peak):
+            put_u64(&o, v)
+        put_f64(&o, b.started)
+        put_u8(&o, b.had_client)
+        if b.upstream_cred is None:
+            put_u32(&o, NO_CRED)
+        else:
+            put_blob(&o, b.upstream_cred)
+        put_blob(&o, json.dumps({"last_totals": b.last_totals,
+                                 "upstream_state": b.upstream_state}).encode())
+        put_u32(&o, <uint32_t>len(packets))
+        for addr in packets:
+            p = <Packet *><size_t>addr
+            put_u32(&o, p.len)
+            put_u64(&o, p.seq)
+            put_u8(&o, p.reply)
+            put(&o, p.data, p.len)
+        at = o.len
+        put_u32(&o, 0)      # the connection count, written once known
+        for fd in range(b.conns_cap):
+            c = b.conns[fd]
+            if c == NULL:
+                continue
+            nconns += 1
+            put_u32(&o, <uint32_t>len(fds))
+            fds.append(c.fd)
+            put_u64(&o, c.id)
+            put_i64(&o, c.pid)
+            put_i64(&o, c.uid)
+            put_i64(&o, c.gid)
+            put_u8(&o, c.soft)
+            put_u8(&o, c.hard)
+            put_u8(&o, c.order)
+            put_u8(&o, c.echo)
+            put_u8(&o, c.link)
+            put_u8(&o, c.paused)
+            put_u8(&o, c.blocking)
+            put_u8(&o, c.write_dead)
+            put_f64(&o, c.connected_at)
+            put_f64(&o, c.block_since)
+            put_counters(&o, &c.counts)
+            put_counters(&o, &c.reported)
+            put_counters(&o, &c.listed.counts)
+            put_u64(&o, c.listed.queued_bytes)
+            put_u32(&o, c.listed.queued_msgs)
+            put_u32(&o, c.listed.nsubs)
+            put_u8(&o, c.listed.modes)
+            put_u8(&o, c.listed.ever)
+            put_u64(&o, c.sub_bytes)
+            put_u32(&o, c.nsubs)
+            for i in range(c.nsubs):
+                put_u32(&o, c.subs[i].len)
+                put(&o, c.subs[i].pattern, c.subs[i].len)
+            put_u64(&o, c.q.bytes)
+            put_u32(&o, c.q.live)
+            for i in range(c.q.count):
+                p = c.q.slots[ring_at(c, i)]
+                if p != NULL:
+                    put_u32(&o, packet_ids[<size_t>p])
+        memcpy(o.buf + at, &nconns, 4)
+        blob = PyBytes_FromStringAndSize(o.buf, o.len)
+    finally:
+        free(o.buf)
+    return sealed(MAGIC, blob), fds
+
+
+cdef bytes sealed(bytes magic, bytes blob):
+    """blob (whose first HEADER_BYTES are room for it) with its header."""
+    cdef object body = memoryview(blob)[HEADER_BYTES:]
+    return (magic + (FORMAT_VERSION).to_bytes(4, "little") +
+            (zlib.crc32(body)).to_bytes(4, "little") +
+            (len(blob) - HEADER_BYTES).to_bytes(8, "little") + body.tobytes())
+
+
+def export_subscriptions(Broker b):
+    """Every connection's subscriptions in order, by connection id: what a
+    new process indexes (prebuild) while this one still serves, so that the
+    hand-over itself only checks them."""
+    cdef Out o
+    cdef Conn *c
+    cdef int fd
+    cdef uint32_t i, nconns = 0
+    o.buf = NULL
+    o.len = o.cap = 0
+    try:
+        out_room(&o, HEADER_BYTES + 4)
+        o.len = HEADER_BYTES + 4
+        for fd in range(b.conns_cap):
+            c = b.conns[fd]
+            if c == NULL:
+                continue
+            nconns += 1
+            put_u64(&o, c.id)
+            put_u32(&o, c.nsubs)
+            for i in range(c.nsubs):
+                put_u32(&o, c.subs[i].len)
+                put(&o, c.subs[i].pattern, c.subs[i].len)
+        memcpy(o.buf + HEADER_BYTES, &nconns, 4)
+        blob = PyBytes_FromStringAndSize(o.buf, o.len)
+    finally:
+        free(o.buf)
+    return sealed(SUBS_MAGIC, blob)
+
+
+cdef class Prebuilt:
+    """Subscriptions indexed in a broker before their connections are there
+    (owner NULL): restore_state gives each connection its own when they are
+    what the state says, and removes the rest."""
+    cdef Sub **subs         # every one, by connection, in order; NULL once taken
+    cdef uint32_t n
+    cdef dict spans         # connection id -> (first, count) in subs
+
+    def __dealloc__(self):
+        free(self.subs)
+
+    cdef int discard(self, Broker b) except -1:
+        cdef uint32_t i
+        for i in range(self.n):
+            if self.subs[i] != NULL:
+                index_remove(&b.index, self.subs[i])
+                self.subs[i] = NULL
+        return 0
+
+
+def prebuild(Broker b, bytes blob):
+    """Index the subscriptions of export_subscriptions in b, a fresh broker,
+    for restore_state to take over; a Prebuilt."""
+    cdef In r
+    cdef Prebuilt pre = Prebuilt()
+    cdef uint32_t nconns, _conn, _sub, n, k, total = 0
+    cdef size_t cap = 0
+    cdef uint64_t conn_id
+    cdef const char *pat
+    cdef Sub *sub
+    cdef Sub **grown
+    check_header(blob, SUBS_MAGIC)
+    pre.spans = {}
+    r.p = PyBytes_AS_STRING(blob) + HEADER_BYTES
+    r.end = PyBytes_AS_STRING(blob) + PyBytes_GET_SIZE(blob)
+    nconns = get_u32(&r)
+    try:
+        for _conn in range(nconns):
+            conn_id = get_u64(&r)
+            n = get_u32(&r)
+            if <size_t>n > <size_t>(r.end - r.p) // 4:
+                raise HandoverError("the subscriptions are truncated")
+            if total + n > cap:
+                cap = 2 * (total + n)
+                grown = <Sub **>realloc(pre.subs, cap * sizeof(Sub *))
+                if grown == NULL:
+                    raise MemoryError()
+                pre.subs = grown
+            pre.spans[conn_id] = (total, n)
+            for _sub in range(n):
+                k = get_u32(&r)
+                pat = get_span(&r, k)
+                sub = index_add(&b.index, NULL, pat, k)
+                if sub == NULL:
+                    raise MemoryError()
+                pre.subs[total] = sub
+                total += 1
+                pre.n = total
+    except BaseException:
+        pre.discard(b)
+        raise
+    return pre
+
+
+# ---- reading -----------------------------------------------------------------
+
+cdef struct In:
+    const char *p
+    const char *end
+
+
+cdef int take(In *r, void *dst, size_t n) except -1:
+    if <size_t>(r.end - r.p) < n:
+        raise HandoverError("the state is truncated")
+    memcpy(dst, r.p, n)
+    r.p += n
+    return 0
+
+
+cdef inline uint8_t get_u8(In *r) except? 0xFF:
+    cdef uint8_t v
+    take(r, &v, 1)
+    return v
+
+
+cdef inline uint32_t get_u32(In *r) except? 0xFFFFFFFF:
+    cdef uint32_t v
+    take(r, &v, 4)
+    return v
+
+
+cdef inline uint64_t get_u64(In *r) except? 0xFFFFFFFFFFFFFFFF:
+    cdef uint64_t v
+    take(r, &v, 8)
+    return v
+
+
+cdef inline int64_t get_i64(In *r) except? -1:
+    cdef int64_t v
+    take(r, &v, 8)
+    return v
+
+
+cdef inline double get_f64(In *r) except? -1:
+    cdef double v
+    take(r, &v, 8)
+    return v
+
+
+cdef const char *get_span(In *r, size_t n) except NULL:
+    cdef const char *at = r.p
+    if <size_t>(r.end - r.p) < n:
+        raise HandoverError("the state is truncated")
+    r.p += n
+    return at
+
+
+cdef bytes get_blob(In *r):
+    cdef uint32_t n = get_u32(r)
+    return get_span(r, n)[:n] if n else b""
+
+
+cdef int get_counters(In *r, Counters *c) except -1:
+    c.msgs_in = get_u64(r)
+    c.bytes_in = get_u64(r)
+    c.msgs_out = get_u64(r)
+    c.bytes_out = get_u64(r)
+    c.replies_out = get_u64(r)
+    c.drops_soft = get_u64(r)
+    c.drops_hard = get_u64(r)
+    c.drops_disconnect = get_u64(r)
+    c.blocks = get_u64(r)
+    return 0
+
+
+def check_header(bytes blob, bytes magic=MAGIC):
+    """Raise HandoverError unless blob is whole and in this build's format."""
+    if len(blob) < HEADER_BYTES or blob[:8] != magic:
+        raise HandoverError("not an sbusd hand-over state (bad magic)")
+    version = int.from_bytes(blob[8:12], "little")
+    if version != FORMAT_VERSION:
+        raise HandoverError(f"hand-over format version {version} is not this sbusd's "
+                            f"({FORMAT_VERSION})")
+    body_len = int.from_bytes(blob[16:24], "little")
+    if body_len != len(blob) - HEADER_BYTES:
+        raise HandoverError(f"the state is truncated ({len(blob) - HEADER_BYTES} of "
+                            f"{body_len} bytes)")
+    if zlib.crc32(memoryview(blob)[HEADER_BYTES:]) != int.from_bytes(blob[12:16], "little"):
+        raise HandoverError("the state is corrupt (CRC-32 mismatch)")
+
+
+def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
+    """Rebuild in b, a fresh broker on fds[0], the state export_state wrote:
+    its connections on the descriptors fds[1:], their subscriptions (the
+    index; those of pre, prebuild's, where they are the same), queues,
+    modes and counters; the per-uid accounts are recomputed. Raises
+    HandoverError for a blob it cannot trust; b is then unusable."""
+    cdef In r
+    cdef uint32_t npackets, nconns, i, j, k, n, nq, _slot
+    cdef uint32_t fd_index
+    cdef int fd
+    cdef Packet *p
+    cdef Packet **pkts = NULL
+    cdef Conn *c
+    cdef Sub *sub
+    cdef const char *pat
+    cdef const char *mark
+    cdef uint32_t first
+    cdef bint same
+    cdef ucred cred
+    cdef uint64_t sub_bytes, q_bytes
+    cdef uint64_t connects, disconnects, next_id, peak
+    cdef uint64_t budget_sub_bytes
+    cdef int64_t pid, uid, gid
+    cdef uint64_t conn_id, seq
+    cdef uint8_t reply, paused
+    cdef size_t cost
+    cdef bint exempt
+    cdef PacketStats *ps = get_packet_stats()
+    check_header(blob)
+    if not fds or fds[0] != b.listen_fd:
+        raise HandoverError("the first descriptor is not the broker's listening socket")
+    if b.nconns:
+        raise HandoverError("the broker has connections of its own already")
+    r.p = PyBytes_AS_STRING(blob) + HEADER_BYTES
+    r.end = PyBytes_AS_STRING(blob) + PyBytes_GET_SIZE(blob)
+    get_counters(&r, &b.tot)
+    connects = get_u64(&r)
+    disconnects = get_u64(&r)
+    b.trimmed_at = get_u64(&r)
+    b.cmsgs_ignored = get_u64(&r)
+    next_id = get_u64(&r)
+    b.seq = get_u64(&r)
+    budget_sub_bytes = get_u64(&r)
+    b.budgets.conns_refused = get_u64(&r)
+    b.budgets.subs_refused = get_u64(&r)
+    peak = get_u64(&r)
+    b.started = get_f64(&r)
+    b.had_client = get_u8(&r)
+    n = get_u32(&r)
+    if n == NO_CRED:
+        b.upstream_cred = None
+    else:
+        b.upstream_cred = get_span(&r, n)[:n]
+    try:
+        extra = json.loads(get_blob(&r))
+        b.last_totals = extra["last_totals"]
+        b.upstream_state = extra["upstream_state"]
+    except (ValueError, KeyError, TypeError):
+        raise HandoverError("the state's broker record is corrupt") from None
+    npackets = get_u32(&r)
+    used = set()
+    try:
+        if npackets:
+            pkts = <Packet **>malloc(npackets * sizeof(Packet *))
+            if pkts == NULL:
+                raise MemoryError()
+        for i in range(npackets):
+            n = get_u32(&r)
+            seq = get_u64(&r)
+            reply = get_u8(&r)
+            pat = get_span(&r, n)
+            p = packet_new(pat, n, seq)
+            if p == NULL:
+                raise MemoryError()
+            p.reply = reply
+            pkts[i] = p
+        nconns = get_u32(&r)
+        for i in range(nconns):
+            fd_index = get_u32(&r)
+            if fd_index == 0 or fd_index >= <uint32_t>len(fds) or fd_index in used:
+                raise HandoverError(f"connection {i}: bad descriptor index {fd_index}")
+            used.add(fd_index)
+            fd = fds[fd_index]
+            if fd >= b.poller.fd_limit():
+                raise HandoverError(f"descriptor {fd} is beyond what the {b.poller.name} "
+                                    f"backend can watch")
+            conn_id = get_u64(&r)
+            pid = get_i64(&r)
+            uid = get_i64(&r)
+            gid = get_i64(&r)
+            cred.pid = <int>pid
+            cred.uid = <unsigned int>uid
+            cred.gid = <unsigned int>gid
+            c = b.add_conn(fd, &cred)
+            c.id = conn_id
+            c.pid = pid
+            c.uid = uid
+            c.gid = gid
+            c.soft = get_u8(&r)
+            c.hard = get_u8(&r)
+            c.order = get_u8(&r)
+            c.echo = get_u8(&r)
+            c.link = get_u8(&r)
+            paused = get_u8(&r)
+            c.blocking = get_u8(&r)
+            c.write_dead = get_u8(&r)
+            if c.soft > 3 or c.hard > 3 or c.hard == 0 or c.order > 2:
+                raise HandoverError(f"connection {conn_id}: bad modes")
+            c.connected_at = get_f64(&r)
+            c.block_since = get_f64(&r)
+            get_counters(&r, &c.counts)
+            get_counters(&r, &c.reported)
+            get_counters(&r, &c.listed.counts)
+            c.listed.queued_bytes = get_u64(&r)
+            c.listed.queued_msgs = get_u32(&r)
+            c.listed.nsubs = get_u32(&r)
+            c.listed.modes = get_u8(&r)
+            c.listed.ever = get_u8(&r)
+            # sbusd's own uid and the link are exempt from the per-uid budgets,
+            # as admit and attach_link decide.
+            exempt = c.link or c.uid == b.own_uid
+            c.acct = account_get(&b.accounts, c.uid,
+                                 UNLIMITED if exempt else b.user_max_connections,
+                                 UNLIMITED if exempt else b.user_sub_max_bytes,
+                                 UNLIMITED if exempt else b.user_queue_max_bytes)
+            if c.acct == NULL:
+                raise MemoryError()
+            c.acct.conns += 1
+            if c.link:
+                if b.link != NULL:
+                    raise HandoverError("two upstream links")
+                b.link = c
+            sub_bytes = get_u64(&r)
+            n = get_u32(&r)
+            if n:
+                c.subs = <Sub **>malloc(n * sizeof(Sub *))
+                if c.subs == NULL:
+                    raise MemoryError()
+                c.subs_cap = n
+            # Prebuilt for this connection and still the same: take them over.
+            span = pre.spans.get(conn_id) if pre is not None else None
+            same = span is not None and span[1] == n
+            if same:
+                first = span[0]
+                mark = r.p
+                for j in range(n):
+                    k = get_u32(&r)
+                    pat = get_span(&r, k)
+                    sub = pre.subs[first + j]
+                    if sub == NULL or sub.len != k or memcmp(sub.pattern, pat, k) != 0:
+                        same = False
+                        break
+                r.p = mark
+            for j in range(n):
+                k = get_u32(&r)
+                pat = get_span(&r, k)
+                if same:
+                    sub = pre.subs[first + j]
+                    pre.subs[first + j] = NULL
+                    sub.owner = c
+                else:
+                    sub = index_add(&b.index, c, pat, k)
+                    if sub == NULL:
+                        raise MemoryError()
+                sub.owner_pos = j
+                c.subs[j] = sub
+                c.nsubs = j + 1
+                cost = pattern_cost(pat, k)
+                c.sub_bytes += cost
+                c.acct.sub_bytes += cost
+                b.budgets.sub_bytes += cost
+            if c.sub_bytes != sub_bytes:
+                raise HandoverError(f"connection {conn_id}: its subscriptions cost "
+                                    f"{c.sub_bytes} bytes, the state says {sub_bytes}")
+            q_bytes = get_u64(&r)
+            nq = get_u32(&r)
+            for _slot in range(nq):
+                k = get_u32(&r)
+                if k >= npackets:
+                    raise HandoverError(f"connection {conn_id}: bad packet index {k}")
+                if sq_push(&c.q, pkts[k]) < 0:
+                    raise MemoryError()
+            if c.q.bytes != q_bytes:
+                raise HandoverError(f"connection {conn_id}: its queue holds {c.q.bytes} "
+                                    f"bytes, the state says {q_bytes}")
+            c.acct.queued_bytes += c.q.bytes
+            if c.blocking:
+                b.nblocking += 1
+            if paused:
+                b.pause(c)      # sets its interest: not read until the bus is free
+            else:
+                b.update_interest(c)
+        if r.p != r.end:
+            raise HandoverError(f"{r.end - r.p} bytes after the last connection")
+        if pre is not None:
+            pre.discard(b)      # what is no connection's any more
+        if b.budgets.sub_bytes != budget_sub_bytes:
+            raise HandoverError(f"the subscriptions cost {b.budgets.sub_bytes} bytes, "
+                                f"the state says {budget_sub_bytes}")
+        for i in range(npackets):
+            if pkts[i].refs == 0:
+                raise HandoverError(f"packet {i} is in no queue")
+    finally:
+        free(pkts)
+    b.connects = connects
+    b.disconnects = disconnects
+    b.next_id = next_id
+    if peak > ps.bytes_peak:
+        ps.bytes_peak = peak
+    return None
+
+
+def quiesce(Broker b):
+    """Bring a broker whose run() has returned to the hand-over's safe
+    point: every delivery of the last turn written or queued, every
+    connection marked closing torn down, nothing pending. Nothing is read."""
+    while b.ntouched or b.nslots or b.npend or b.nclosing:
+        b.flush_pending()
+        if b.nclosing:
+            b.finalize_closing()
+    b.raise_callback_error()
+
+
+def resume(Broker b):
+    """Let run() serve again after a hand-over that failed."""
+    b.running = True
+    b.stop_reason = None
