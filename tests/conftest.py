@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 from support import BACKENDS, Sbusd, make_public_dir, spawn_children
+from support.systemd import sandbox_command
 
 
 @pytest.fixture
@@ -88,3 +89,10 @@ def spark():
     yield session
     if owned:
         session.stop()
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    """argv prefix running a program in tools/systemd/sbusd.service's seccomp
+    sandbox, built as systemd builds it (support.systemd.SANDBOX)."""
+    return sandbox_command()

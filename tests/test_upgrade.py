@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-from test_systemd import ACTIVATE, Notify, sandbox, seqpacket_listener  # noqa: F401 - a fixture
 
 from sbus.sbusd.upgrade import FAIL_ENV, SCM_MAX_FD, STATUS_SUFFIX, STEPS
 
 from support import BACKENDS, SBUSD, Conn, Sbusd, alive, wait_gone, wait_until
+from support.systemd import ACTIVATE, Notify, seqpacket_listener
 
 C_DIR = Path(__file__).resolve().parent / "c"
 TIMEOUT = 30.0
