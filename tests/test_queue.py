@@ -397,7 +397,11 @@ def test_inbox_keys():
 
 def test_wire_round_trips():
     assert wire.parse_hello(wire.pack_hello(4, "!/cred/1/2/3/q/x/", "a b/*/")) == (
-        4, "!/cred/1/2/3/q/x/", b"a b/*/")
+        4, "!/cred/1/2/3/q/x/", b"a b/*/", False)
+    assert wire.pack_hello(4, "!/cred/1/2/3/q/x/", "batch", batch=True) == (
+        b"4 batch !/cred/1/2/3/q/x/ batch")
+    assert wire.parse_hello(b"4 batch !/cred/1/2/3/q/x/ batch") == (
+        4, "!/cred/1/2/3/q/x/", b"batch", True)
     packed = wire.pack_job(7, 2, b"k e\ny", b"pay\0load")
     assert packed == b"7 2 k e\ny\0pay\0load"
     assert wire.parse_job(packed) == (7, 2, b"k e\ny", b"pay\0load")

@@ -32,6 +32,7 @@ import threading
 import time
 from typing import AsyncIterator, Callable, Iterator, List, Optional, Tuple
 
+from .._core.jobs import parse_jobs
 from ..errors import SbusError
 from ..queue import wire
 from ..queue.defaults import PREFETCH, RENEWALS_PER_LEASE
@@ -69,18 +70,18 @@ class Job:
 
     def ack(self):
         """Done: the service forgets the job."""
-        return self._once(wire.ACK)
+        if self.settled:
+            raise RuntimeError(f"job {self.tag} is already settled")
+        self.settled = True
+        return self._settle(wire.ACK, self.tag)
 
     def nack(self, requeue: bool = True):
         """Not done: the job goes to a consumer again, or with ``requeue=False``
         is dropped (counted as rejected)."""
-        return self._once(wire.NACK if requeue else wire.REJECT)
-
-    def _once(self, verb: str):
         if self.settled:
             raise RuntimeError(f"job {self.tag} is already settled")
         self.settled = True
-        return self._settle(verb, self.tag)
+        return self._settle(wire.NACK if requeue else wire.REJECT, self.tag)
 
     def __repr__(self) -> str:
         return (f"Job(key={self.key!r}, payload={self.payload[:40]!r}, "
@@ -99,16 +100,26 @@ class _Acks:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tags: List[int] = []
-        self._to: Tuple[str, str] = ("", "")      # control key, token
+        self._control = self._token = ""
         self.due: Optional[float] = None         # when the oldest must go
+        self.started = 0    # times an ack was held with none before it
+        # The blocking consumer's renewer looks at ``due`` within ACK_DELAY
+        # without being woken (acks keep coming); else holding one wakes it.
+        self.watched = False
 
     def add(self, control: str, token: str, tag: int) -> Optional[Packet]:
         """Hold one ack; returns what must go out first (acks for another token)."""
         with self._lock:
-            out = self._take() if self._tags and self._to != (control, token) else None
-            if not self._tags:
-                self._to = (control, token)
-                self.due = time.monotonic() + ACK_DELAY
+            if self._tags:
+                if token == self._token and control == self._control:
+                    self._tags.append(tag)
+                    return None
+                out = self._take()
+            else:
+                out = None
+            self._control, self._token = control, token
+            self.due = time.monotonic() + ACK_DELAY
+            self.started += 1
             self._tags.append(tag)
             return out
 
@@ -117,8 +128,7 @@ class _Acks:
             return self._take() if self._tags else None
 
     def _take(self) -> Packet:
-        control, token = self._to
-        packet = (control, wire.pack_control(wire.ACK, token, *self._tags))
+        packet = (self._control, wire.pack_control(wire.ACK, self._token, *self._tags))
         self._tags, self.due = [], None
         return packet
 
@@ -131,11 +141,12 @@ class _Session:
             raise ValueError("prefetch must be 1 or more")
         self.inbox = inbox
         self.prefetch = prefetch
-        self.hello = wire.pack_hello(prefetch, inbox.prefix, pattern)
+        self.hello = wire.pack_hello(prefetch, inbox.prefix, pattern, batch=True)
         self.token: Optional[str] = None
         self.control = ""
         self.lease = 0.0
         self.acks = _Acks()
+        self._settle: Optional[Callable[[str, int], object]] = None   # for the token's jobs
 
     @property
     def renew_every(self) -> float:
@@ -144,36 +155,50 @@ class _Session:
     def jobs(self, batch, send, hold) -> List[Job]:
         """The jobs among received messages, after noting welcomes and expiries.
         ``send(packet...)`` is how a nack or reject reaches the bus (the acks
-        held go before it); ``hold(packet)`` is told of each ack held, with
-        what must go out before it, if anything."""
-        out = []
-        acks = self.acks
-
-        def settle(verb: str, tag: int, token: str, control: str):
-            if verb == wire.ACK:
-                return hold(acks.add(control, token, tag))
-            return send(acks.take(), (control, wire.pack_control(verb, token, tag)))
-
+        held go before it); ``hold(packet, started)`` is told of each ack
+        held, with what must go out before it, if anything, and whether it
+        is the first ack held since the last went out."""
+        out: List[Job] = []
         for message in batch:
             if type(message) is ControlMessage:
                 continue
             suffix = self.inbox.suffix_of(message.key)
             try:
-                if suffix == b"job" and self.token is not None:
+                if suffix == b"jobs" and self.token is not None:
+                    settle = self._settle or self._settler(send, hold)
+                    out.extend([Job(key, payload, deliveries, tag, settle)
+                                for tag, deliveries, key, payload in parse_jobs(message.payload)])
+                elif suffix == b"job" and self.token is not None:
                     tag, deliveries, key, payload = wire.parse_job(message.payload)
-                    token, control = self.token, self.control
                     out.append(Job(key, payload, deliveries, tag,
-                                   lambda verb, tag, token=token, control=control:
-                                   settle(verb, tag, token, control)))
+                                   self._settle or self._settler(send, hold)))
                 elif suffix == b"welcome":
                     welcome = wire.parse_welcome(message.payload)
+                    if (welcome.token, welcome.control) != (self.token, self.control):
+                        self._settle = None
                     self.token, self.control = welcome.token, welcome.control
                     self.lease = welcome.lease
                 elif suffix == b"expired" and message.payload.decode("ascii", "replace") == self.token:
                     self.token = None   # forgotten: the next hello, at once, makes us known again
-            except wire.WireError:
+                    self._settle = None
+            except ValueError:
                 pass    # only the service writes to the inbox; it does not send garbage
         return out
+
+    def _settler(self, send, hold) -> Callable[[str, int], object]:
+        """How the jobs delivered under the current token are settled: with
+        that token, even once a new one has come."""
+        acks, token, control = self.acks, self.token, self.control
+        add = acks.add
+
+        def settle(verb: str, tag: int):
+            if verb == wire.ACK:
+                started = acks.started
+                return hold(add(control, token, tag), acks.started != started)
+            return send(acks.take(), (control, wire.pack_control(verb, token, tag)))
+
+        self._settle = settle
+        return settle
 
     def bye(self) -> Optional[Packet]:
         return (self.control, wire.pack_control(wire.BYE, self.token)) if self.token else None
@@ -190,9 +215,10 @@ def consume(client, pattern: str, prefetch: int = PREFETCH) -> Iterator[Job]:
             if packet is not None:
                 client.publish(*packet)
 
-    def hold(first: Optional[Packet]) -> None:
-        send(first)
-        if not wake.is_set():   # Event.set() costs a lock and a notify: once per wake-up
+    def hold(first: Optional[Packet], started: bool) -> None:
+        if first is not None:
+            client.publish(*first)
+        if started and not session.acks.watched:
             wake.set()          # the renewer sends held acks when they are due
 
     client.subscribe(session.inbox.pattern)
@@ -235,8 +261,11 @@ def _renew(client, session: _Session, stop: threading.Event, wake: threading.Eve
     """Hello every third of the lease, and held acks once due, from a
     connection of this thread's own (the blocking client is not shared
     between threads; the service knows a consumer by its token, not its
-    connection). ``wake`` is set when an ack is held, and to stop."""
+    connection). ``wake`` is set when an ack is held while nobody watches
+    (``_Acks.watched``), and to stop."""
     from .sync import Client
+    acks = session.acks
+    seen = acks.started
     try:
         with Client(client.address, max_message=client.max_message, reconnect=True) as own:
             next_hello = time.monotonic() + session.renew_every
@@ -245,13 +274,20 @@ def _renew(client, session: _Session, stop: threading.Event, wake: threading.Eve
                 if now >= next_hello:
                     own.publish(wire.HELLO_KEY, session.hello)
                     next_hello = now + session.renew_every
-                due = session.acks.due
+                due = acks.due
                 if due is not None and now >= due:
-                    packet = session.acks.take()
+                    packet = acks.take()
                     if packet is not None:
                         own.publish(*packet)
                     due = None
-                wake.wait(max(0.0, min(next_hello, due or next_hello) - now))
+                # While jobs stream in, look again every ACK_DELAY instead of
+                # being woken for each batch acknowledged.
+                streaming, seen = acks.started != seen, acks.started
+                acks.watched = streaming or due is not None
+                if not acks.watched and acks.due is not None:
+                    continue    # held before the flag went down: nobody woke us for it
+                until = due or (now + ACK_DELAY if streaming else next_hello)
+                wake.wait(max(0.0, min(next_hello, until) - now))
                 wake.clear()
     except (OSError, SbusError):
         pass    # the broker is gone for good: no lease to renew
@@ -273,8 +309,9 @@ async def consume_async(client, pattern: str, prefetch: int = PREFETCH) -> Async
         timer[0] = None
         asyncio.ensure_future(send(session.acks.take()))
 
-    async def hold(first: Optional[Packet]) -> None:
-        await send(first)
+    async def hold(first: Optional[Packet], started: bool) -> None:
+        if first is not None:
+            await client.publish(*first)
         if timer[0] is None:
             timer[0] = asyncio.get_running_loop().call_later(ACK_DELAY, due)
 

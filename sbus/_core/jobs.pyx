@@ -1,0 +1,138 @@
+# The batched deliveries of `sbus queue` (docs/queues.md, "Batches"), packed
+# by the service and parsed by the consumers with no Python-level loop over
+# bytes. A `jobs` payload is records back to back, each the decimal size of
+# a `job` payload, one space, and that payload: `TAG DELIVERIES KEY\0PAYLOAD`.
+# sbus.queue.wire has the plain-Python twins (pack_jobs_py, parse_jobs_py),
+# which the tests hold these to.
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.object cimport PyObject
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from libc.stdint cimport uint64_t
+from libc.string cimport memchr, memcpy
+
+
+cdef enum:
+    MAX_DIGITS = 18     # the longest count the convention allows (wire._count)
+
+
+cdef inline int digits(uint64_t n) noexcept:
+    cdef int d = 1
+    while n >= 10:
+        n //= 10
+        d += 1
+    return d
+
+
+cdef inline char *put_count(char *at, uint64_t n, int width) noexcept:
+    """Write n in ``width`` decimal digits (its own count of them) at ``at``;
+    returns the byte after them."""
+    cdef int i
+    for i in range(width - 1, -1, -1):
+        at[i] = <char>(48 + n % 10)
+        n //= 10
+    return at + width
+
+
+cdef inline Py_ssize_t job_size(uint64_t tag, uint64_t deliveries, Py_ssize_t klen,
+                                Py_ssize_t plen) noexcept:
+    return digits(tag) + 1 + digits(deliveries) + 1 + klen + 1 + plen
+
+
+def pack_jobs(list tags, list jobs, Py_ssize_t limit):
+    """The payloads of ``jobs`` deliveries for ``jobs[i]`` under ``tags[i]``,
+    in order, each at most ``limit`` bytes (a record larger than that alone
+    in its payload). A job is the service's in-flight entry: ``(key,
+    payload)`` delivered once, or ``(key, payload, deliveries)``."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(jobs), i, j, start = 0, size = 0, rec = 0, body
+    cdef uint64_t tag, deliveries
+    cdef PyObject *job
+    cdef bytes key, payload
+    cdef char *at
+    cdef list out = []
+    if PyList_GET_SIZE(tags) != n:
+        raise ValueError("pack_jobs: as many tags as jobs")
+    for i in range(n + 1):
+        if i < n:
+            rec = record_size(tags, jobs, i)
+            if size == 0 or size + rec <= limit:
+                size += rec
+                continue
+        # jobs[start:i] make one payload of ``size`` bytes
+        packed = PyBytes_FromStringAndSize(NULL, size)
+        at = PyBytes_AS_STRING(packed)
+        for j in range(start, i):
+            job = PyList_GET_ITEM(jobs, j)
+            key = <bytes>PyTuple_GET_ITEM(<object>job, 0)
+            payload = <bytes>PyTuple_GET_ITEM(<object>job, 1)
+            deliveries = <uint64_t><object>PyTuple_GET_ITEM(<object>job, 2) \
+                if PyTuple_GET_SIZE(<object>job) > 2 else 1
+            tag = <uint64_t><object>PyList_GET_ITEM(tags, j)
+            body = job_size(tag, deliveries, PyBytes_GET_SIZE(key), PyBytes_GET_SIZE(payload))
+            at = put_count(at, body, digits(body))
+            at[0] = b' '
+            at = put_count(at + 1, tag, digits(tag))
+            at[0] = b' '
+            at = put_count(at + 1, deliveries, digits(deliveries))
+            at[0] = b' '
+            memcpy(at + 1, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key))
+            at += 1 + PyBytes_GET_SIZE(key)
+            at[0] = 0
+            memcpy(at + 1, PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload))
+            at += 1 + PyBytes_GET_SIZE(payload)
+        out.append(packed)
+        if i < n:
+            start, size = i, rec
+    return out
+
+
+cdef Py_ssize_t record_size(list tags, list jobs, Py_ssize_t i) except -1:
+    cdef object job = <object>PyList_GET_ITEM(jobs, i)
+    cdef object tag = <object>PyList_GET_ITEM(tags, i)
+    cdef bytes key = <bytes>PyTuple_GET_ITEM(job, 0)
+    cdef bytes payload = <bytes>PyTuple_GET_ITEM(job, 1)
+    cdef uint64_t deliveries = <uint64_t><object>PyTuple_GET_ITEM(job, 2) \
+        if PyTuple_GET_SIZE(job) > 2 else 1
+    cdef Py_ssize_t body = job_size(<uint64_t>tag, deliveries, PyBytes_GET_SIZE(key),
+                                    PyBytes_GET_SIZE(payload))
+    return digits(body) + 1 + body
+
+
+cdef int read_count(const char *p, const char *end, const char **after,
+                    uint64_t *value) except -1:
+    """A count (1 to MAX_DIGITS digits) then one space, at p; ValueError otherwise."""
+    cdef const char *q = p
+    cdef uint64_t v = 0
+    while q < end and b'0' <= q[0] <= b'9' and q - p < MAX_DIGITS:
+        v = v * 10 + <uint64_t>(q[0] - 48)
+        q += 1
+    if q == p or q >= end or q[0] != b' ':
+        raise ValueError("a jobs record whose header is not counts separated by spaces")
+    value[0] = v
+    after[0] = q + 1
+    return 0
+
+
+def parse_jobs(bytes data):
+    """The records of a ``jobs`` payload: a list of (tag, deliveries, key,
+    payload). ValueError for a payload that does not follow the convention."""
+    cdef const char *p = PyBytes_AS_STRING(data)
+    cdef const char *end = p + PyBytes_GET_SIZE(data)
+    cdef const char *rec_end
+    cdef const char *nul
+    cdef uint64_t size, tag, deliveries
+    cdef list out = []
+    while p < end:
+        read_count(p, end, &p, &size)
+        if size > <uint64_t>(end - p):
+            raise ValueError("a jobs record longer than its payload")
+        rec_end = p + size
+        read_count(p, rec_end, &p, &tag)
+        read_count(p, rec_end, &p, &deliveries)
+        nul = <const char *>memchr(p, 0, rec_end - p)
+        if nul == NULL:
+            raise ValueError("a jobs record without NUL after its key")
+        out.append((tag, deliveries, PyBytes_FromStringAndSize(p, nul - p),
+                    PyBytes_FromStringAndSize(nul + 1, rec_end - nul - 1)))
+        p = rec_end
+    return out
