@@ -52,6 +52,8 @@ def pack_jobs(list tags, list jobs, Py_ssize_t limit):
     cdef list out = []
     if PyList_GET_SIZE(tags) != n:
         raise ValueError("pack_jobs: as many tags as jobs")
+    if n == 0:
+        return out
     for i in range(n + 1):
         if i < n:
             rec = record_size(tags, jobs, i)

@@ -48,6 +48,11 @@ ACK_DELAY = 0.02
 RENEWER_JOIN = 1.0
 # How long to wait for the broker's whoami reply.
 REPLY_TIMEOUT = 10.0
+# How long a leaving consumer waits for the broker to answer a whoami sent
+# after its last acks and bye. A client that closes with deliveries unread
+# makes the broker's next read of it fail (ECONNRESET) before the packets it
+# sent last are read, and they are lost: the answer says they were read.
+BYE_CONFIRM = 2.0
 
 
 class Job:
@@ -253,8 +258,9 @@ def consume(client, pattern: str, prefetch: int = PREFETCH) -> Iterator[Job]:
         try:
             send(session.acks.take(), session.bye())
             client.unsubscribe(session.inbox.pattern)
+            client.whoami(timeout=BYE_CONFIRM)
         except (OSError, SbusError):
-            pass    # the connection may be what ended the loop
+            pass    # the connection may be what ended the loop (TimeoutError is an OSError)
 
 
 def _renew(client, session: _Session, stop: threading.Event, wake: threading.Event) -> None:
@@ -339,5 +345,6 @@ async def consume_async(client, pattern: str, prefetch: int = PREFETCH) -> Async
         try:
             await send(session.acks.take(), session.bye())
             await client.unsubscribe(session.inbox.pattern)
-        except (OSError, SbusError):
+            await asyncio.wait_for(client.whoami(), BYE_CONFIRM)
+        except (OSError, SbusError, asyncio.TimeoutError):
             pass    # the connection may be what ended the loop

@@ -100,7 +100,7 @@ class QueueService:
 
     async def _read(self) -> None:
         bus, q = self.bus, self.queue
-        room = self.settings.max_message - len(b"MSG \0\0")   # a delivery has two NULs
+        room = self.settings.max_message - len(b"MSG \0")
         held = q.held
         counts = q.counts
         while True:

@@ -30,11 +30,12 @@ CONTROL = "ctl"
 BATCH = b"batch"
 
 # The longest inbox a hello may name, and so the most a delivery adds to the
-# job's own packet ("MSG key\0payload"): the inbox, "jobs", three counts and
-# their spaces. A job within that much of the broker's --max-message is
-# dropped on arrival (counted as oversize): it could not be delivered.
+# job's own packet ("MSG key\0payload"): the inbox, "jobs", a record's three
+# counts and their spaces, and the NUL after the delivery's key. A job within
+# that much of the broker's --max-message is dropped on arrival (counted as
+# oversize): it could not be delivered.
 MAX_INBOX = 200
-DELIVERY_OVERHEAD = MAX_INBOX + len(JOBS) + 3 * 20
+DELIVERY_OVERHEAD = MAX_INBOX + len(JOBS) + 3 * (20 + 1) + 1
 
 # Verbs on the control key: "<verb> <token> <arguments>".
 ACK = "ack"            # <tag>...: done, forget these jobs
