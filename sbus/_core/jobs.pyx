@@ -3,17 +3,29 @@
 # bytes. A `jobs` payload is records back to back, each the decimal size of
 # a `job` payload, one space, and that payload: `TAG DELIVERIES KEY\0PAYLOAD`.
 # sbus.queue.wire has the plain-Python twins (pack_jobs_py, parse_jobs_py),
-# which the tests hold these to.
+# which the tests hold these to. Intake is the service's reader: it takes
+# the jobs off the bus in C, and leaves the rest to the service.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.stdint cimport uint64_t
-from libc.string cimport memchr, memcpy
+from libc.string cimport memchr, memcmp, memcpy
+
+from .batch cimport Sink
+
+
+cdef extern from "Python.h":
+    # A (key, payload) tuple of bytes is in no reference cycle.
+    void PyObject_GC_UnTrack(object o)
 
 
 cdef enum:
     MAX_DIGITS = 18     # the longest count the convention allows (wire._count)
+
+# Keys under this prefix are the service's requests, never jobs (wire.PREFIX).
+cdef const char *REQUESTS = b"sbus/queue/"
+cdef size_t REQUESTS_LEN = 11
 
 
 cdef inline int digits(uint64_t n) noexcept:
@@ -138,3 +150,45 @@ def parse_jobs(bytes data):
                     PyBytes_FromStringAndSize(nul + 1, rec_end - nul - 1)))
         p = rec_end
     return out
+
+
+cdef class Intake(Sink):
+    """The queue service's reader (a batch.Sink for ``receive_into``): a
+    plain message that is a job goes to ``held.append`` as a ``(key,
+    payload)`` tuple, counted in ``received``; anything else, in order, to
+    ``others`` for the service: a key that is private (``!``, the service's
+    own inbox and control key) or under ``sbus/queue/``, or a job whose key
+    and payload are longer than ``room`` (too large to deliver)."""
+
+    cdef object append
+    cdef list others
+    cdef bytes last_key     # reused while the keys repeat
+    cdef readonly Py_ssize_t room
+    cdef public Py_ssize_t received
+
+    def __cinit__(self, object held, Py_ssize_t room):
+        self.append = held.append
+        self.others = []
+        self.last_key = b""
+        self.room = room
+
+    cdef int put(self, const char *key, size_t klen,
+                 const char *payload, size_t plen) except -1:
+        cdef bytes k = self.last_key
+        if <size_t>PyBytes_GET_SIZE(k) != klen or memcmp(PyBytes_AS_STRING(k), key, klen) != 0:
+            k = PyBytes_FromStringAndSize(key, klen)
+            self.last_key = k
+        job = (k, PyBytes_FromStringAndSize(payload, plen))
+        PyObject_GC_UnTrack(job)
+        cdef bint request = klen >= REQUESTS_LEN and memcmp(key, REQUESTS, REQUESTS_LEN) == 0
+        if (klen and key[0] == b'!') or request or <Py_ssize_t>(klen + plen) > self.room:
+            self.others.append(job)
+        else:
+            self.append(job)
+            self.received += 1
+        return 0
+
+    def take_others(self):
+        """The messages that were not jobs since the last call, in order."""
+        out, self.others = self.others, []
+        return out

@@ -16,10 +16,10 @@ from typing import Dict, List, Optional, Tuple
 
 from .. import __version__
 from .. import logschema as schema
-from .._core.jobs import pack_jobs
+from .._core.jobs import Intake, pack_jobs
 from ..client.aio import Client
 from ..client.private import PrivateInbox
-from ..client.protocol import MAX_MESSAGE, ControlMessage, Message
+from ..client.protocol import MAX_MESSAGE
 from ..client.reconnect import Reconnect
 from ..errors import BacklogFullError, MessageRefusedError
 from . import state as st
@@ -100,37 +100,28 @@ class QueueService:
 
     async def _read(self) -> None:
         bus, q = self.bus, self.queue
-        room = self.settings.max_message - len(b"MSG \0")
-        held = q.held
+        # The most a job's key and payload may take: what a delivery adds
+        # must fit within the broker's --max-message.
+        room = self.settings.max_message - len(b"MSG \0") - wire.DELIVERY_OVERHEAD
+        intake = Intake(q.held, room)   # the jobs go to q.held in C
         counts = q.counts
         while True:
-            batch = await bus.receive_many(BATCH)
+            await bus.receive_into(intake, BATCH)   # control messages: none for us
             now = time.monotonic()
-            received = 0
-            for m in batch:
-                key, payload = m
-                # Jobs first: the service's own keys are private or under wire.PREFIX.
-                if key[:1] != b"!" and not key.startswith(wire.PREFIX) and type(m) is Message:
-                    if len(key) + len(payload) + wire.DELIVERY_OVERHEAD > room:
-                        counts["oversize"] += 1
-                        self._dropped(DROP_OVERSIZE, 1, key, len(payload), now)
-                    else:
-                        held.append(m)
-                        received += 1
-                elif type(m) is ControlMessage:
-                    continue
-                elif key == self._control:
+            counts["received"] += intake.received
+            intake.received = 0
+            for key, payload in intake.take_others():
+                if key == self._control:
                     self._on_control(payload, now)
                 elif key.startswith(wire.PREFIX):
                     self._on_request(key, payload, now)
                 elif self.inbox.suffix_of(key) is not None:
                     counts["bad_requests"] += 1     # in our inbox, but not the control key
-                elif len(key) + len(payload) + wire.DELIVERY_OVERHEAD > room:
+                elif len(key) + len(payload) > room:
                     counts["oversize"] += 1
                     self._dropped(DROP_OVERSIZE, 1, key, len(payload), now)
                 else:
                     q.add(key, payload)
-            counts["received"] += received
             self._dispatch(now)
 
     def _on_request(self, key: bytes, payload: bytes, now: float) -> None:
