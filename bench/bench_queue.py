@@ -10,13 +10,28 @@ Rows (jobs/s, first job received to last job done, over all consumers):
 - ``queue_sbus``: one publisher (publish_many) -> sbusd -> ``sbus queue`` ->
   N consumers (``sbus.client.consume``), each job acknowledged;
 - ``queue_nats``: one nats-py publisher -> nats-server -> N nats-py subscribers
-  in one queue group (NATS has no acknowledgements in a plain queue group).
+  in one queue group.
+
+Both rows deliver the same jobs (count and payload size) to the same number
+of consumers, each doing the same work per job (read its sequence number,
+add it up). They do not give the same guarantees: a NATS core queue group
+has no acknowledgements, no redelivery of the jobs of a consumer that dies,
+and no flow control (a subscriber's backlog grows without bound; here its
+pending limits are off). The sbus consumers acknowledge every job (acks
+held and sent together), the service holds each job until then, gives a
+consumer at most its prefetch, and watches leases and ack deadlines.
 
 Each job's payload carries its sequence number; the row checks that the
 consumers together got every job exactly once (count and sum of sequence
-numbers). Every process is its own (``--worker``). Prints a table on stdout,
-progress on stderr, and writes JSON (default bench/results/queue-<UTC>.json).
-Nothing here asserts on speed.
+numbers). The rows alternate, ``--repeat`` times each, so drift on the
+machine hits both alike; the table shows medians. Besides the rate, each
+run measures the CPU time per job of every process: the servers' (sbusd and
+``sbus queue``; nats-server) from /proc, the consumers' and the publisher's
+from getrusage, from the start of the publisher to the last consumer's end.
+On a shared machine the CPU per job is the steadier figure. Every process is
+its own (``--worker``). Prints a table on stdout, progress on stderr, and
+writes JSON (default bench/results/queue-<UTC>.json). Nothing here asserts
+on speed.
 """
 from __future__ import annotations
 
@@ -260,18 +275,21 @@ def main():
                     f"{args.consumers} consumers")
                 runs[name].append(run(args, Path(work)))
     print(f"{'row':<12} {'jobs/s (median)':>16} {'exactly once':>13}  per consumer (last run)")
-    medians = {}
+    medians, cpu = {}, {}
     for name, rs in runs.items():
         rates = [r["jobs_per_s"] for r in rs if r["jobs_per_s"]]
         medians[name] = statistics.median(rates) if rates else None
         shown = f"{medians[name]:,.0f}" if medians[name] else "-"
         print(f"{name:<12} {shown:>16} {str(all(r['exactly_once'] for r in rs)):>13}  "
               f"{rs[-1]['per_consumer']}")
-        cpu = {k: statistics.median(r["cpu_us_per_job"][k] for r in rs)
-               for k in rs[0]["cpu_us_per_job"]}
-        print("    CPU µs/job (median): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
+        cpu[name] = {k: statistics.median(r["cpu_us_per_job"][k] for r in rs)
+                     for k in rs[0]["cpu_us_per_job"]}
+        print("    CPU µs/job (median): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu[name].items()))
     if medians["queue_sbus"] and medians["queue_nats"]:
-        print(f"sbus / NATS: {medians['queue_sbus'] / medians['queue_nats']:.2f}x")
+        print(f"sbus / NATS: {medians['queue_sbus'] / medians['queue_nats']:.2f}x the jobs/s, "
+              f"{cpu['queue_sbus']['total'] / cpu['queue_nats']['total']:.2f}x the CPU per job")
+    print("note: the NATS queue group acknowledges nothing and redelivers nothing; every sbus "
+          "job is acknowledged, held until then, and given out within each consumer's prefetch")
     now = dt.datetime.now(dt.timezone.utc)
     stamp = now.strftime("%Y%m%dT%H%M%SZ")
     path = Path(args.json) if args.json else results_path("queue", now)
@@ -282,7 +300,8 @@ def main():
                                 "settings": {k: getattr(args, k) for k in
                                              ("count", "payload", "consumers", "prefetch",
                                               "repeat")},
-                                "runs": runs, "medians": medians}, indent=2))
+                                "runs": runs, "medians": medians, "cpu_us_per_job": cpu},
+                               indent=2))
     say(f"results: {path}")
 
 
