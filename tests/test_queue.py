@@ -15,7 +15,7 @@ from hypothesis import strategies as hyp
 
 from sbus import Client
 from sbus import logschema as ls
-from sbus._core.jobs import pack_jobs, parse_jobs
+from sbus._core.jobs import Acks, jobs_from, pack_jobs, parse_jobs
 from sbus.aio import Client as AsyncClient
 from sbus.client.consume import consume
 from sbus.client.private import PrivateInbox
@@ -492,7 +492,31 @@ def test_jobs_batches_are_packed_and_parsed_as_their_plain_python_twins(jobs, fi
     assert all(len(p) <= limit or len(parse_jobs(p)) == 1 for p in packed)
     records = [r for p in packed for r in parse_jobs(p)]
     assert records == [r for p in packed for r in wire.parse_jobs_py(p)]
+    made = [j for p in packed for j in jobs_from(p, None)]
+    assert [(j.tag, j.deliveries, j.key, j.payload, j.settled) for j in made] == [
+        (*r, False) for r in records]
     assert records == [(t, n or 1, k, p) for t, (k, p, n) in zip(tags, jobs)]
+
+
+def test_a_job_is_settled_once_through_its_settle():
+    settled = []
+    (job,) = jobs_from(b"18 7 2 jobs/a\0payload", lambda verb, tag: settled.append((verb, tag)))
+    assert (job.key, job.payload, job.deliveries, job.tag, job.redelivered) == (
+        b"jobs/a", b"payload", 2, 7, True)
+    job.nack(requeue=False)
+    with pytest.raises(RuntimeError):
+        job.ack()
+    assert (settled, job.settled) == ([(wire.REJECT, 7)], True)
+
+
+def test_acks_are_held_together_per_token():
+    acks = Acks(10.0)
+    assert (acks.take(), acks.due, acks.started) == (None, None, 0)
+    assert acks.add("ctl", "t1", 5) is True     # the first since the last went out
+    assert acks.due is not None and acks.add("ctl", "t1", 6) is None
+    # another token: what was held for the first goes out before
+    assert acks.add("ctl", "t2", 7) == ("ctl", b"ack t1 5 6")
+    assert (acks.take(), acks.due, acks.started) == (("ctl", b"ack t2 7"), None, 2)
 
 
 def test_a_malformed_jobs_batch_is_refused_by_both_parsers():
@@ -502,6 +526,8 @@ def test_a_malformed_jobs_batch_is_refused_by_both_parsers():
             parse_jobs(bad)
         with pytest.raises(ValueError):
             wire.parse_jobs_py(bad)
+        with pytest.raises(ValueError):
+            jobs_from(bad, None)
 
 
 def test_inbox_keys():

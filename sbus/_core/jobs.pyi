@@ -1,5 +1,5 @@
 """Batched deliveries of ``sbus queue`` (see jobs.pyx); twins in sbus.queue.wire."""
-from typing import Deque, List, Tuple, Union
+from typing import Any, Callable, Deque, List, Optional, Tuple, Union
 
 from .batch import Sink
 
@@ -13,3 +13,28 @@ class Intake(Sink):
     received: int
     def __init__(self, held: Deque[InFlight], room: int) -> None: ...
     def take_others(self) -> List[Tuple[bytes, bytes]]: ...
+
+class Job:
+    key: bytes
+    payload: bytes
+    deliveries: int
+    tag: int
+    settled: bool
+    def __init__(self, key: bytes, payload: bytes, deliveries: int, tag: int,
+                 settle: Callable[[str, int], Any]) -> None: ...
+    @property
+    def redelivered(self) -> bool: ...
+    def ack(self) -> Any: ...
+    def nack(self, requeue: bool = True) -> Any: ...
+
+def jobs_from(data: bytes, settle: Callable[[str, int], Any]) -> List[Job]: ...
+
+Packet = Tuple[str, bytes]
+
+class Acks:
+    due: Optional[float]
+    started: int
+    watched: bool
+    def __init__(self, delay: float) -> None: ...
+    def add(self, control: str, token: str, tag: int) -> Union[None, bool, Packet]: ...
+    def take(self) -> Optional[Packet]: ...

@@ -4,7 +4,9 @@
 # a `job` payload, one space, and that payload: `TAG DELIVERIES KEY\0PAYLOAD`.
 # sbus.queue.wire has the plain-Python twins (pack_jobs_py, parse_jobs_py),
 # which the tests hold these to. Intake is the service's reader: it takes
-# the jobs off the bus in C, and leaves the rest to the service.
+# the jobs off the bus in C, and leaves the rest to the service. Job and
+# Acks are the consumers' (sbus.client.consume): a delivery made straight
+# from its record, and the acks held to go out together.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
@@ -13,6 +15,9 @@ from libc.stdint cimport uint64_t
 from libc.string cimport memchr, memcmp, memcpy
 
 from .batch cimport Sink
+from .includes.sys cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+from ..queue.wire import ACK, NACK, REJECT, pack_control
 
 
 cdef extern from "Python.h":
@@ -192,3 +197,133 @@ cdef class Intake(Sink):
         """The messages that were not jobs since the last call, in order."""
         out, self.others = self.others, []
         return out
+
+
+cdef class Job:
+    """One delivery: ``key`` and ``payload`` as published, ``deliveries`` (1
+    the first time; more means it was given out before and not acknowledged),
+    and ``tag``, the service's name for this delivery. Settle it once, with
+    ``ack()`` or ``nack()``; with the asyncio client, await them."""
+
+    cdef readonly bytes key
+    cdef readonly bytes payload
+    cdef readonly object deliveries
+    cdef readonly object tag
+    cdef readonly bint settled
+    cdef object settle      # settle(verb, tag): what ack() and nack() return
+
+    def __init__(self, bytes key, bytes payload, deliveries, tag, settle):
+        self.key, self.payload, self.deliveries, self.tag = key, payload, deliveries, tag
+        self.settle = settle
+
+    @property
+    def redelivered(self):
+        return self.deliveries > 1
+
+    def ack(self):
+        """Done: the service forgets the job."""
+        if self.settled:
+            raise RuntimeError(f"job {self.tag} is already settled")
+        self.settled = True
+        return self.settle(ACK, self.tag)
+
+    def nack(self, bint requeue=True):
+        """Not done: the job goes to a consumer again, or with ``requeue=False``
+        is dropped (counted as rejected)."""
+        if self.settled:
+            raise RuntimeError(f"job {self.tag} is already settled")
+        self.settled = True
+        return self.settle(NACK if requeue else REJECT, self.tag)
+
+    def __repr__(self):
+        return (f"Job(key={self.key!r}, payload={self.payload[:40]!r}, "
+                f"deliveries={self.deliveries}, tag={self.tag})")
+
+
+def jobs_from(bytes data, object settle):
+    """The records of a ``jobs`` payload as Job objects settled through
+    ``settle``; ValueError as parse_jobs raises it."""
+    cdef const char *p = PyBytes_AS_STRING(data)
+    cdef const char *end = p + PyBytes_GET_SIZE(data)
+    cdef const char *rec_end
+    cdef const char *nul
+    cdef uint64_t size, tag, deliveries
+    cdef Job job
+    cdef bytes key = b""    # reused while the keys repeat
+    cdef list out = []
+    while p < end:
+        read_count(p, end, &p, &size)
+        if size > <uint64_t>(end - p):
+            raise ValueError("a jobs record longer than its payload")
+        rec_end = p + size
+        read_count(p, rec_end, &p, &tag)
+        read_count(p, rec_end, &p, &deliveries)
+        nul = <const char *>memchr(p, 0, rec_end - p)
+        if nul == NULL:
+            raise ValueError("a jobs record without NUL after its key")
+        if PyBytes_GET_SIZE(key) != nul - p or memcmp(PyBytes_AS_STRING(key), p, nul - p) != 0:
+            key = PyBytes_FromStringAndSize(p, nul - p)
+        job = Job.__new__(Job)
+        job.key = key
+        job.payload = PyBytes_FromStringAndSize(nul + 1, rec_end - nul - 1)
+        job.tag = tag
+        job.deliveries = deliveries
+        job.settle = settle
+        out.append(job)
+        p = rec_end
+    return out
+
+
+cdef double monotonic() noexcept:
+    # The clock of time.monotonic(), which the consumer's renewer compares ``due`` with.
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef class Acks:
+    """Acks held to go out together: one ``ack TOKEN TAG TAG...`` control
+    message (sbus.client.consume). ``add`` and ``take`` change the held set
+    in C with the GIL held, so a consumer's thread and its renewer share it
+    without a lock. ``due`` is when the oldest held ack must go (``delay``
+    after it was held; None when none is held), ``started`` counts the times
+    an ack was held with none before it, and ``watched`` is the renewer's
+    word that it looks at ``due`` without being woken."""
+
+    cdef list tags
+    cdef object control
+    cdef object token
+    cdef double delay
+    cdef public object due
+    cdef readonly Py_ssize_t started
+    cdef public bint watched
+
+    def __cinit__(self, double delay):
+        self.tags = []
+        self.control = self.token = ""
+        self.delay = delay
+
+    def add(self, control, token, tag):
+        """Hold one ack. None if others were held already; else True, or the
+        packet (key, payload) of the acks held for another token or control
+        key, which must go out first."""
+        cdef object out = True
+        if self.tags:
+            if token == self.token and control == self.control:
+                self.tags.append(tag)
+                return None
+            out = self.take()
+        self.control, self.token = control, token
+        self.due = monotonic() + self.delay
+        self.started += 1
+        self.tags.append(tag)
+        return out
+
+    def take(self):
+        """The packet (key, payload) of the acks held, which are forgotten; None if none are."""
+        if not self.tags:
+            return None
+        tags, self.tags = self.tags, []
+        self.due = None
+        # Packed from a list nobody else sees: Python code may run meanwhile.
+        return (self.control, pack_control(ACK, self.token, *tags))

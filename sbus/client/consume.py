@@ -32,7 +32,7 @@ import threading
 import time
 from typing import AsyncIterator, Callable, Iterator, List, Optional, Tuple
 
-from .._core.jobs import parse_jobs
+from .._core.jobs import Acks, Job, jobs_from
 from ..errors import SbusError
 from ..queue import wire
 from ..queue.defaults import PREFETCH, RENEWALS_PER_LEASE
@@ -55,87 +55,7 @@ REPLY_TIMEOUT = 10.0
 BYE_CONFIRM = 2.0
 
 
-class Job:
-    """One delivery: ``key`` and ``payload`` as published, ``deliveries`` (1
-    the first time; more means it was given out before and not acknowledged),
-    and ``tag``, the service's name for this delivery. Settle it once, with
-    ``ack()`` or ``nack()``; with the asyncio client, await them."""
-
-    __slots__ = ("key", "payload", "deliveries", "tag", "_settle", "settled")
-
-    def __init__(self, key: bytes, payload: bytes, deliveries: int, tag: int,
-                 settle: Callable[[str, int], object]) -> None:
-        self.key, self.payload, self.deliveries, self.tag = key, payload, deliveries, tag
-        self._settle = settle
-        self.settled = False
-
-    @property
-    def redelivered(self) -> bool:
-        return self.deliveries > 1
-
-    def ack(self):
-        """Done: the service forgets the job."""
-        if self.settled:
-            raise RuntimeError(f"job {self.tag} is already settled")
-        self.settled = True
-        return self._settle(wire.ACK, self.tag)
-
-    def nack(self, requeue: bool = True):
-        """Not done: the job goes to a consumer again, or with ``requeue=False``
-        is dropped (counted as rejected)."""
-        if self.settled:
-            raise RuntimeError(f"job {self.tag} is already settled")
-        self.settled = True
-        return self._settle(wire.NACK if requeue else wire.REJECT, self.tag)
-
-    def __repr__(self) -> str:
-        return (f"Job(key={self.key!r}, payload={self.payload[:40]!r}, "
-                f"deliveries={self.deliveries}, tag={self.tag})")
-
-
 Packet = Tuple[str, bytes]     # (key, payload) to publish
-
-
-class _Acks:
-    """Acks held to go out together: ``ack TOKEN TAG TAG...`` once the consumer
-    is about to wait for more jobs, or ACK_DELAY after the first (a timer
-    sends them then, so a long job after an ack holds back neither credit nor
-    the ack timeout). Safe to use from two threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._tags: List[int] = []
-        self._control = self._token = ""
-        self.due: Optional[float] = None         # when the oldest must go
-        self.started = 0    # times an ack was held with none before it
-        # The blocking consumer's renewer looks at ``due`` within ACK_DELAY
-        # without being woken (acks keep coming); else holding one wakes it.
-        self.watched = False
-
-    def add(self, control: str, token: str, tag: int) -> Optional[Packet]:
-        """Hold one ack; returns what must go out first (acks for another token)."""
-        with self._lock:
-            if self._tags:
-                if token == self._token and control == self._control:
-                    self._tags.append(tag)
-                    return None
-                out = self._take()
-            else:
-                out = None
-            self._control, self._token = control, token
-            self.due = time.monotonic() + ACK_DELAY
-            self.started += 1
-            self._tags.append(tag)
-            return out
-
-    def take(self) -> Optional[Packet]:
-        with self._lock:
-            return self._take() if self._tags else None
-
-    def _take(self) -> Packet:
-        packet = (self._control, wire.pack_control(wire.ACK, self._token, *self._tags))
-        self._tags, self.due = [], None
-        return packet
 
 
 class _Session:
@@ -150,7 +70,7 @@ class _Session:
         self.token: Optional[str] = None
         self.control = ""
         self.lease = 0.0
-        self.acks = _Acks()
+        self.acks = Acks(ACK_DELAY)
         self._settle: Optional[Callable[[str, int], object]] = None   # for the token's jobs
 
     @property
@@ -160,9 +80,9 @@ class _Session:
     def jobs(self, batch, send, hold) -> List[Job]:
         """The jobs among received messages, after noting welcomes and expiries.
         ``send(packet...)`` is how a nack or reject reaches the bus (the acks
-        held go before it); ``hold(packet, started)`` is told of each ack
-        held, with what must go out before it, if anything, and whether it
-        is the first ack held since the last went out."""
+        held go before it); ``hold(held)`` is told of each ack held by
+        ``Acks.add``, whose answer it gets: None, True (the first held since
+        the last went out), or a packet to send first (and the first)."""
         out: List[Job] = []
         for message in batch:
             if type(message) is ControlMessage:
@@ -170,9 +90,7 @@ class _Session:
             suffix = self.inbox.suffix_of(message.key)
             try:
                 if suffix == b"jobs" and self.token is not None:
-                    settle = self._settle or self._settler(send, hold)
-                    out.extend([Job(key, payload, deliveries, tag, settle)
-                                for tag, deliveries, key, payload in parse_jobs(message.payload)])
+                    out.extend(jobs_from(message.payload, self._settle or self._settler(send, hold)))
                 elif suffix == b"job" and self.token is not None:
                     tag, deliveries, key, payload = wire.parse_job(message.payload)
                     out.append(Job(key, payload, deliveries, tag,
@@ -198,8 +116,7 @@ class _Session:
 
         def settle(verb: str, tag: int):
             if verb == wire.ACK:
-                started = acks.started
-                return hold(add(control, token, tag), acks.started != started)
+                return hold(add(control, token, tag))
             return send(acks.take(), (control, wire.pack_control(verb, token, tag)))
 
         self._settle = settle
@@ -220,10 +137,12 @@ def consume(client, pattern: str, prefetch: int = PREFETCH) -> Iterator[Job]:
             if packet is not None:
                 client.publish(*packet)
 
-    def hold(first: Optional[Packet], started: bool) -> None:
-        if first is not None:
-            client.publish(*first)
-        if started and not session.acks.watched:
+    def hold(held) -> None:
+        if held is None:
+            return
+        if held is not True:
+            client.publish(*held)   # the acks of an earlier token
+        if not session.acks.watched:
             wake.set()          # the renewer sends held acks when they are due
 
     client.subscribe(session.inbox.pattern)
@@ -268,7 +187,7 @@ def _renew(client, session: _Session, stop: threading.Event, wake: threading.Eve
     connection of this thread's own (the blocking client is not shared
     between threads; the service knows a consumer by its token, not its
     connection). ``wake`` is set when an ack is held while nobody watches
-    (``_Acks.watched``), and to stop."""
+    (``Acks.watched``), and to stop."""
     from .sync import Client
     acks = session.acks
     seen = acks.started
@@ -315,9 +234,9 @@ async def consume_async(client, pattern: str, prefetch: int = PREFETCH) -> Async
         timer[0] = None
         asyncio.ensure_future(send(session.acks.take()))
 
-    async def hold(first: Optional[Packet], started: bool) -> None:
-        if first is not None:
-            await client.publish(*first)
+    async def hold(held) -> None:
+        if held is not None and held is not True:
+            await client.publish(*held)     # the acks of an earlier token
         if timer[0] is None:
             timer[0] = asyncio.get_running_loop().call_later(ACK_DELAY, due)
 
