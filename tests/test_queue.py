@@ -290,7 +290,7 @@ def test_a_held_ack_goes_out_while_the_consumer_works_on(bus, queues):
     q = queues(bus.address)
     publish(bus.address, jobs(3))
     with Client(bus.address) as c:
-        jobs_in = c.consume(PATTERN, prefetch=3)
+        jobs_in = c.consume(PATTERN, prefetch=6)    # half of it, 3 acks, would go at once
         next(jobs_in).ack()
         second = next(jobs_in)  # taken from the batch already received: no wait, no flush
         s = wait_state(q, lambda s: s["acked"] == 1, "the held ack")
@@ -304,7 +304,7 @@ def test_a_held_ack_goes_out_while_the_consumer_works_on(bus, queues):
     async def run():
         async with AsyncClient(bus.address) as c:
             publish(bus.address, jobs(2, start=3))
-            jobs_in = c.consume(PATTERN, prefetch=2)
+            jobs_in = c.consume(PATTERN, prefetch=4)
             await (await jobs_in.__anext__()).ack()
             await jobs_in.__anext__()
             await asyncio.get_running_loop().run_in_executor(
@@ -509,14 +509,17 @@ def test_a_job_is_settled_once_through_its_settle():
     assert (settled, job.settled) == ([(wire.REJECT, 7)], True)
 
 
-def test_acks_are_held_together_per_token():
-    acks = Acks(10.0)
+def test_acks_are_held_together_per_token_up_to_their_limit():
+    acks = Acks(10.0, 3)
     assert (acks.take(), acks.due, acks.started) == (None, None, 0)
     assert acks.add("ctl", "t1", 5) is True     # the first since the last went out
     assert acks.due is not None and acks.add("ctl", "t1", 6) is None
     # another token: what was held for the first goes out before
     assert acks.add("ctl", "t2", 7) == ("ctl", b"ack t1 5 6")
     assert (acks.take(), acks.due, acks.started) == (("ctl", b"ack t2 7"), None, 2)
+    assert [acks.add("ctl", "t2", tag) for tag in (8, 9, 10, 11)] == [
+        True, None, ("ctl", b"ack t2 8 9 10"), True]     # the third held: all go
+    assert Acks(10.0, 1).add("ctl", "t", 1) == ("ctl", b"ack t 1")
 
 
 def test_a_malformed_jobs_batch_is_refused_by_both_parsers():

@@ -286,37 +286,43 @@ cdef class Acks:
     message (sbus.client.consume). ``add`` and ``take`` change the held set
     in C with the GIL held, so a consumer's thread and its renewer share it
     without a lock. ``due`` is when the oldest held ack must go (``delay``
-    after it was held; None when none is held), ``started`` counts the times
-    an ack was held with none before it, and ``watched`` is the renewer's
-    word that it looks at ``due`` without being woken."""
+    after it was held; None when none is held), ``limit`` how many are held
+    at most (then they go at once), ``started`` counts the times an ack was
+    held with none before it, and ``watched`` is the renewer's word that it
+    looks at ``due`` without being woken."""
 
     cdef list tags
     cdef object control
     cdef object token
     cdef double delay
+    cdef readonly Py_ssize_t limit
     cdef public object due
     cdef readonly Py_ssize_t started
     cdef public bint watched
 
-    def __cinit__(self, double delay):
+    def __cinit__(self, double delay, Py_ssize_t limit):
         self.tags = []
         self.control = self.token = ""
         self.delay = delay
+        self.limit = limit if limit > 1 else 1
 
     def add(self, control, token, tag):
-        """Hold one ack. None if others were held already; else True, or the
-        packet (key, payload) of the acks held for another token or control
-        key, which must go out first."""
+        """Hold one ack. None if others were held already; else True. A
+        packet (key, payload) instead if one must go out now: the acks held
+        for another token or control key (this one is held), or, once
+        ``limit`` are held, all of them (none is held)."""
         cdef object out = True
         if self.tags:
             if token == self.token and control == self.control:
                 self.tags.append(tag)
-                return None
+                return self.take() if len(self.tags) >= self.limit else None
             out = self.take()
         self.control, self.token = control, token
         self.due = monotonic() + self.delay
         self.started += 1
         self.tags.append(tag)
+        if out is True and self.limit == 1:
+            return self.take()
         return out
 
     def take(self):

@@ -11,9 +11,10 @@ the clients' public API only:
   token, which the consumer takes);
 - yield each job delivered to the inbox; ``job.ack()`` tells the service it
   is done: acks are held to go out together, one control message naming
-  many tags, when the generator is about to wait for more jobs or ACK_DELAY
-  after the first (a timer: a held ack must not hold back credit, nor, past
-  ``--ack-timeout``, get a finished job done again); ``job.nack()`` gives
+  many tags, when the generator is about to wait for more jobs, once half
+  the prefetch is held, or ACK_DELAY after the first (a timer: a held ack
+  must not hold back credit, nor, past ``--ack-timeout``, get a finished
+  job done again); ``job.nack()`` gives
   it back at once (``requeue=False``: drop it);
 - on leaving (the generator closed or garbage-collected), say bye, so that
   the jobs not acknowledged go to other consumers at once.
@@ -70,7 +71,9 @@ class _Session:
         self.token: Optional[str] = None
         self.control = ""
         self.lease = 0.0
-        self.acks = Acks(ACK_DELAY)
+        # Half the prefetch held goes at once: the service refills the rest
+        # of the credit while the consumer works on the other half.
+        self.acks = Acks(ACK_DELAY, prefetch // 2)
         self._settle: Optional[Callable[[str, int], object]] = None   # for the token's jobs
 
     @property
@@ -141,7 +144,7 @@ def consume(client, pattern: str, prefetch: int = PREFETCH) -> Iterator[Job]:
         if held is None:
             return
         if held is not True:
-            client.publish(*held)   # the acks of an earlier token
+            client.publish(*held)   # the acks of an earlier token, or half the prefetch
         if not session.acks.watched:
             wake.set()          # the renewer sends held acks when they are due
 
@@ -236,7 +239,7 @@ async def consume_async(client, pattern: str, prefetch: int = PREFETCH) -> Async
 
     async def hold(held) -> None:
         if held is not None and held is not True:
-            await client.publish(*held)     # the acks of an earlier token
+            await client.publish(*held)     # the acks of an earlier token, or half the prefetch
         if timer[0] is None:
             timer[0] = asyncio.get_running_loop().call_later(ACK_DELAY, due)
 
