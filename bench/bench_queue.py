@@ -10,13 +10,28 @@ Rows (jobs/s, first job received to last job done, over all consumers):
 - ``queue_sbus``: one publisher (publish_many) -> sbusd -> ``sbus queue`` ->
   N consumers (``sbus.client.consume``), each job acknowledged;
 - ``queue_nats``: one nats-py publisher -> nats-server -> N nats-py subscribers
-  in one queue group (NATS has no acknowledgements in a plain queue group).
+  in one queue group.
+
+Both rows deliver the same jobs (count and payload size) to the same number
+of consumers, each doing the same work per job (read its sequence number,
+add it up). They do not give the same guarantees: a NATS core queue group
+has no acknowledgements, no redelivery of the jobs of a consumer that dies,
+and no flow control (a subscriber's backlog grows without bound; here its
+pending limits are off). The sbus consumers acknowledge every job (acks
+held and sent together), the service holds each job until then, gives a
+consumer at most its prefetch, and watches leases and ack deadlines.
 
 Each job's payload carries its sequence number; the row checks that the
 consumers together got every job exactly once (count and sum of sequence
-numbers). Every process is its own (``--worker``). Prints a table on stdout,
-progress on stderr, and writes JSON (default bench/results/queue-<UTC>.json).
-Nothing here asserts on speed.
+numbers). The rows alternate, ``--repeat`` times each, so drift on the
+machine hits both alike; the table shows medians. Besides the rate, each
+run measures the CPU time per job of every process: the servers' (sbusd and
+``sbus queue``; nats-server) from /proc, the consumers' and the publisher's
+from getrusage, from the start of the publisher to the last consumer's end.
+On a shared machine the CPU per job is the steadier figure. Every process is
+its own (``--worker``). Prints a table on stdout, progress on stderr, and
+writes JSON (default bench/results/queue-<UTC>.json). Nothing here asserts
+on speed.
 """
 from __future__ import annotations
 
@@ -25,6 +40,7 @@ import asyncio
 import datetime as dt
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import BENCH, NatsServer, Sbusd, end_process, results_path
+from harness import BENCH, NatsServer, Sbusd, end_process, results_path, thread_cpu_seconds
 
 from support import QueueService
 
@@ -52,6 +68,12 @@ def job(seq: int, payload: int) -> bytes:
     return b"%020d" % seq + b"x" * max(0, payload - 20)
 
 
+def cpu_now() -> float:
+    """User + system CPU seconds of this process, every thread."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 # -- workers (each in its own process) ------------------------------------------------
 
 def sbus_consumer(address, prefetch):
@@ -62,6 +84,7 @@ def sbus_consumer(address, prefetch):
     first = last = None
     with Client(address) as bus:
         print("ready", flush=True)
+        cpu = cpu_now()
         for j in consume(bus, PATTERN, prefetch):
             if j.payload == STOP:
                 j.ack()
@@ -72,17 +95,19 @@ def sbus_consumer(address, prefetch):
             got += 1
             total += int(j.payload[:20])
             j.ack()
-    return {"received": got, "sum": total, "first_ns": first, "last_ns": last}
+    return {"received": got, "sum": total, "first_ns": first, "last_ns": last,
+            "cpu_s": cpu_now() - cpu}
 
 
 def sbus_publisher(address, count, payload, consumers):
     from sbus import Client
+    cpu = cpu_now()
     with Client(address) as bus:
         for start in range(0, count, 1000):
             bus.publish_many([(KEY, job(i, payload)) for i in range(start, min(count, start + 1000))])
         bus.publish_many([(KEY, STOP)] * consumers)
         bus.whoami(timeout=60)
-    return {"sent": count}
+    return {"sent": count, "cpu_s": cpu_now() - cpu}
 
 
 async def _nats_consumer(url):
@@ -101,23 +126,25 @@ async def _nats_consumer(url):
                        pending_bytes_limit=-1)
     await nc.flush()
     print("ready", flush=True)
+    cpu = cpu_now()
     seen = -1
     while seen != state["got"] or not seen:     # until quiet after traffic
         seen = state["got"]
         await asyncio.sleep(QUIET)
     await nc.close()
     return {"received": state["got"], "sum": state["sum"], "first_ns": state["first"],
-            "last_ns": state["last"]}
+            "last_ns": state["last"], "cpu_s": cpu_now() - cpu}
 
 
 async def _nats_publisher(url, count, payload):
     import nats
+    cpu = cpu_now()
     nc = await nats.connect(url, pending_size=8 << 20)
     for i in range(count):
         await nc.publish(SUBJECT, job(i, payload))
     await nc.flush(timeout=60)
     await nc.close()
-    return {"sent": count}
+    return {"sent": count, "cpu_s": cpu_now() - cpu}
 
 
 def worker(args):
@@ -156,16 +183,24 @@ def report(p, timeout):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def row(name, args, results):
+def row(name, args, results, publisher, servers_cpu):
     got = sum(r["received"] for r in results)
     total = sum(r["sum"] for r in results)
     first = min(r["first_ns"] for r in results if r["first_ns"])
     last = max(r["last_ns"] for r in results if r["last_ns"])
     seconds = (last - first) / 1e9
     exact = got == args.count and total == args.count * (args.count - 1) // 2
+    per_job = 1e6 / args.count
+    servers = sum(servers_cpu.values())
+    consumers = sum(r["cpu_s"] for r in results)
     return {"row": name, "jobs": got, "exactly_once": exact,
             "per_consumer": [r["received"] for r in results],
-            "seconds": seconds, "jobs_per_s": got / seconds if seconds > 0 else None}
+            "seconds": seconds, "jobs_per_s": got / seconds if seconds > 0 else None,
+            "cpu_us_per_job": {**{k: v * per_job for k, v in servers_cpu.items()},
+                               "servers": servers * per_job,
+                               "consumers": consumers * per_job,
+                               "publisher": publisher["cpu_s"] * per_job,
+                               "total": (servers + consumers + publisher["cpu_s"]) * per_job}}
 
 
 def run_sbus(args, work):
@@ -181,9 +216,13 @@ def run_sbus(args, work):
         for c in consumers:
             wait_ready(c)
         time.sleep(0.5)     # their hellos are in
+        servers = {"sbusd": broker.pid, "queue": service.pid}
+        cpu = {k: thread_cpu_seconds(pid) for k, pid in servers.items()}
         publisher = spawn(args, "sbus_publisher", broker.address, procs)
-        report(publisher, 600)
-        return row("queue_sbus", args, [report(c, 600) for c in consumers])
+        sent = report(publisher, 600)
+        results = [report(c, 600) for c in consumers]
+        cpu = {k: thread_cpu_seconds(pid) - cpu[k] for k, pid in servers.items()}
+        return row("queue_sbus", args, results, sent, cpu)
     finally:
         for p in reversed(procs):
             end_process(p)
@@ -199,9 +238,12 @@ def run_nats(args, work):
         consumers = [spawn(args, "nats_consumer", server.url, procs) for _ in range(args.consumers)]
         for c in consumers:
             wait_ready(c)
+        cpu = thread_cpu_seconds(server.proc.pid)
         publisher = spawn(args, "nats_publisher", server.url, procs)
-        report(publisher, 600)
-        return row("queue_nats", args, [report(c, 600) for c in consumers])
+        sent = report(publisher, 600)
+        results = [report(c, 600) for c in consumers]
+        cpu = {"nats-server": thread_cpu_seconds(server.proc.pid) - cpu}
+        return row("queue_nats", args, results, sent, cpu)
     finally:
         for p in reversed(procs):
             end_process(p)
@@ -233,15 +275,21 @@ def main():
                     f"{args.consumers} consumers")
                 runs[name].append(run(args, Path(work)))
     print(f"{'row':<12} {'jobs/s (median)':>16} {'exactly once':>13}  per consumer (last run)")
-    medians = {}
+    medians, cpu = {}, {}
     for name, rs in runs.items():
         rates = [r["jobs_per_s"] for r in rs if r["jobs_per_s"]]
         medians[name] = statistics.median(rates) if rates else None
         shown = f"{medians[name]:,.0f}" if medians[name] else "-"
         print(f"{name:<12} {shown:>16} {str(all(r['exactly_once'] for r in rs)):>13}  "
               f"{rs[-1]['per_consumer']}")
+        cpu[name] = {k: statistics.median(r["cpu_us_per_job"][k] for r in rs)
+                     for k in rs[0]["cpu_us_per_job"]}
+        print("    CPU µs/job (median): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu[name].items()))
     if medians["queue_sbus"] and medians["queue_nats"]:
-        print(f"sbus / NATS: {medians['queue_sbus'] / medians['queue_nats']:.2f}x")
+        print(f"sbus / NATS: {medians['queue_sbus'] / medians['queue_nats']:.2f}x the jobs/s, "
+              f"{cpu['queue_sbus']['total'] / cpu['queue_nats']['total']:.2f}x the CPU per job")
+    print("note: the NATS queue group acknowledges nothing and redelivers nothing; every sbus "
+          "job is acknowledged, held until then, and given out within each consumer's prefetch")
     now = dt.datetime.now(dt.timezone.utc)
     stamp = now.strftime("%Y%m%dT%H%M%SZ")
     path = Path(args.json) if args.json else results_path("queue", now)
@@ -252,7 +300,8 @@ def main():
                                 "settings": {k: getattr(args, k) for k in
                                              ("count", "payload", "consumers", "prefetch",
                                               "repeat")},
-                                "runs": runs, "medians": medians}, indent=2))
+                                "runs": runs, "medians": medians, "cpu_us_per_job": cpu},
+                               indent=2))
     say(f"results: {path}")
 
 

@@ -10,9 +10,12 @@ import threading
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hyp
 
 from sbus import Client
 from sbus import logschema as ls
+from sbus._core.jobs import Acks, jobs_from, pack_jobs, parse_jobs
 from sbus.aio import Client as AsyncClient
 from sbus.client.consume import consume
 from sbus.client.private import PrivateInbox
@@ -246,6 +249,24 @@ def test_closing_the_generator_hands_prefetched_jobs_to_others(bus, queues, cons
     assert {j["deliveries"] for j in consumers.all()} == {2}
 
 
+def test_a_consumer_leaving_with_deliveries_unread_is_heard_saying_bye(bus, queues):
+    """A client that closes with deliveries unread loses what the broker has
+    not read of it yet: the consumer makes sure its last acks and its bye
+    were read before it lets its client close. The lease is long, so only
+    the bye can end the consumer in time."""
+    q = queues(bus.address, PATTERN, "--lease", "60")
+    with Client(bus.address) as c:
+        jobs_in = consume(c, PATTERN, prefetch=4)
+        publish(bus.address, jobs(1))
+        first = next(jobs_in)
+        publish(bus.address, jobs(1, start=1))
+        wait_state(q, lambda s: s["in_flight"] == 2, "a second delivery, unread")
+        first.ack()
+        jobs_in.close()
+    left = q.wait_for_event(ls.QUEUE_CONSUMER_LEAVE, timeout=10)
+    assert (left["reason"], left["requeued"], left["acked"]) == (st.LEFT_BYE, 1, 1)
+
+
 def test_the_asyncio_consumer(bus, queues):
     queues(bus.address)
 
@@ -267,23 +288,27 @@ def test_a_held_ack_goes_out_while_the_consumer_works_on(bus, queues):
     """Acks wait to go out together, but a timer sends them: a consumer busy
     with the next job of its batch holds back neither credit nor the ack timeout."""
     q = queues(bus.address)
-    publish(bus.address, jobs(2))
+    publish(bus.address, jobs(3))
     with Client(bus.address) as c:
-        jobs_in = c.consume(PATTERN, prefetch=2)
+        jobs_in = c.consume(PATTERN, prefetch=6)    # half of it, 3 acks, would go at once
         next(jobs_in).ack()
-        next(jobs_in)       # taken from the batch already received: no wait, no flush
+        second = next(jobs_in)  # taken from the batch already received: no wait, no flush
         s = wait_state(q, lambda s: s["acked"] == 1, "the held ack")
+        assert s["in_flight"] == 2
+        second.ack()            # while the renewer still watches after the first
+        next(jobs_in)
+        s = wait_state(q, lambda s: s["acked"] == 2, "the second held ack")
         assert s["in_flight"] == 1
         jobs_in.close()
 
     async def run():
         async with AsyncClient(bus.address) as c:
-            publish(bus.address, jobs(2, start=2))
-            jobs_in = c.consume(PATTERN, prefetch=2)
+            publish(bus.address, jobs(2, start=3))
+            jobs_in = c.consume(PATTERN, prefetch=4)
             await (await jobs_in.__anext__()).ack()
             await jobs_in.__anext__()
             await asyncio.get_running_loop().run_in_executor(
-                None, wait_state, q, lambda s: s["acked"] == 2, "the held ack")
+                None, wait_state, q, lambda s: s["acked"] == 3, "the held ack")
             await jobs_in.aclose()
 
     asyncio.run(asyncio.wait_for(run(), TIMEOUT))
@@ -382,7 +407,131 @@ def test_an_eavesdropper_sees_public_jobs_but_no_delivery(open_broker, queues, s
         assert set(keys) <= {k for k, _ in jobs(6)} | {wire.HELLO_KEY, wire.STATE_KEY}, pattern
 
 
+def test_a_consumer_that_says_batch_gets_its_share_in_one_packet(bus, queues):
+    """Written from docs/queues.md "Batches" with a raw client: the jobs given
+    out at one go arrive as one ``jobs`` packet, each record a delivery of its own."""
+    q = queues(bus.address)
+    publish(bus.address, jobs(5))
+    wait_state(q, lambda s: s["held"] == 5, "5 held")
+    with Client(bus.address) as c:
+        inbox = PrivateInbox(c.whoami(timeout=TIMEOUT), "queue")
+        c.subscribe(inbox.pattern)
+        c.publish(wire.HELLO_KEY, wire.pack_hello(4, inbox.prefix, PATTERN, batch=True))
+
+        def next_packet(suffix):
+            while True:
+                m = c.receive(timeout=TIMEOUT)
+                if inbox.suffix_of(m.key) == suffix:
+                    return m.payload
+
+        welcome = wire.parse_welcome(next_packet(b"welcome"))
+        first = wire.parse_jobs_py(next_packet(b"jobs"))
+        assert [(d, k, p) for _, d, k, p in first] == [
+            (1, k.encode(), p.encode()) for k, p in jobs(4)]
+        tags = [t for t, _, _, _ in first]
+        assert tags == list(range(tags[0], tags[0] + 4))
+        c.publish(welcome.control, wire.pack_control(wire.NACK, welcome.token, tags[1], tags[3]))
+        again = wire.parse_jobs_py(next_packet(b"jobs"))
+        # the two handed back, from the front of the queue, with the credit they freed
+        assert [(d, p) for _, d, _, p in again] == [(2, b"job-1"), (2, b"job-3")]
+        c.publish(welcome.control, wire.pack_control(wire.ACK, welcome.token, tags[0], tags[2]))
+        rest = wire.parse_jobs_py(next_packet(b"jobs"))
+        assert [(d, p) for _, d, _, p in rest] == [(1, b"job-4")]
+        done = [t for t, _, _, _ in again + rest]
+        c.publish(welcome.control, wire.pack_control(wire.ACK, welcome.token, *done))
+        s = wait_state(q, lambda s: s["acked"] == 5, "5 acks")
+        assert (s["delivered"], s["redelivered"], s["nacked"], s["in_flight"]) == (7, 2, 2, 0)
+
+
 # -- the pieces, without processes ------------------------------------------------------
+
+def test_dispatch_goes_round_the_consumers_one_each_in_turn():
+    q = st.Queue(prefetch=3, ack_timeout=10.0, lease=5.0, max_held=100)
+    a, _ = q.join("!/cred/1/2/3/q/a/", 1, 0.0)
+    b, _ = q.join("!/cred/1/2/3/q/b/", 3, 0.0)
+    c, _ = q.join("!/cred/1/2/3/q/c/", 2, 0.0)
+    for i in range(5):
+        q.add(b"k", b"%d" % i)
+    given = {d[0].inbox[-2]: [job[1] for job in d[2]] for d in q.dispatch(0.0)}
+    # a, b, c, then b, c (a has no credit left)
+    assert given == {"a": [b"0"], "b": [b"1", b"3"], "c": [b"2", b"4"]}
+    q.add(b"k", b"5")
+    q.add(b"k", b"6")
+    # b is next in turn (c took the last job); c has no credit left, a none
+    assert [(d[0] is b, [job[1] for job in d[2]]) for d in q.dispatch(0.0)] == [(True, [b"5"])]
+    assert (len(q.held), a.credit, b.credit, c.credit) == (1, 0, 0, 0)
+    q.settle(c, [next(iter(c.in_flight))], wire.NACK)     # b"2" goes back, in front of b"6"
+    (d,) = q.dispatch(1.0)
+    assert (d[0] is c, d[2]) == (True, [(b"k", b"2", 2)])
+    assert q.counts["redelivered"] == 1 and [job[1] for job in q.held] == [b"6"]
+
+
+def test_a_consumer_is_overdue_once_its_oldest_job_passes_the_ack_timeout():
+    q = st.Queue(prefetch=4, ack_timeout=10.0, lease=100.0, max_held=100)
+    c, _ = q.join("!/cred/1/2/3/q/a/", 4, 0.0)
+    q.add(b"k", b"0")
+    q.dispatch(0.0)
+    q.add(b"k", b"1")
+    q.dispatch(5.0)
+    assert not c.overdue(9.9) and c.overdue(10.0)
+    q.settle(c, [next(iter(c.in_flight))], wire.ACK)      # the first: the second is due at 15
+    assert not c.overdue(14.9) and c.overdue(15.0)
+    assert [(reason, requeued) for _, reason, requeued in q.expire(15.0)] == [
+        (st.LEFT_ACK_TIMEOUT, 1)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(jobs=hyp.lists(hyp.tuples(hyp.binary().filter(lambda k: b"\0" not in k), hyp.binary(),
+                                 hyp.integers(0, 10 ** 6)), max_size=20),
+       first=hyp.integers(1, 10 ** 17), limit=hyp.integers(1, 400))
+def test_jobs_batches_are_packed_and_parsed_as_their_plain_python_twins(jobs, first, limit):
+    entries = [(k, p) if n == 0 else (k, p, n) for k, p, n in jobs]
+    tags = list(range(first, first + len(entries)))
+    packed = pack_jobs(tags, entries, limit)
+    assert packed == wire.pack_jobs_py(tags, entries, limit)
+    assert all(len(p) <= limit or len(parse_jobs(p)) == 1 for p in packed)
+    records = [r for p in packed for r in parse_jobs(p)]
+    assert records == [r for p in packed for r in wire.parse_jobs_py(p)]
+    made = [j for p in packed for j in jobs_from(p, None)]
+    assert [(j.tag, j.deliveries, j.key, j.payload, j.settled) for j in made] == [
+        (*r, False) for r in records]
+    assert records == [(t, n or 1, k, p) for t, (k, p, n) in zip(tags, jobs)]
+
+
+def test_a_job_is_settled_once_through_its_settle():
+    settled = []
+    (job,) = jobs_from(b"18 7 2 jobs/a\0payload", lambda verb, tag: settled.append((verb, tag)))
+    assert (job.key, job.payload, job.deliveries, job.tag, job.redelivered) == (
+        b"jobs/a", b"payload", 2, 7, True)
+    job.nack(requeue=False)
+    with pytest.raises(RuntimeError):
+        job.ack()
+    assert (settled, job.settled) == ([(wire.REJECT, 7)], True)
+
+
+def test_acks_are_held_together_per_token_up_to_their_limit():
+    acks = Acks(10.0, 3)
+    assert (acks.take(), acks.due, acks.started) == (None, None, 0)
+    assert acks.add("ctl", "t1", 5) is True     # the first since the last went out
+    assert acks.due is not None and acks.add("ctl", "t1", 6) is None
+    # another token: what was held for the first goes out before
+    assert acks.add("ctl", "t2", 7) == ("ctl", b"ack t1 5 6")
+    assert (acks.take(), acks.due, acks.started) == (("ctl", b"ack t2 7"), None, 2)
+    assert [acks.add("ctl", "t2", tag) for tag in (8, 9, 10, 11)] == [
+        True, None, ("ctl", b"ack t2 8 9 10"), True]     # the third held: all go
+    assert Acks(10.0, 1).add("ctl", "t", 1) == ("ctl", b"ack t 1")
+
+
+def test_a_malformed_jobs_batch_is_refused_by_both_parsers():
+    for bad in (b"x", b"5 1 1 k", b"9 1 1 k\0p", b"3 1 1\0", b"6 1 x k\0p", b"6 1 1 kp",
+                b"25 7 1 jobs/resize\0img-1.png2"):
+        with pytest.raises(ValueError):
+            parse_jobs(bad)
+        with pytest.raises(ValueError):
+            wire.parse_jobs_py(bad)
+        with pytest.raises(ValueError):
+            jobs_from(bad, None)
+
 
 def test_inbox_keys():
     creds = Credentials.parse("!/cred/1/2/3")
@@ -397,7 +546,11 @@ def test_inbox_keys():
 
 def test_wire_round_trips():
     assert wire.parse_hello(wire.pack_hello(4, "!/cred/1/2/3/q/x/", "a b/*/")) == (
-        4, "!/cred/1/2/3/q/x/", b"a b/*/")
+        4, "!/cred/1/2/3/q/x/", b"a b/*/", False)
+    assert wire.pack_hello(4, "!/cred/1/2/3/q/x/", "batch", batch=True) == (
+        b"4 batch !/cred/1/2/3/q/x/ batch")
+    assert wire.parse_hello(b"4 batch !/cred/1/2/3/q/x/ batch") == (
+        4, "!/cred/1/2/3/q/x/", b"batch", True)
     packed = wire.pack_job(7, 2, b"k e\ny", b"pay\0load")
     assert packed == b"7 2 k e\ny\0pay\0load"
     assert wire.parse_job(packed) == (7, 2, b"k e\ny", b"pay\0load")

@@ -11,9 +11,10 @@ the clients' public API only:
   token, which the consumer takes);
 - yield each job delivered to the inbox; ``job.ack()`` tells the service it
   is done: acks are held to go out together, one control message naming
-  many tags, when the generator is about to wait for more jobs or ACK_DELAY
-  after the first (a timer: a held ack must not hold back credit, nor, past
-  ``--ack-timeout``, get a finished job done again); ``job.nack()`` gives
+  many tags, when the generator is about to wait for more jobs, once half
+  the prefetch is held, or ACK_DELAY after the first (a timer: a held ack
+  must not hold back credit, nor, past ``--ack-timeout``, get a finished
+  job done again); ``job.nack()`` gives
   it back at once (``requeue=False``: drop it);
 - on leaving (the generator closed or garbage-collected), say bye, so that
   the jobs not acknowledged go to other consumers at once.
@@ -32,6 +33,7 @@ import threading
 import time
 from typing import AsyncIterator, Callable, Iterator, List, Optional, Tuple
 
+from .._core.jobs import Acks, Job, jobs_from
 from ..errors import SbusError
 from ..queue import wire
 from ..queue.defaults import PREFETCH, RENEWALS_PER_LEASE
@@ -47,80 +49,14 @@ ACK_DELAY = 0.02
 RENEWER_JOIN = 1.0
 # How long to wait for the broker's whoami reply.
 REPLY_TIMEOUT = 10.0
-
-
-class Job:
-    """One delivery: ``key`` and ``payload`` as published, ``deliveries`` (1
-    the first time; more means it was given out before and not acknowledged),
-    and ``tag``, the service's name for this delivery. Settle it once, with
-    ``ack()`` or ``nack()``; with the asyncio client, await them."""
-
-    __slots__ = ("key", "payload", "deliveries", "tag", "_settle", "settled")
-
-    def __init__(self, key: bytes, payload: bytes, deliveries: int, tag: int,
-                 settle: Callable[[str, int], object]) -> None:
-        self.key, self.payload, self.deliveries, self.tag = key, payload, deliveries, tag
-        self._settle = settle
-        self.settled = False
-
-    @property
-    def redelivered(self) -> bool:
-        return self.deliveries > 1
-
-    def ack(self):
-        """Done: the service forgets the job."""
-        return self._once(wire.ACK)
-
-    def nack(self, requeue: bool = True):
-        """Not done: the job goes to a consumer again, or with ``requeue=False``
-        is dropped (counted as rejected)."""
-        return self._once(wire.NACK if requeue else wire.REJECT)
-
-    def _once(self, verb: str):
-        if self.settled:
-            raise RuntimeError(f"job {self.tag} is already settled")
-        self.settled = True
-        return self._settle(verb, self.tag)
-
-    def __repr__(self) -> str:
-        return (f"Job(key={self.key!r}, payload={self.payload[:40]!r}, "
-                f"deliveries={self.deliveries}, tag={self.tag})")
+# How long a leaving consumer waits for the broker to answer a whoami sent
+# after its last acks and bye. A client that closes with deliveries unread
+# makes the broker's next read of it fail (ECONNRESET) before the packets it
+# sent last are read, and they are lost: the answer says they were read.
+BYE_CONFIRM = 2.0
 
 
 Packet = Tuple[str, bytes]     # (key, payload) to publish
-
-
-class _Acks:
-    """Acks held to go out together: ``ack TOKEN TAG TAG...`` once the consumer
-    is about to wait for more jobs, or ACK_DELAY after the first (a timer
-    sends them then, so a long job after an ack holds back neither credit nor
-    the ack timeout). Safe to use from two threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._tags: List[int] = []
-        self._to: Tuple[str, str] = ("", "")      # control key, token
-        self.due: Optional[float] = None         # when the oldest must go
-
-    def add(self, control: str, token: str, tag: int) -> Optional[Packet]:
-        """Hold one ack; returns what must go out first (acks for another token)."""
-        with self._lock:
-            out = self._take() if self._tags and self._to != (control, token) else None
-            if not self._tags:
-                self._to = (control, token)
-                self.due = time.monotonic() + ACK_DELAY
-            self._tags.append(tag)
-            return out
-
-    def take(self) -> Optional[Packet]:
-        with self._lock:
-            return self._take() if self._tags else None
-
-    def _take(self) -> Packet:
-        control, token = self._to
-        packet = (control, wire.pack_control(wire.ACK, token, *self._tags))
-        self._tags, self.due = [], None
-        return packet
 
 
 class _Session:
@@ -131,11 +67,14 @@ class _Session:
             raise ValueError("prefetch must be 1 or more")
         self.inbox = inbox
         self.prefetch = prefetch
-        self.hello = wire.pack_hello(prefetch, inbox.prefix, pattern)
+        self.hello = wire.pack_hello(prefetch, inbox.prefix, pattern, batch=True)
         self.token: Optional[str] = None
         self.control = ""
         self.lease = 0.0
-        self.acks = _Acks()
+        # Half the prefetch held goes at once: the service refills the rest
+        # of the credit while the consumer works on the other half.
+        self.acks = Acks(ACK_DELAY, prefetch // 2)
+        self._settle: Optional[Callable[[str, int], object]] = None   # for the token's jobs
 
     @property
     def renew_every(self) -> float:
@@ -144,36 +83,47 @@ class _Session:
     def jobs(self, batch, send, hold) -> List[Job]:
         """The jobs among received messages, after noting welcomes and expiries.
         ``send(packet...)`` is how a nack or reject reaches the bus (the acks
-        held go before it); ``hold(packet)`` is told of each ack held, with
-        what must go out before it, if anything."""
-        out = []
-        acks = self.acks
-
-        def settle(verb: str, tag: int, token: str, control: str):
-            if verb == wire.ACK:
-                return hold(acks.add(control, token, tag))
-            return send(acks.take(), (control, wire.pack_control(verb, token, tag)))
-
+        held go before it); ``hold(held)`` is told of each ack held by
+        ``Acks.add``, whose answer it gets: None, True (the first held since
+        the last went out), or a packet to send first (and the first)."""
+        out: List[Job] = []
         for message in batch:
             if type(message) is ControlMessage:
                 continue
             suffix = self.inbox.suffix_of(message.key)
             try:
-                if suffix == b"job" and self.token is not None:
+                if suffix == b"jobs" and self.token is not None:
+                    out.extend(jobs_from(message.payload, self._settle or self._settler(send, hold)))
+                elif suffix == b"job" and self.token is not None:
                     tag, deliveries, key, payload = wire.parse_job(message.payload)
-                    token, control = self.token, self.control
                     out.append(Job(key, payload, deliveries, tag,
-                                   lambda verb, tag, token=token, control=control:
-                                   settle(verb, tag, token, control)))
+                                   self._settle or self._settler(send, hold)))
                 elif suffix == b"welcome":
                     welcome = wire.parse_welcome(message.payload)
+                    if (welcome.token, welcome.control) != (self.token, self.control):
+                        self._settle = None
                     self.token, self.control = welcome.token, welcome.control
                     self.lease = welcome.lease
                 elif suffix == b"expired" and message.payload.decode("ascii", "replace") == self.token:
                     self.token = None   # forgotten: the next hello, at once, makes us known again
-            except wire.WireError:
+                    self._settle = None
+            except ValueError:
                 pass    # only the service writes to the inbox; it does not send garbage
         return out
+
+    def _settler(self, send, hold) -> Callable[[str, int], object]:
+        """How the jobs delivered under the current token are settled: with
+        that token, even once a new one has come."""
+        acks, token, control = self.acks, self.token, self.control
+        add = acks.add
+
+        def settle(verb: str, tag: int):
+            if verb == wire.ACK:
+                return hold(add(control, token, tag))
+            return send(acks.take(), (control, wire.pack_control(verb, token, tag)))
+
+        self._settle = settle
+        return settle
 
     def bye(self) -> Optional[Packet]:
         return (self.control, wire.pack_control(wire.BYE, self.token)) if self.token else None
@@ -190,9 +140,12 @@ def consume(client, pattern: str, prefetch: int = PREFETCH) -> Iterator[Job]:
             if packet is not None:
                 client.publish(*packet)
 
-    def hold(first: Optional[Packet]) -> None:
-        send(first)
-        if not wake.is_set():   # Event.set() costs a lock and a notify: once per wake-up
+    def hold(held) -> None:
+        if held is None:
+            return
+        if held is not True:
+            client.publish(*held)   # the acks of an earlier token, or half the prefetch
+        if not session.acks.watched:
             wake.set()          # the renewer sends held acks when they are due
 
     client.subscribe(session.inbox.pattern)
@@ -227,16 +180,20 @@ def consume(client, pattern: str, prefetch: int = PREFETCH) -> Iterator[Job]:
         try:
             send(session.acks.take(), session.bye())
             client.unsubscribe(session.inbox.pattern)
+            client.whoami(timeout=BYE_CONFIRM)
         except (OSError, SbusError):
-            pass    # the connection may be what ended the loop
+            pass    # the connection may be what ended the loop (TimeoutError is an OSError)
 
 
 def _renew(client, session: _Session, stop: threading.Event, wake: threading.Event) -> None:
     """Hello every third of the lease, and held acks once due, from a
     connection of this thread's own (the blocking client is not shared
     between threads; the service knows a consumer by its token, not its
-    connection). ``wake`` is set when an ack is held, and to stop."""
+    connection). ``wake`` is set when an ack is held while nobody watches
+    (``Acks.watched``), and to stop."""
     from .sync import Client
+    acks = session.acks
+    seen = acks.started
     try:
         with Client(client.address, max_message=client.max_message, reconnect=True) as own:
             next_hello = time.monotonic() + session.renew_every
@@ -245,13 +202,20 @@ def _renew(client, session: _Session, stop: threading.Event, wake: threading.Eve
                 if now >= next_hello:
                     own.publish(wire.HELLO_KEY, session.hello)
                     next_hello = now + session.renew_every
-                due = session.acks.due
+                due = acks.due
                 if due is not None and now >= due:
-                    packet = session.acks.take()
+                    packet = acks.take()
                     if packet is not None:
                         own.publish(*packet)
                     due = None
-                wake.wait(max(0.0, min(next_hello, due or next_hello) - now))
+                # While jobs stream in, look again every ACK_DELAY instead of
+                # being woken for each batch acknowledged.
+                streaming, seen = acks.started != seen, acks.started
+                acks.watched = streaming or due is not None
+                if not acks.watched and acks.due is not None:
+                    continue    # held before the flag went down: nobody woke us for it
+                until = due or (now + ACK_DELAY if streaming else next_hello)
+                wake.wait(max(0.0, min(next_hello, until) - now))
                 wake.clear()
     except (OSError, SbusError):
         pass    # the broker is gone for good: no lease to renew
@@ -273,8 +237,9 @@ async def consume_async(client, pattern: str, prefetch: int = PREFETCH) -> Async
         timer[0] = None
         asyncio.ensure_future(send(session.acks.take()))
 
-    async def hold(first: Optional[Packet]) -> None:
-        await send(first)
+    async def hold(held) -> None:
+        if held is not None and held is not True:
+            await client.publish(*held)     # the acks of an earlier token, or half the prefetch
         if timer[0] is None:
             timer[0] = asyncio.get_running_loop().call_later(ACK_DELAY, due)
 
@@ -302,5 +267,6 @@ async def consume_async(client, pattern: str, prefetch: int = PREFETCH) -> Async
         try:
             await send(session.acks.take(), session.bye())
             await client.unsubscribe(session.inbox.pattern)
-        except (OSError, SbusError):
+            await asyncio.wait_for(client.whoami(), BYE_CONFIRM)
+        except (OSError, SbusError, asyncio.TimeoutError):
             pass    # the connection may be what ended the loop

@@ -16,9 +16,10 @@ from typing import Dict, List, Optional, Tuple
 
 from .. import __version__
 from .. import logschema as schema
+from .._core.jobs import Intake, pack_jobs
 from ..client.aio import Client
 from ..client.private import PrivateInbox
-from ..client.protocol import MAX_MESSAGE, ControlMessage
+from ..client.protocol import MAX_MESSAGE
 from ..client.reconnect import Reconnect
 from ..errors import BacklogFullError, MessageRefusedError
 from . import state as st
@@ -30,8 +31,11 @@ from .defaults import ACK_TIMEOUT, LEASE, MAX_HELD, PREFETCH, STATS_INTERVAL
 # of jobs being discarded. The reader never waits on anything but the socket,
 # so such a wait lasts as long as one read of the backlog.
 FLOOD = ("echo/off", "blocking/soft/queue", "blocking/hard/block")
-# Packets read at once, and the most sent with one publish_many.
+# Packets read at once.
 BATCH = 256
+# The largest ``jobs`` payload: a consumer starts on a batch once all of it
+# is there, so a batch is a few hundred small jobs, not all a consumer may hold.
+JOBS_PACKET = 32 << 10
 # How often the clock looks for expired leases and ack deadlines, as a
 # fraction of the shorter of the two.
 TICK_FRACTION = 0.25
@@ -96,22 +100,25 @@ class QueueService:
 
     async def _read(self) -> None:
         bus, q = self.bus, self.queue
-        room = self.settings.max_message - len(b"MSG \0\0")   # a delivery has two NULs
+        # The most a job's key and payload may take: what a delivery adds
+        # must fit within the broker's --max-message.
+        room = self.settings.max_message - len(b"MSG \0") - wire.DELIVERY_OVERHEAD
+        intake = Intake(q.held, room)   # the jobs go to q.held in C
+        counts = q.counts
         while True:
-            batch = await bus.receive_many(BATCH)
+            await bus.receive_into(intake, BATCH)   # control messages: none for us
             now = time.monotonic()
-            for m in batch:
-                if type(m) is ControlMessage:
-                    continue
-                key, payload = m
+            counts["received"] += intake.received
+            intake.received = 0
+            for key, payload in intake.take_others():
                 if key == self._control:
                     self._on_control(payload, now)
                 elif key.startswith(wire.PREFIX):
                     self._on_request(key, payload, now)
                 elif self.inbox.suffix_of(key) is not None:
-                    q.counts["bad_requests"] += 1   # in our inbox, but not the control key
-                elif len(key) + len(payload) + wire.DELIVERY_OVERHEAD > room:
-                    q.counts["oversize"] += 1
+                    counts["bad_requests"] += 1     # in our inbox, but not the control key
+                elif len(key) + len(payload) > room:
+                    counts["oversize"] += 1
                     self._dropped(DROP_OVERSIZE, 1, key, len(payload), now)
                 else:
                     q.add(key, payload)
@@ -121,10 +128,10 @@ class QueueService:
         q = self.queue
         try:
             if key == HELLO:
-                prefetch, inbox, pattern = wire.parse_hello(payload)
+                prefetch, inbox, pattern, batch = wire.parse_hello(payload)
                 if pattern != self.pattern:
                     return
-                c, new = q.join(inbox, prefetch, now)
+                c, new = q.join(inbox, prefetch, now, batch)
                 if new:
                     self.log.info(schema.QUEUE_CONSUMER_JOIN, inbox=inbox, prefetch=c.prefetch)
                 self._send(inbox + wire.WELCOME,
@@ -171,11 +178,22 @@ class QueueService:
 
     def _dispatch(self, now: float) -> None:
         q = self.queue
-        for inbox, tag, job in q.dispatch(now):
-            self._send(inbox + wire.JOB, wire.pack_job(tag, job.deliveries, job.key, job.payload))
+        out = self._out
+        for c, first, jobs in q.dispatch(now):
+            if c.batch:
+                key = (c.inbox + wire.JOBS).encode()
+                limit = min(JOBS_PACKET, self.settings.max_message - len(b"MSG \0") - len(key))
+                out.extend((key, p) for p in pack_jobs(list(range(first, first + len(jobs))),
+                                                       jobs, limit))
+            else:
+                key = (c.inbox + wire.JOB).encode()
+                out.extend((key, wire.pack_job(tag, st.deliveries(job), job[0], job[1]))
+                           for tag, job in enumerate(jobs, first))
+        if out:
+            self._wake.set()
         dropped = q.trim()
         if dropped:
-            self._dropped(DROP_FULL, len(dropped), dropped[0].key, len(dropped[0].payload), now)
+            self._dropped(DROP_FULL, len(dropped), dropped[0][0], len(dropped[0][1]), now)
 
     def _dropped(self, reason: str, count: int, key: bytes, size: int, now: float) -> None:
         """Note drops; one queue_drop record per reason and DROP_LOG_INTERVAL
@@ -204,7 +222,7 @@ class QueueService:
             await self._wake.wait()
             self._wake.clear()
             while self._out:
-                batch, self._out = self._out[:BATCH], self._out[BATCH:]
+                batch, self._out = self._out, []
                 while batch:
                     try:
                         await bus.publish_many(batch)

@@ -9,7 +9,7 @@ one each in turn.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Deque, Dict, List, Optional, Tuple
 
 from ..client.private import new_id
@@ -38,30 +38,59 @@ COUNTERS = (
 )
 
 
-@dataclass
-class Job:
-    key: bytes
-    payload: bytes
-    deliveries: int = 0     # times given out so far
+# A job is the tuple it arrived as, ``(key, payload)`` (a Message), while it
+# has never been given out; held again after that, and in flight from its
+# second delivery on, it is ``(key, payload, deliveries)``. No object is
+# made per job: the service keeps the one the client read.
+Job = Tuple  # (key, payload) or (key, payload, deliveries)
 
 
-@dataclass
+def deliveries(job: Job) -> int:
+    """How often an in-flight job has been given out, this delivery included."""
+    return job[2] if len(job) > 2 else 1
+
+
 class Consumer:
-    token: str
-    inbox: str
-    prefetch: int
-    lease_until: float
-    in_flight: Dict[int, Tuple[Job, float]] = field(default_factory=dict)  # tag -> job, deadline
-    delivered: int = 0
-    acked: int = 0
-    ready: bool = False     # queued in Queue._ready
+    """One consumer: its jobs in flight (tag -> job, in the order given
+    out) and, per handful given out at once, the last tag and its ack deadline."""
+
+    __slots__ = ("token", "inbox", "prefetch", "lease_until", "batch", "in_flight",
+                 "deadlines", "delivered", "acked", "ready")
+
+    def __init__(self, token: str, inbox: str, prefetch: int, lease_until: float,
+                 batch: bool = False) -> None:
+        self.token = token
+        self.inbox = inbox
+        self.prefetch = prefetch
+        self.lease_until = lease_until
+        self.batch = batch          # takes ``jobs`` batches (wire.JOBS)
+        self.in_flight: Dict[int, Job] = {}
+        # (last tag, ack deadline) of each handful given out, oldest first;
+        # tags only grow, so the oldest job in flight has the first deadline
+        # not before its tag.
+        self.deadlines: Deque[Tuple[int, float]] = collections.deque()
+        self.delivered = 0
+        self.acked = 0
+        self.ready = False          # queued in Queue._ready
 
     @property
     def credit(self) -> int:
         return self.prefetch - len(self.in_flight)
 
+    def overdue(self, now: float) -> bool:
+        """Whether a job in flight has passed its ack deadline."""
+        if not self.in_flight:
+            self.deadlines.clear()
+            return False
+        oldest = next(iter(self.in_flight))
+        deadlines = self.deadlines
+        while deadlines[0][0] < oldest:
+            deadlines.popleft()
+        return deadlines[0][1] <= now
 
-Delivery = Tuple[str, int, Job]          # inbox, tag, job
+
+# A consumer, the first tag of a run of consecutive tags, and its jobs in order.
+Delivery = Tuple[Consumer, int, List[Job]]
 Departure = Tuple[Consumer, str, int]    # consumer, reason, jobs handed back
 
 
@@ -76,6 +105,7 @@ class Queue:
         self.lease = lease
         self.max_held = max_held
         self.held: Deque[Job] = collections.deque()
+        self._held_again = 0    # of the held, jobs given out before (3-tuples)
         self.consumers: Dict[str, Consumer] = {}
         self._by_inbox: Dict[str, str] = {}
         # Consumers with credit, in the order they are served.
@@ -86,45 +116,86 @@ class Queue:
     # -- jobs ------------------------------------------------------------------
 
     def add(self, key: bytes, payload: bytes) -> None:
-        self.held.append(Job(key, payload))
+        self.held.append((key, payload))
         self.counts["received"] += 1
 
     def trim(self) -> List[Job]:
         """Drop the oldest held jobs beyond ``max_held`` (call after ``dispatch``)."""
-        dropped = []
-        while len(self.held) > self.max_held:
-            dropped.append(self.held.popleft())
+        held = self.held
+        if len(held) <= self.max_held:
+            return []
+        dropped = [held.popleft() for _ in range(len(held) - self.max_held)]
+        if self._held_again:
+            self._held_again -= sum(len(job) > 2 for job in dropped)
         self.counts["dropped"] += len(dropped)
         return dropped
 
     def dispatch(self, now: float) -> List[Delivery]:
-        """Give held jobs to consumers with credit, round the consumers in turn."""
-        out: List[Delivery] = []
-        held, ready, counts = self.held, self._ready, self.counts
+        """Give held jobs to consumers with credit, one each in turn round the
+        consumers; what each got, under consecutive tags."""
+        held, ready = self.held, self._ready
+        consumers = self.consumers
+        got: Dict[Consumer, List[Job]] = {}
         while held and ready:
-            c = ready.popleft()
-            if self.consumers.get(c.token) is not c or c.credit <= 0:
-                c.ready = False
-                continue
-            job = held.popleft()
-            tag = self._next_tag
-            self._next_tag += 1
-            if job.deliveries:
-                counts["redelivered"] += 1
-            job.deliveries += 1
-            c.in_flight[tag] = (job, now + self.ack_timeout)
-            c.delivered += 1
-            counts["delivered"] += 1
-            out.append((c.inbox, tag, job))
-            if c.credit > 0:
-                ready.append(c)
-            else:
-                c.ready = False
+            # One round: every ready consumer, in turn, as many times as the
+            # least credit among them allows (and the held jobs).
+            turn = []
+            for c in ready:
+                if consumers.get(c.token) is c and c.credit - len(got.get(c, ())) > 0:
+                    turn.append(c)
+                else:
+                    c.ready = False
+            ready.clear()
+            if not turn:
+                break
+            width = len(turn)
+            rounds = min(c.credit - len(got.get(c, ())) for c in turn)
+            take = min(len(held), rounds * width)
+            block = [held.popleft() for _ in range(take)]
+            for i, c in enumerate(turn):
+                jobs = block[i::width]
+                if c in got:
+                    got[c].extend(jobs)
+                else:
+                    got[c] = jobs
+            # Who got the last job of a partial round goes to the back.
+            served = take % width
+            for c in turn[served:] + turn[:served]:
+                if c.credit - len(got[c]) > 0:
+                    ready.append(c)
+                else:
+                    c.ready = False
+        out: List[Delivery] = []
+        counts = self.counts
+        deadline = now + self.ack_timeout
+        for c, jobs in got.items():
+            if self._held_again:
+                jobs = self._again(jobs)
+            first = self._next_tag
+            self._next_tag = first + len(jobs)
+            c.in_flight.update(zip(range(first, self._next_tag), jobs))
+            c.deadlines.append((self._next_tag - 1, deadline))
+            c.delivered += len(jobs)
+            counts["delivered"] += len(jobs)
+            out.append((c, first, jobs))
+        return out
+
+    def _again(self, jobs: List[Job]) -> List[Job]:
+        """Jobs given out before: their delivery count goes up."""
+        out = []
+        for job in jobs:
+            if len(job) > 2:
+                job = (job[0], job[1], job[2] + 1)
+                self._held_again -= 1
+                self.counts["redelivered"] += 1
+            out.append(job)
         return out
 
     def _requeue(self, jobs: List[Job]) -> None:
         # Handed-back jobs go first: they have waited longest.
-        self.held.extendleft(reversed(jobs))
+        again = [job if len(job) > 2 else (job[0], job[1], 1) for job in jobs]
+        self._held_again += len(again)
+        self.held.extendleft(reversed(again))
 
     def _credit_back(self, c: Consumer) -> None:
         if not c.ready and c.credit > 0 and self.consumers.get(c.token) is c:
@@ -133,17 +204,18 @@ class Queue:
 
     # -- consumers ---------------------------------------------------------------
 
-    def join(self, inbox: str, prefetch: int, now: float) -> Tuple[Consumer, bool]:
-        """A hello: the consumer at this inbox (its lease renewed and its
-        prefetch updated if it was known already), and whether it is new."""
+    def join(self, inbox: str, prefetch: int, now: float,
+             batch: bool = False) -> Tuple[Consumer, bool]:
+        """A hello: the consumer at this inbox (its lease renewed, its
+        prefetch and batch updated if it was known already), and whether it is new."""
         granted = self.prefetch if prefetch <= 0 else min(prefetch, self.prefetch)
         token = self._by_inbox.get(inbox)
         if token is not None:
             c = self.consumers[token]
-            c.prefetch, c.lease_until = granted, now + self.lease
+            c.prefetch, c.lease_until, c.batch = granted, now + self.lease, batch
             self._credit_back(c)
             return c, False
-        c = Consumer(new_id(), inbox, granted, now + self.lease)
+        c = Consumer(new_id(), inbox, granted, now + self.lease, batch)
         self.consumers[c.token] = c
         self._by_inbox[inbox] = c.token
         self.counts["consumers_joined"] += 1
@@ -153,8 +225,9 @@ class Queue:
     def _leave(self, c: Consumer, reason: str) -> Departure:
         del self.consumers[c.token]
         del self._by_inbox[c.inbox]
-        jobs = [job for job, _ in c.in_flight.values()]
+        jobs = list(c.in_flight.values())
         c.in_flight.clear()
+        c.deadlines.clear()
         self._requeue(jobs)
         if reason in (LEFT_LEASE, LEFT_ACK_TIMEOUT):
             self.counts["consumers_lost"] += 1
@@ -169,21 +242,18 @@ class Queue:
 
     def settle(self, c: Consumer, tags: List[int], verb: str) -> None:
         """``ack``, ``nack`` (give out again) or ``reject`` (drop) these tags."""
-        back = []
-        for tag in tags:
-            entry = c.in_flight.pop(tag, None)
-            if entry is None:
-                self.counts["late_acks"] += 1
-                continue
-            if verb == "ack":
-                c.acked += 1
-                self.counts["acked"] += 1
-            elif verb == "nack":
-                back.append(entry[0])
-                self.counts["nacked"] += 1
-            else:
-                self.counts["rejected"] += 1
-        self._requeue(back)
+        pop = c.in_flight.pop
+        jobs = [job for job in map(pop, tags, repeat(None)) if job is not None]
+        counts = self.counts
+        counts["late_acks"] += len(tags) - len(jobs)
+        if verb == "ack":
+            c.acked += len(jobs)
+            counts["acked"] += len(jobs)
+        elif verb == "nack":
+            self._requeue(jobs)
+            counts["nacked"] += len(jobs)
+        else:
+            counts["rejected"] += len(jobs)
         self._credit_back(c)
 
     def bye(self, c: Consumer) -> Departure:
@@ -196,7 +266,7 @@ class Queue:
         for c in list(self.consumers.values()):
             if c.lease_until <= now:
                 gone.append(self._leave(c, LEFT_LEASE))
-            elif any(deadline <= now for _, deadline in c.in_flight.values()):
+            elif c.overdue(now):
                 gone.append(self._leave(c, LEFT_ACK_TIMEOUT))
         return gone
 

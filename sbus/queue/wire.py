@@ -14,23 +14,28 @@ import json
 from typing import Dict, List, NamedTuple, Tuple
 
 PREFIX = b"sbus/queue/"
-HELLO_KEY = "sbus/queue/hello"     # <prefetch> <inbox> <pattern>; again to renew the lease
+HELLO_KEY = "sbus/queue/hello"     # <prefetch> [batch] <inbox> <pattern>; again to renew the lease
 STATE_KEY = "sbus/queue/state"     # <inbox> <pattern>
 
 # Suffixes of a consumer's inbox (service -> consumer).
 WELCOME = "welcome"    # <token> <lease seconds> <control key>
 JOB = "job"            # <tag> <deliveries> <key>\0<payload>
+JOBS = "jobs"          # records <size> <job payload>, back to back (consumers that said batch)
 EXPIRED = "expired"    # <token>: the service forgot this consumer; say hello again
 STATE = "state"        # the service's state as JSON
 # Suffix of the service's inbox: its control key (consumer -> service).
 CONTROL = "ctl"
 
+# The word in a hello by which a consumer asks for its jobs in batches.
+BATCH = b"batch"
+
 # The longest inbox a hello may name, and so the most a delivery adds to the
-# job's own packet ("MSG key\0payload"): the inbox, "job", two counts and
-# their spaces. A job within that much of the broker's --max-message is
-# dropped on arrival (counted as oversize): it could not be delivered.
+# job's own packet ("MSG key\0payload"): the inbox, "jobs", a record's three
+# counts and their spaces, and the NUL after the delivery's key. A job within
+# that much of the broker's --max-message is dropped on arrival (counted as
+# oversize): it could not be delivered.
 MAX_INBOX = 200
-DELIVERY_OVERHEAD = MAX_INBOX + len(JOB) + 2 * 20
+DELIVERY_OVERHEAD = MAX_INBOX + len(JOBS) + 3 * (20 + 1) + 1
 
 # Verbs on the control key: "<verb> <token> <arguments>".
 ACK = "ack"            # <tag>...: done, forget these jobs
@@ -70,14 +75,26 @@ def parse_inbox(raw: bytes, what: str = "inbox") -> str:
 
 # -- public requests ----------------------------------------------------------------
 
-def pack_hello(prefetch: int, inbox: str, pattern: str) -> bytes:
-    return f"{prefetch} {inbox} ".encode() + pattern.encode("utf-8", "surrogateescape")
+class Hello(NamedTuple):
+    prefetch: int
+    inbox: str
+    pattern: bytes
+    batch: bool     # the consumer takes ``jobs`` batches
 
 
-def parse_hello(payload: bytes) -> Tuple[int, str, bytes]:
-    """(prefetch, inbox, pattern)."""
-    prefetch, inbox, pattern = _fields(payload, 3)
-    return _count(prefetch, "prefetch"), parse_inbox(inbox), pattern
+def pack_hello(prefetch: int, inbox: str, pattern: str, batch: bool = False) -> bytes:
+    words = f"{prefetch} batch {inbox} " if batch else f"{prefetch} {inbox} "
+    return words.encode() + pattern.encode("utf-8", "surrogateescape")
+
+
+def parse_hello(payload: bytes) -> Hello:
+    if payload.startswith(b"batch ", payload.find(b" ") + 1):
+        prefetch, _, inbox, pattern = _fields(payload, 4)
+        batch = True
+    else:
+        prefetch, inbox, pattern = _fields(payload, 3)
+        batch = False
+    return Hello(_count(prefetch, "prefetch"), parse_inbox(inbox), pattern, batch)
 
 
 def pack_state_request(inbox: str, pattern: str) -> bytes:
@@ -125,6 +142,41 @@ def parse_job(payload: bytes) -> Tuple[int, int, bytes, bytes]:
     return _count(tag, "tag"), _count(deliveries, "deliveries"), key, body
 
 
+def pack_jobs_py(tags: List[int], jobs: List[tuple], limit: int) -> List[bytes]:
+    """The plain-Python twin of ``sbus._core.jobs.pack_jobs``: ``jobs``
+    payloads of at most ``limit`` bytes (a larger record alone), each job
+    ``(key, payload)`` delivered once or ``(key, payload, deliveries)``."""
+    out: List[bytes] = []
+    packet = b""
+    for tag, job in zip(tags, jobs):
+        body = pack_job(tag, job[2] if len(job) > 2 else 1, job[0], job[1])
+        record = b"%d %s" % (len(body), body)
+        if packet and len(packet) + len(record) > limit:
+            out.append(packet)
+            packet = b""
+        packet += record
+    if packet:
+        out.append(packet)
+    return out
+
+
+def parse_jobs_py(payload: bytes) -> List[Tuple[int, int, bytes, bytes]]:
+    """The plain-Python twin of ``sbus._core.jobs.parse_jobs``: the records
+    of a ``jobs`` payload as (tag, deliveries, key, payload)."""
+    out = []
+    at = 0
+    while at < len(payload):
+        space = payload.find(b" ", at)
+        if space < 0:
+            raise WireError("a jobs record without its size")
+        size = _count(payload[at:space], "size")
+        at = space + 1 + size
+        if at > len(payload):
+            raise WireError("a jobs record longer than its payload")
+        out.append(parse_job(payload[space + 1:at]))
+    return out
+
+
 def pack_state(state: Dict) -> bytes:
     return json.dumps(state, sort_keys=True).encode()
 
@@ -147,4 +199,9 @@ def parse_control(payload: bytes) -> Tuple[str, str, List[bytes]]:
 
 
 def parse_tags(args: List[bytes]) -> List[int]:
-    return [_count(a, "tag") for a in args if a]
+    if b"" in args:
+        args = [a for a in args if a]
+    # As _count for each, with the loops in C: one ack names hundreds of tags.
+    if not all(map(bytes.isdigit, args)) or max(map(len, args), default=0) > 18:
+        raise WireError(f"a tag is not a count: {b' '.join(args)[:80]!r}")
+    return list(map(int, args))

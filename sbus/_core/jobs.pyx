@@ -1,0 +1,335 @@
+# The batched deliveries of `sbus queue` (docs/queues.md, "Batches"), packed
+# by the service and parsed by the consumers with no Python-level loop over
+# bytes. A `jobs` payload is records back to back, each the decimal size of
+# a `job` payload, one space, and that payload: `TAG DELIVERIES KEY\0PAYLOAD`.
+# sbus.queue.wire has the plain-Python twins (pack_jobs_py, parse_jobs_py),
+# which the tests hold these to. Intake is the service's reader: it takes
+# the jobs off the bus in C, and leaves the rest to the service. Job and
+# Acks are the consumers' (sbus.client.consume): a delivery made straight
+# from its record, and the acks held to go out together.
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.object cimport PyObject
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from libc.stdint cimport uint64_t
+from libc.string cimport memchr, memcmp, memcpy
+
+from .batch cimport Sink
+from .includes.sys cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+from ..queue.wire import ACK, NACK, REJECT, pack_control
+
+
+cdef extern from "Python.h":
+    # A (key, payload) tuple of bytes is in no reference cycle.
+    void PyObject_GC_UnTrack(object o)
+
+
+cdef enum:
+    MAX_DIGITS = 18     # the longest count the convention allows (wire._count)
+
+# Keys under this prefix are the service's requests, never jobs (wire.PREFIX).
+cdef const char *REQUESTS = b"sbus/queue/"
+cdef size_t REQUESTS_LEN = 11
+
+
+cdef inline int digits(uint64_t n) noexcept:
+    cdef int d = 1
+    while n >= 10:
+        n //= 10
+        d += 1
+    return d
+
+
+cdef inline char *put_count(char *at, uint64_t n, int width) noexcept:
+    """Write n in ``width`` decimal digits (its own count of them) at ``at``;
+    returns the byte after them."""
+    cdef int i
+    for i in range(width - 1, -1, -1):
+        at[i] = <char>(48 + n % 10)
+        n //= 10
+    return at + width
+
+
+cdef inline Py_ssize_t job_size(uint64_t tag, uint64_t deliveries, Py_ssize_t klen,
+                                Py_ssize_t plen) noexcept:
+    return digits(tag) + 1 + digits(deliveries) + 1 + klen + 1 + plen
+
+
+def pack_jobs(list tags, list jobs, Py_ssize_t limit):
+    """The payloads of ``jobs`` deliveries for ``jobs[i]`` under ``tags[i]``,
+    in order, each at most ``limit`` bytes (a record larger than that alone
+    in its payload). A job is the service's in-flight entry: ``(key,
+    payload)`` delivered once, or ``(key, payload, deliveries)``."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(jobs), i, j, start = 0, size = 0, rec = 0, body
+    cdef uint64_t tag, deliveries
+    cdef PyObject *job
+    cdef bytes key, payload
+    cdef char *at
+    cdef list out = []
+    if PyList_GET_SIZE(tags) != n:
+        raise ValueError("pack_jobs: as many tags as jobs")
+    if n == 0:
+        return out
+    for i in range(n + 1):
+        if i < n:
+            rec = record_size(tags, jobs, i)
+            if size == 0 or size + rec <= limit:
+                size += rec
+                continue
+        # jobs[start:i] make one payload of ``size`` bytes
+        packed = PyBytes_FromStringAndSize(NULL, size)
+        at = PyBytes_AS_STRING(packed)
+        for j in range(start, i):
+            job = PyList_GET_ITEM(jobs, j)
+            key = <bytes>PyTuple_GET_ITEM(<object>job, 0)
+            payload = <bytes>PyTuple_GET_ITEM(<object>job, 1)
+            deliveries = <uint64_t><object>PyTuple_GET_ITEM(<object>job, 2) \
+                if PyTuple_GET_SIZE(<object>job) > 2 else 1
+            tag = <uint64_t><object>PyList_GET_ITEM(tags, j)
+            body = job_size(tag, deliveries, PyBytes_GET_SIZE(key), PyBytes_GET_SIZE(payload))
+            at = put_count(at, body, digits(body))
+            at[0] = b' '
+            at = put_count(at + 1, tag, digits(tag))
+            at[0] = b' '
+            at = put_count(at + 1, deliveries, digits(deliveries))
+            at[0] = b' '
+            memcpy(at + 1, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key))
+            at += 1 + PyBytes_GET_SIZE(key)
+            at[0] = 0
+            memcpy(at + 1, PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload))
+            at += 1 + PyBytes_GET_SIZE(payload)
+        out.append(packed)
+        if i < n:
+            start, size = i, rec
+    return out
+
+
+cdef Py_ssize_t record_size(list tags, list jobs, Py_ssize_t i) except -1:
+    cdef object job = <object>PyList_GET_ITEM(jobs, i)
+    cdef object tag = <object>PyList_GET_ITEM(tags, i)
+    cdef bytes key = <bytes>PyTuple_GET_ITEM(job, 0)
+    cdef bytes payload = <bytes>PyTuple_GET_ITEM(job, 1)
+    cdef uint64_t deliveries = <uint64_t><object>PyTuple_GET_ITEM(job, 2) \
+        if PyTuple_GET_SIZE(job) > 2 else 1
+    cdef Py_ssize_t body = job_size(<uint64_t>tag, deliveries, PyBytes_GET_SIZE(key),
+                                    PyBytes_GET_SIZE(payload))
+    return digits(body) + 1 + body
+
+
+cdef int read_count(const char *p, const char *end, const char **after,
+                    uint64_t *value) except -1:
+    """A count (1 to MAX_DIGITS digits) then one space, at p; ValueError otherwise."""
+    cdef const char *q = p
+    cdef uint64_t v = 0
+    while q < end and b'0' <= q[0] <= b'9' and q - p < MAX_DIGITS:
+        v = v * 10 + <uint64_t>(q[0] - 48)
+        q += 1
+    if q == p or q >= end or q[0] != b' ':
+        raise ValueError("a jobs record whose header is not counts separated by spaces")
+    value[0] = v
+    after[0] = q + 1
+    return 0
+
+
+def parse_jobs(bytes data):
+    """The records of a ``jobs`` payload: a list of (tag, deliveries, key,
+    payload). ValueError for a payload that does not follow the convention."""
+    cdef const char *p = PyBytes_AS_STRING(data)
+    cdef const char *end = p + PyBytes_GET_SIZE(data)
+    cdef const char *rec_end
+    cdef const char *nul
+    cdef uint64_t size, tag, deliveries
+    cdef list out = []
+    while p < end:
+        read_count(p, end, &p, &size)
+        if size > <uint64_t>(end - p):
+            raise ValueError("a jobs record longer than its payload")
+        rec_end = p + size
+        read_count(p, rec_end, &p, &tag)
+        read_count(p, rec_end, &p, &deliveries)
+        nul = <const char *>memchr(p, 0, rec_end - p)
+        if nul == NULL:
+            raise ValueError("a jobs record without NUL after its key")
+        out.append((tag, deliveries, PyBytes_FromStringAndSize(p, nul - p),
+                    PyBytes_FromStringAndSize(nul + 1, rec_end - nul - 1)))
+        p = rec_end
+    return out
+
+
+cdef class Intake(Sink):
+    """The queue service's reader (a batch.Sink for ``receive_into``): a
+    plain message that is a job goes to ``held.append`` as a ``(key,
+    payload)`` tuple, counted in ``received``; anything else, in order, to
+    ``others`` for the service: a key that is private (``!``, the service's
+    own inbox and control key) or under ``sbus/queue/``, or a job whose key
+    and payload are longer than ``room`` (too large to deliver)."""
+
+    cdef object append
+    cdef list others
+    cdef bytes last_key     # reused while the keys repeat
+    cdef readonly Py_ssize_t room
+    cdef public Py_ssize_t received
+
+    def __cinit__(self, object held, Py_ssize_t room):
+        self.append = held.append
+        self.others = []
+        self.last_key = b""
+        self.room = room
+
+    cdef int put(self, const char *key, size_t klen,
+                 const char *payload, size_t plen) except -1:
+        cdef bytes k = self.last_key
+        if <size_t>PyBytes_GET_SIZE(k) != klen or memcmp(PyBytes_AS_STRING(k), key, klen) != 0:
+            k = PyBytes_FromStringAndSize(key, klen)
+            self.last_key = k
+        job = (k, PyBytes_FromStringAndSize(payload, plen))
+        PyObject_GC_UnTrack(job)
+        cdef bint request = klen >= REQUESTS_LEN and memcmp(key, REQUESTS, REQUESTS_LEN) == 0
+        if (klen and key[0] == b'!') or request or <Py_ssize_t>(klen + plen) > self.room:
+            self.others.append(job)
+        else:
+            self.append(job)
+            self.received += 1
+        return 0
+
+    def take_others(self):
+        """The messages that were not jobs since the last call, in order."""
+        out, self.others = self.others, []
+        return out
+
+
+cdef class Job:
+    """One delivery: ``key`` and ``payload`` as published, ``deliveries`` (1
+    the first time; more means it was given out before and not acknowledged),
+    and ``tag``, the service's name for this delivery. Settle it once, with
+    ``ack()`` or ``nack()``; with the asyncio client, await them."""
+
+    cdef readonly bytes key
+    cdef readonly bytes payload
+    cdef readonly object deliveries
+    cdef readonly object tag
+    cdef readonly bint settled
+    cdef object settle      # settle(verb, tag): what ack() and nack() return
+
+    def __init__(self, bytes key, bytes payload, deliveries, tag, settle):
+        self.key, self.payload, self.deliveries, self.tag = key, payload, deliveries, tag
+        self.settle = settle
+
+    @property
+    def redelivered(self):
+        return self.deliveries > 1
+
+    def ack(self):
+        """Done: the service forgets the job."""
+        if self.settled:
+            raise RuntimeError(f"job {self.tag} is already settled")
+        self.settled = True
+        return self.settle(ACK, self.tag)
+
+    def nack(self, bint requeue=True):
+        """Not done: the job goes to a consumer again, or with ``requeue=False``
+        is dropped (counted as rejected)."""
+        if self.settled:
+            raise RuntimeError(f"job {self.tag} is already settled")
+        self.settled = True
+        return self.settle(NACK if requeue else REJECT, self.tag)
+
+    def __repr__(self):
+        return (f"Job(key={self.key!r}, payload={self.payload[:40]!r}, "
+                f"deliveries={self.deliveries}, tag={self.tag})")
+
+
+def jobs_from(bytes data, object settle):
+    """The records of a ``jobs`` payload as Job objects settled through
+    ``settle``; ValueError as parse_jobs raises it."""
+    cdef const char *p = PyBytes_AS_STRING(data)
+    cdef const char *end = p + PyBytes_GET_SIZE(data)
+    cdef const char *rec_end
+    cdef const char *nul
+    cdef uint64_t size, tag, deliveries
+    cdef Job job
+    cdef bytes key = b""    # reused while the keys repeat
+    cdef list out = []
+    while p < end:
+        read_count(p, end, &p, &size)
+        if size > <uint64_t>(end - p):
+            raise ValueError("a jobs record longer than its payload")
+        rec_end = p + size
+        read_count(p, rec_end, &p, &tag)
+        read_count(p, rec_end, &p, &deliveries)
+        nul = <const char *>memchr(p, 0, rec_end - p)
+        if nul == NULL:
+            raise ValueError("a jobs record without NUL after its key")
+        if PyBytes_GET_SIZE(key) != nul - p or memcmp(PyBytes_AS_STRING(key), p, nul - p) != 0:
+            key = PyBytes_FromStringAndSize(p, nul - p)
+        job = Job.__new__(Job)
+        job.key = key
+        job.payload = PyBytes_FromStringAndSize(nul + 1, rec_end - nul - 1)
+        job.tag = tag
+        job.deliveries = deliveries
+        job.settle = settle
+        out.append(job)
+        p = rec_end
+    return out
+
+
+cdef double monotonic() noexcept:
+    # The clock of time.monotonic(), which the consumer's renewer compares ``due`` with.
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef class Acks:
+    """Acks held to go out together: one ``ack TOKEN TAG TAG...`` control
+    message (sbus.client.consume). ``add`` and ``take`` change the held set
+    in C with the GIL held, so a consumer's thread and its renewer share it
+    without a lock. ``due`` is when the oldest held ack must go (``delay``
+    after it was held; None when none is held), ``limit`` how many are held
+    at most (then they go at once), ``started`` counts the times an ack was
+    held with none before it, and ``watched`` is the renewer's word that it
+    looks at ``due`` without being woken."""
+
+    cdef list tags
+    cdef object control
+    cdef object token
+    cdef double delay
+    cdef readonly Py_ssize_t limit
+    cdef public object due
+    cdef readonly Py_ssize_t started
+    cdef public bint watched
+
+    def __cinit__(self, double delay, Py_ssize_t limit):
+        self.tags = []
+        self.control = self.token = ""
+        self.delay = delay
+        self.limit = limit if limit > 1 else 1
+
+    def add(self, control, token, tag):
+        """Hold one ack. None if others were held already; else True. A
+        packet (key, payload) instead if one must go out now: the acks held
+        for another token or control key (this one is held), or, once
+        ``limit`` are held, all of them (none is held)."""
+        cdef object out = True
+        if self.tags:
+            if token == self.token and control == self.control:
+                self.tags.append(tag)
+                return self.take() if len(self.tags) >= self.limit else None
+            out = self.take()
+        self.control, self.token = control, token
+        self.due = monotonic() + self.delay
+        self.started += 1
+        self.tags.append(tag)
+        if out is True and self.limit == 1:
+            return self.take()
+        return out
+
+    def take(self):
+        """The packet (key, payload) of the acks held, which are forgotten; None if none are."""
+        if not self.tags:
+            return None
+        tags, self.tags = self.tags, []
+        self.due = None
+        # Packed from a list nobody else sees: Python code may run meanwhile.
+        return (self.control, pack_control(ACK, self.token, *tags))
