@@ -120,6 +120,13 @@ cdef void fan_one(void *ctx, Sub *sub) noexcept nogil:
     f.n += 1
 
 
+cdef inline uint32_t read_want(Conn *c, uint32_t room) noexcept:
+    """How many packets to ask c for, with room slots free."""
+    if c.recv_want == 0:
+        c.recv_want = RECV_BATCH    # a new record: nothing known yet
+    return c.recv_want if room > c.recv_want else room
+
+
 cdef inline void note_read(Conn *c, uint32_t want, int got) noexcept:
     """Adjusts c.recv_want after a read that asked for want packets and got
     got: a read that asks for more than there is pays for a failed receive."""
@@ -431,7 +438,7 @@ cdef class Broker:
             return 0
         base = self.nslots
         room = self.turn_slots - base
-        want = c.recv_want if room > c.recv_want else room
+        want = read_want(c, room)
         n = recvmmsg(c.fd, &self.rhdrs[base], want, MSG_DONTWAIT, NULL)
         if n < 0:
             if errno == EAGAIN or errno == EINTR:
@@ -520,11 +527,8 @@ cdef class Broker:
                 if not self.before_read(c, mask):
                     i += 1
                     continue
-                want = c.recv_want
-                if want > room:
-                    want = room
-                if want > <uint32_t>(RECV_BATCH - nops):
-                    want = RECV_BATCH - nops
+                want = read_want(c, room if room < <uint32_t>(RECV_BATCH - nops)
+                                 else <uint32_t>(RECV_BATCH - nops))
                 for j in range(nops, nops + <int>want):
                     self.rops[j].fd = fd
                     self.rops[j].buf = <char *>self.riov[base + j].iov_base
@@ -1005,7 +1009,6 @@ cdef class Broker:
         c.hard = self.hard
         c.order = self.order
         c.echo = 1
-        c.recv_want = RECV_BATCH
         c.connected_at = self.now
         c.pend_head = -1
         c.pend_tail = -1
