@@ -11,6 +11,14 @@
  * non-waiting RECVs, one io_uring_enter for every readable connection's
  * packets instead of a recvmmsg each.
  *
+ * Not multishot receives into a provided-buffer ring: the kernel would then
+ * receive ahead of the broker, which must be able to stop reading before a
+ * reader in a block mode passes its limit by more than one batch
+ * (RECV_BATCH packets); with buffers sized for the largest packet it could
+ * offer only a batch of them at a time, and every other readable
+ * connection's multishot receive would end with ENOBUFS, to be armed again
+ * each turn.
+ *
  * Contract: sbus_uring_init returns 0 or -errno; every other function that
  * returns int returns 0 or -errno; the ring is single-threaded.
  */
