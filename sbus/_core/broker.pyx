@@ -1415,6 +1415,16 @@ cdef class Broker:
             return 0
         if c.pend_head >= 0 and not self.flushing:
             self.flush_before_close(c)
+            if c.closing:
+                # The flush closed it (a send failed, or its flood mode
+                # closes it when its queue is full): listed once already,
+                # it keeps the reason given first.
+                c.reason = reason
+                if detail is None:
+                    self.close_details.pop(c.id, None)
+                else:
+                    self.close_details[c.id] = detail
+                return 0
         c.closing = 1
         c.reason = reason
         if detail is not None:
