@@ -557,9 +557,7 @@ cdef class Broker:
         self.batch_pend = self.npend
         for j in range(first, first + want):
             if c.closing:
-                # Closed since it was read (a flush's send failed): what it
-                # sent goes with it, as what a closing connection has not
-                # been read for does.
+                # What a closing connection sent goes with it, read or not.
                 break
             res = self.rops[j].res
             if res < 0:
