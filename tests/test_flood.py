@@ -891,3 +891,31 @@ def test_stats_read_with_messages_in_one_batch_counts_their_deliveries(sbusd, ba
     assert snap["totals"]["msgs_in"] == before["totals"]["msgs_in"] + 10
     assert (per_client(snap, sid)["queued_msgs"] ==
             per_client(before, sid)["queued_msgs"] + 10)
+
+
+def test_a_subscriber_the_flush_closes_while_it_is_closing_is_torn_down_once(sbusd, backend):
+    # Its end of input is read in the turn after publishers' packets pended
+    # deliveries for it; sending those before it goes overflows its queue,
+    # which in blocking/hard/error mode closes it as well: it must be torn
+    # down (and freed) once, for the reason found first.
+    b = sbusd(*SMALL, "--queue-max-msgs", "4", backend=backend)
+    sub, sid = subscriber(b, b"k", cmsgs=[b"blocking/hard/error"])
+    pubs = [publisher_socket(b) for _ in range(8)]
+    fill_until_queued(pubs[0], b"k", sid)
+    for p in pubs:
+        p.sync()
+    stop_process(b.pid)
+    try:
+        for p in pubs:
+            for i in range(2):
+                p.send(b"MSG k\0%010d" % i + b"f" * 3000)
+        sub.shutdown(socket.SHUT_WR)
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+    rec = b.wait_for_event("client_disconnect", predicate=lambda r: r["client"] == sid)
+    for p in pubs:
+        p.sync()
+    assert b.proc.poll() is None
+    assert rec["reason"] in ("eof", "flood_error"), rec
+    records = [r for r in b.records() if r.get("event") == "client_disconnect"]
+    assert [r["client"] for r in records] == [sid], records

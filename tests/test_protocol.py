@@ -1,9 +1,10 @@
 """The sbus protocol against real sbusd processes, on both event-loop backends."""
 import os
+import signal
 
 import pytest
 
-from support import recv_or_none
+from support import recv_or_none, stop_process
 
 BIG = 409600
 
@@ -329,3 +330,51 @@ def test_closing_with_unread_deliveries_is_an_ordinary_eof(broker):
     rec = broker.wait_for_event("client_disconnect")
     assert rec["reason"] == "eof" and rec["detail"] == "closed with unread deliveries", rec
     assert rec["level"] == "info"
+
+
+def test_one_turn_over_many_connections_keeps_each_ones_order_and_ends_only_the_bad(broker):
+    # Everything is sent while the broker is stopped, so one loop turn finds
+    # every connection readable, each with a different number of packets (a
+    # batching backend reads them in rounds of up to 32 packets): what ends
+    # one connection (EOF, an empty packet, an oversized one) ends only it,
+    # after what it sent before; every other keeps its order.
+    sub = client(broker)
+    sub.send(b"SUB k/")
+    sub.sync()
+    pubs = [client(broker) for _ in range(40)]
+    eof, empty, big = client(broker), client(broker), client(broker, sndbuf=4 * BIG)
+    for c in (*pubs, eof, empty, big):
+        c.sync()
+    counts = [1 + k % 7 for k in range(len(pubs))]
+    stop_process(broker.pid)
+    try:
+        for k, (p, n) in enumerate(zip(pubs, counts)):
+            for i in range(n):
+                p.send(b"MSG k/%d\0%d" % (k, i))
+        eof.send(b"MSG k/eof\0last")
+        eof.close()
+        empty.send(b"MSG k/empty\0before")
+        empty.send(b"")
+        empty.send(b"MSG k/empty\0after")
+        big.send(b"MSG k/big\0before")
+        big.send(b"MSG k/big\0" + b"x" * (BIG + 1 - len(b"MSG k/big\0")))
+        big.send(b"MSG k/big\0after")
+    finally:
+        os.kill(broker.pid, signal.SIGCONT)
+    got = {}
+    for _ in range(sum(counts) + 3):
+        key, payload = sub.recv(1000)[len(b"MSG "):].split(b"\0")
+        got.setdefault(key, []).append(payload)
+    assert recv_or_none(sub) is None
+    want = {b"k/%d" % k: [b"%d" % i for i in range(n)] for k, n in enumerate(counts)}
+    want.update({b"k/eof": [b"last"], b"k/empty": [b"before"], b"k/big": [b"before"]})
+    assert got == want
+    empty.assert_closed()
+    big.assert_closed()
+    ends = {reason: broker.wait_for_event("client_disconnect",
+                                          predicate=lambda r, w=reason: r["reason"] == w)["detail"]
+            for reason in ("eof", "protocol_error", "oversize")}
+    assert ends == {"eof": None, "protocol_error": "empty packet",
+                    "oversize": f"packet larger than {BIG} bytes"}
+    for p in pubs:
+        p.sync()

@@ -4,6 +4,13 @@
 #   1. receive: recvmmsg reads up to RECV_BATCH packets of one connection
 #      into the loop turn's next free receive slots (rhdrs/riov over
 #      recv_area); every readable connection of the turn gets slots of its own.
+#      It asks for about as many as the connection had lately (Conn.recv_want):
+#      a recvmmsg that asks for more than there is pays for a failed read
+#      (EAGAIN), which with many publishers of one packet a turn each is a
+#      large share of the receive cost; what a read leaves is read next turn,
+#      every backend being level-triggered. Where the backend receives in
+#      batches (io_uring), the turn's readable connections are read in rounds
+#      of up to RECV_BATCH packets, one io_uring_enter each (read_rounds).
 #   2. match: a MSG's key is looked up in the segment trie (index); every
 #      recipient gets a Pending entry naming the slot, chained per recipient.
 #   3. send: once per loop turn (before_sleep, as redis's beforeSleep), or
@@ -22,7 +29,7 @@ from sbus._core.budget cimport Account, Accounts
 from sbus._core.conn cimport Conn, Counters
 from sbus._core.includes.sys cimport mmsghdr, iovec, ucred
 from sbus._core.index cimport Index, Sub
-from sbus._core.loop cimport Poller
+from sbus._core.loop cimport Fired, Poller, RecvOp
 from sbus._core.protocol cimport CredForm
 from sbus._core.report cimport Budgets
 from sbus._core.sendq cimport Packet
@@ -30,7 +37,8 @@ from sbus._core.sendq cimport Packet
 
 cdef enum:
     ACCEPT_BATCH = 64       # connections accepted per readable event
-    RECV_BATCH = 32         # packets read from one connection per recvmmsg
+    RECV_BATCH = 32         # packets read from one connection per recvmmsg, at most
+    RECV_GROW_AFTER = 2     # full reads in a row before a connection is asked for more
     SEND_BATCH = 64         # packets written to one connection per sendmmsg
     TURN_SLOTS_MAX = 256    # receive slots one loop turn fills before a flush
     TURN_AREA_BYTES = 32 << 20  # ...and at most this much address space for them
@@ -90,6 +98,8 @@ cdef class Broker:
     cdef mmsghdr rhdrs[TURN_SLOTS_MAX]
     cdef iovec riov[TURN_SLOTS_MAX]
     cdef uint64_t batch_seqs[TURN_SLOTS_MAX]
+    cdef Fired *readable            # batched receive: the turn's readable connections
+    cdef RecvOp rops[RECV_BATCH]    # ...and one round's receives, into the next slots
     cdef uint64_t seq               # messages published since start
     cdef uint64_t rng               # xorshift state for sampling
     # 2. pending entries, chained per recipient (Conn.pend_head/pend_tail)
@@ -176,6 +186,13 @@ cdef class Broker:
 
     # ---- receiving: one batch of one connection into the turn's free slots
     cdef int on_readable(self, Conn *c, int mask) except -1   # EOF, oversize, empty: close c
+    cdef bint before_read(self, Conn *c, int mask) except -1   # False: the bus is blocked, c paused
+    cdef int recv_failed(self, Conn *c, int err) except -1     # close c with the reason err means
+    cdef bint take_packet(self, Conn *c, int mask, int slot, size_t length,
+                          bint truncated) except -1   # handle it; False: c is closing
+    cdef int read_rounds(self, int n) except -1  # readable[0:n] through Poller.recv_batch
+    cdef int take_batch(self, Conn *c, int mask, uint32_t base, int first,
+                        int want) except -1      # one connection's share of a round
     cdef bint may_block_bus(self) noexcept       # the flush could stop the bus: flush first
     cdef int handle_packet(self, Conn *c, int slot, size_t n) except -1  # by verb, or close c
     cdef int publish(self, Conn *c, int slot, const char *key, size_t klen,

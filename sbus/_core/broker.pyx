@@ -138,6 +138,32 @@ cdef int link_pattern(const char *pat, size_t n, char *out, size_t cap,
     return PATTERN_OK
 
 
+cdef inline uint32_t read_want(Conn *c, uint32_t room) noexcept:
+    """How many packets to ask c for, with room slots free."""
+    if c.recv_want == 0:
+        c.recv_want = RECV_BATCH    # a new record: nothing known yet
+    return c.recv_want if room > c.recv_want else room
+
+
+cdef inline void note_read(Conn *c, uint32_t want, int got) noexcept:
+    """Adjusts c.recv_want after a read that asked for want packets and got
+    got: a read that asks for more than there is pays for a failed receive."""
+    if got == <int>want:
+        # Full: there may be more. Ask for more only once it keeps filling,
+        # so one packet a turn settles at one without a failed read; a
+        # backlog still doubles its way to RECV_BATCH.
+        c.recv_full += 1
+        if c.recv_full >= RECV_GROW_AFTER and want == c.recv_want:
+            c.recv_want = RECV_BATCH if want * 2 > RECV_BATCH else <uint8_t>(want * 2)
+            c.recv_full = 0
+    elif got > 0:
+        # Drained: shrink slowly, so a stream whose turns vary keeps its
+        # large reads.
+        c.recv_full = 0
+        if c.recv_want > 1:
+            c.recv_want = <uint8_t>(got if got > c.recv_want - 1 else c.recv_want - 1)
+
+
 cdef class Broker:
     """Serve the sbus protocol on an already listening socket.
 
@@ -162,6 +188,7 @@ cdef class Broker:
         self.scratch = NULL
         self.allowed_uids = NULL
         self.recv_area = NULL
+        self.readable = NULL
         if index_init(&self.index) < 0 or accounts_init(&self.accounts) < 0:
             raise MemoryError()
         self.rng = 0x9E3779B97F4A7C15 ^ <uint64_t>(<size_t><void *>self)
@@ -200,6 +227,10 @@ cdef class Broker:
                  double tick_interval=0.0):
         cdef int i
         self.poller = make_poller(config.backend)
+        if self.poller.batch_recv:
+            self.readable = <Fired *>malloc(self.poller.max_fired * sizeof(Fired))
+            if self.readable == NULL:
+                raise MemoryError()
         self.listen_fd = listen_fd
         self.wakeup_fd = wakeup_fd
         self.max_message = config.max_message
@@ -259,6 +290,7 @@ cdef class Broker:
         cdef int fd
         cdef Conn *c
         free(self.pend)
+        free(self.readable)
         if self.recv_area != NULL:
             munmap(self.recv_area, self.recv_area_size)
         if self.conns != NULL:
@@ -333,7 +365,7 @@ cdef class Broker:
         return timeout
 
     cdef int dispatch(self, int n) except -1:
-        cdef int i, fd, mask
+        cdef int i, fd, mask, nready = 0
         cdef Conn *c
         cdef char drain[64]
         for i in range(n):
@@ -355,7 +387,14 @@ cdef class Broker:
             if mask & EV_WRITE:
                 self.drain(c)
             if mask & EV_READ and not c.closing:
-                self.on_readable(c, mask)
+                if self.readable != NULL:
+                    self.readable[nready].fd = fd
+                    self.readable[nready].mask = mask
+                    nready += 1
+                else:
+                    self.on_readable(c, mask)
+        if nready:
+            self.read_rounds(nready)
         return 0
 
     cdef int before_sleep(self) except -1:
@@ -408,14 +447,32 @@ cdef class Broker:
     # ---- receiving ---------------------------------------------------------
 
     cdef int on_readable(self, Conn *c, int mask) except -1:
-        cdef int n, i, slot
-        cdef uint32_t base, room
-        cdef unsigned int length
-        cdef char probe
-        cdef ssize_t r
+        cdef int n, i
+        cdef uint32_t base, room, want
         if self.nslots + RECV_BATCH_MIN > self.turn_slots or (
                 self.nblockers and self.may_block_bus()):
             self.flush_pending()
+        if not self.before_read(c, mask):
+            return 0
+        base = self.nslots
+        room = self.turn_slots - base
+        want = read_want(c, room)
+        n = recvmmsg(c.fd, &self.rhdrs[base], want, MSG_DONTWAIT, NULL)
+        if n < 0:
+            if errno == EAGAIN or errno == EINTR:
+                return 0
+            return self.recv_failed(c, errno)
+        note_read(c, want, n)
+        self.nslots = base + n
+        self.batch_pend = self.npend
+        for i in range(n):
+            if not self.take_packet(c, mask, base + i, self.rhdrs[base + i].msg_len,
+                                    self.rhdrs[base + i].msg_hdr.msg_flags & MSG_TRUNC):
+                break
+        self.batch_pend = -1
+        return 0
+
+    cdef bint before_read(self, Conn *c, int mask) except -1:
         if self.nblocking:
             # A peer that hung up can never read its queue: drop it, so a dead
             # client cannot hold the bus. Its unread input waits, like every
@@ -423,43 +480,115 @@ cdef class Broker:
             if mask & EV_HUP and not c.write_dead:
                 self.stop_writing(c)
             if self.nblocking:
-                return self.pause(c)
-        base = self.nslots
-        room = self.turn_slots - base
-        n = recvmmsg(c.fd, &self.rhdrs[base], RECV_BATCH if room > RECV_BATCH else room,
-                     MSG_DONTWAIT, NULL)
-        if n < 0:
-            if errno == EAGAIN or errno == EINTR:
-                return 0
-            if errno == ECONNRESET:
-                # The client closed with deliveries still unread in its
-                # socket: an ordinary close, not a fault.
-                return self.mark_closing(c, R_EOF, "closed with unread deliveries")
-            return self.mark_closing(c, R_ERROR, f"recv: {os.strerror(errno)}")
-        self.nslots = base + n
+                self.pause(c)
+                return False
+        return True
+
+    cdef int recv_failed(self, Conn *c, int err) except -1:
+        if err == ECONNRESET:
+            # The client closed with deliveries still unread in its
+            # socket: an ordinary close, not a fault.
+            return self.mark_closing(c, R_EOF, "closed with unread deliveries")
+        return self.mark_closing(c, R_ERROR, f"recv: {os.strerror(err)}")
+
+    cdef bint take_packet(self, Conn *c, int mask, int slot, size_t length,
+                          bint truncated) except -1:
+        cdef char probe
+        cdef ssize_t r
+        if length > self.recv_high:
+            self.recv_high = length
+        if length > self.max_message or truncated:
+            self.mark_closing(c, R_OVERSIZE, f"packet larger than {self.max_message} bytes")
+            return False
+        if length == 0:
+            # EOF, or an empty packet: an empty packet from a live peer
+            # leaves the socket without data (EAGAIN) or with more.
+            r = recv(c.fd, &probe, 1, MSG_DONTWAIT | MSG_PEEK)
+            if (mask & EV_HUP) or r == 0:
+                self.mark_closing(c, R_EOF, None)
+            else:
+                self.mark_closing(c, R_PROTOCOL, "empty packet")
+            return False
+        self.handle_packet(c, slot, length)
+        return not c.closing
+
+    cdef int read_rounds(self, int n) except -1:
+        """Reads readable[0:n] as on_readable reads one connection, in
+        rounds of at most RECV_BATCH packets, one recv_batch each. The flush
+        on_readable may make before a read comes before each round, so a
+        reader in a block mode still passes its limit by at most
+        RECV_BATCH packets."""
+        cdef int i = 0, k, j, nops, nround, fd, mask
+        cdef uint32_t base, room, want
+        cdef Conn *c
+        cdef int round_fd[RECV_BATCH]
+        cdef int round_mask[RECV_BATCH]
+        cdef int round_first[RECV_BATCH]
+        cdef int round_want[RECV_BATCH]
+        while i < n:
+            if self.nslots + RECV_BATCH_MIN > self.turn_slots or (
+                    self.nblockers and self.may_block_bus()):
+                self.flush_pending()
+            base = self.nslots
+            nops = 0
+            nround = 0
+            while i < n and nops < RECV_BATCH:
+                fd = self.readable[i].fd
+                mask = self.readable[i].mask
+                c = self.conns[fd]
+                if c == NULL or c.closing:
+                    i += 1
+                    continue
+                room = self.turn_slots - base - nops
+                if room < RECV_BATCH_MIN:
+                    break           # the next round flushes first
+                if not self.before_read(c, mask):
+                    i += 1
+                    continue
+                want = read_want(c, room if room < <uint32_t>(RECV_BATCH - nops)
+                                 else <uint32_t>(RECV_BATCH - nops))
+                for j in range(nops, nops + <int>want):
+                    self.rops[j].fd = fd
+                    self.rops[j].buf = <char *>self.riov[base + j].iov_base
+                    self.rops[j].len = <uint32_t>self.riov[base + j].iov_len
+                round_fd[nround] = fd
+                round_mask[nround] = mask
+                round_first[nround] = nops
+                round_want[nround] = want
+                nround += 1
+                nops += want
+                i += 1
+            if nops == 0:
+                continue
+            self.poller.recv_batch(self.rops, nops)
+            # Slots a receive left empty stay unused until the flush.
+            self.nslots = base + nops
+            for k in range(nround):
+                c = self.conns[round_fd[k]]
+                if c != NULL:
+                    self.take_batch(c, round_mask[k], base, round_first[k], round_want[k])
+        return 0
+
+    cdef int take_batch(self, Conn *c, int mask, uint32_t base, int first, int want) except -1:
+        """c's receives rops[first:first + want], into the slots from base + first."""
+        cdef int j, res, got = 0
         self.batch_pend = self.npend
-        for i in range(n):
-            slot = base + i
-            length = self.rhdrs[slot].msg_len
-            if length > self.recv_high:
-                self.recv_high = length
-            if length > self.max_message or self.rhdrs[slot].msg_hdr.msg_flags & MSG_TRUNC:
-                self.mark_closing(c, R_OVERSIZE,
-                                  f"packet larger than {self.max_message} bytes")
-                break
-            if length == 0:
-                # EOF, or an empty packet: an empty packet from a live peer
-                # leaves the socket without data (EAGAIN) or with more.
-                r = recv(c.fd, &probe, 1, MSG_DONTWAIT | MSG_PEEK)
-                if (mask & EV_HUP) or r == 0:
-                    self.mark_closing(c, R_EOF, None)
-                else:
-                    self.mark_closing(c, R_PROTOCOL, "empty packet")
-                break
-            self.handle_packet(c, slot, length)
+        for j in range(first, first + want):
             if c.closing:
+                # What a closing connection sent goes with it, read or not.
+                break
+            res = self.rops[j].res
+            if res < 0:
+                if res == -EAGAIN or res == -EINTR:
+                    continue
+                self.recv_failed(c, -res)
+                break
+            got += 1
+            self.rhdrs[base + j].msg_len = <unsigned int>res
+            if not self.take_packet(c, mask, base + j, <size_t>res, False):
                 break
         self.batch_pend = -1
+        note_read(c, want, got)
         return 0
 
     cdef bint may_block_bus(self) noexcept:
@@ -1333,6 +1462,16 @@ cdef class Broker:
             return 0
         if c.pend_head >= 0 and not self.flushing:
             self.flush_before_close(c)
+            if c.closing:
+                # The flush closed it (a send failed, or its flood mode
+                # closes it when its queue is full): listed once already,
+                # it keeps the reason given first.
+                c.reason = reason
+                if detail is None:
+                    self.close_details.pop(c.id, None)
+                else:
+                    self.close_details[c.id] = detail
+                return 0
         c.closing = 1
         c.reason = reason
         if detail is not None:

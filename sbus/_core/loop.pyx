@@ -7,11 +7,13 @@ Contract: ``set(fd, mask)`` registers, changes or (mask 0) removes interest;
 a mask of 0 unregisters the fd entirely, so a paused or closing socket never
 fires. ``poll(timeout_ms)`` fills ``fired[0:n]`` and returns n (0 on EINTR).
 Every backend is level-triggered: an fd that stays ready fires again.
+Where ``batch_recv`` is set, ``recv_batch(ops, n)`` receives one packet per
+op, in order, and returns once every op has its result.
 """
-from libc.errno cimport errno, EINTR, ENOENT
+from libc.errno cimport errno, EAGAIN, EINTR, ENOENT
 from libc.stdint cimport uint32_t
 from libc.stdlib cimport malloc, realloc, free
-from libc.string cimport memset
+from libc.string cimport memset, memmove
 from posix.unistd cimport close
 
 from sbus._core.includes.sys cimport (
@@ -24,7 +26,11 @@ from sbus._core.includes.sys cimport (
 cdef enum:
     MAX_FIRED = 1024     # select can report every fd below FD_SETSIZE at once
     URING_ENTRIES = 1024     # submission ring; a fuller one is submitted early
-    REMOVE_TAG = 1 << 62     # user_data of a POLL_REMOVE's own completion
+    REMOVE_TAG = 1 << 62     # user_data of a POLL_REMOVE's or a cancel's own completion
+
+# user_data of a receive of recv_batch: RECV_TAG | its index in the batch
+# (poll tags use the low 62 bits).
+cdef unsigned long long RECV_TAG = (<unsigned long long>1) << 63
 
 
 cdef int raise_oserror(str what) except -1:
@@ -69,6 +75,9 @@ cdef class Poller:
         raise NotImplementedError
 
     cdef int poll(self, int timeout_ms) except -1:
+        raise NotImplementedError
+
+    cdef int recv_batch(self, RecvOp *ops, int n) except -1:
         raise NotImplementedError
 
     cdef int fd_limit(self) noexcept:
@@ -206,17 +215,21 @@ cdef inline unsigned long long poll_tag(int fd, uint32_t gen) noexcept nogil:
 
 
 cdef class IoUringPoller(Poller):
-    """io_uring, readiness only: a one-shot POLL_ADD per watched fd, armed
-    again after it fires, and one io_uring_enter per poll() that submits the
-    turn's polls and waits. One-shot polls check readiness when armed, so an
-    fd that stays readable fires again, as with epoll. Raises OSError where
-    the kernel lacks io_uring, refuses it, or lacks what this needs (5.11)."""
+    """io_uring: a one-shot POLL_ADD per watched fd, armed again after it
+    fires, and one io_uring_enter per poll() that submits the turn's polls
+    and waits. One-shot polls check readiness when armed, so an fd that
+    stays readable fires again, as with epoll. recv_batch receives the
+    packets of every readable connection with one io_uring_enter, where
+    recvmmsg takes a system call per connection. Raises OSError where the
+    kernel lacks io_uring, refuses it, or lacks what this needs (5.11)."""
 
     def __cinit__(self, *args, **kwargs):
         cdef int err
         self.name = "io_uring"
+        self.batch_recv = True
         self.armed = NULL
         self.gen = NULL
+        self.held = NULL
         self.rearm = <int *>malloc(MAX_FIRED * sizeof(int))
         if self.rearm == NULL:
             raise MemoryError()
@@ -229,6 +242,7 @@ cdef class IoUringPoller(Poller):
         free(self.armed)
         free(self.gen)
         free(self.rearm)
+        free(self.held)
 
     cdef int grow_state(self, int fd) except -1:
         cdef int cap
@@ -287,8 +301,52 @@ cdef class IoUringPoller(Poller):
                 raise_errno(-err, "io_uring_enter")
         return 0
 
+    cdef int fire(self, unsigned long long tag, int res, int count) noexcept:
+        """Turns a completion into fired[count]; returns 1, or 0 for one
+        that fires nothing (a removal's own, a poll since removed or
+        replaced, a cancelled poll)."""
+        cdef int fd, mask
+        if tag & REMOVE_TAG:
+            return 0
+        fd = <int>(tag & 0xffffffff)
+        if fd >= self.state_cap or tag != poll_tag(fd, self.gen[fd]):
+            return 0
+        self.armed[fd] = 0
+        self.rearm[self.nrearm] = fd
+        self.nrearm += 1
+        if res < 0:
+            if res == -ECANCELED:
+                return 0
+            mask = EV_HUP | EV_READ     # let the read find out what is wrong
+        else:
+            mask = 0
+            if res & POLLIN:
+                mask |= EV_READ
+            if res & POLLOUT:
+                mask |= EV_WRITE
+            if res & (POLLHUP | POLLERR):
+                mask |= EV_HUP | EV_READ
+        self.fired[count].fd = fd
+        self.fired[count].mask = mask
+        return 1
+
+    cdef int hold(self, unsigned long long tag, int res) except -1:
+        cdef int cap
+        cdef Held *grown
+        if self.nheld == self.held_cap:
+            cap = self.held_cap * 2 if self.held_cap else 64
+            grown = <Held *>realloc(self.held, cap * sizeof(Held))
+            if grown == NULL:
+                raise MemoryError()
+            self.held = grown
+            self.held_cap = cap
+        self.held[self.nheld].tag = tag
+        self.held[self.nheld].res = res
+        self.nheld += 1
+        return 0
+
     cdef int poll(self, int timeout_ms) except -1:
-        cdef int i, fd, err, mask, count = 0
+        cdef int i, fd, err, count = 0
         cdef int res
         cdef unsigned long long tag
         for i in range(self.nrearm):
@@ -297,35 +355,62 @@ cdef class IoUringPoller(Poller):
                 self.arm(fd, self.interest[fd])
         self.nrearm = 0
         with nogil:
-            err = sbus_uring_submit(&self.ring, 1, timeout_ms)
+            # Completions recv_batch kept are older than any in the ring:
+            # with some, this only submits.
+            err = sbus_uring_submit(&self.ring, self.nheld == 0, timeout_ms)
         if err < 0 and err != -EINTR:
             raise_errno(-err, "io_uring_enter")
+        i = 0
+        while i < self.nheld and count < self.max_fired:
+            count += self.fire(self.held[i].tag, self.held[i].res, count)
+            i += 1
+        if i:
+            self.nheld -= i
+            memmove(self.held, self.held + i, self.nheld * sizeof(Held))
         while count < self.max_fired and sbus_uring_peek(&self.ring, &tag, &res):
             sbus_uring_advance(&self.ring)
-            if tag & REMOVE_TAG:
-                continue
-            fd = <int>(tag & 0xffffffff)
-            if fd >= self.state_cap or tag != poll_tag(fd, self.gen[fd]):
-                continue        # a poll since removed or replaced
-            self.armed[fd] = 0
-            self.rearm[self.nrearm] = fd
-            self.nrearm += 1
-            if res < 0:
-                if res == -ECANCELED:
-                    continue
-                mask = EV_HUP | EV_READ     # let the read find out what is wrong
-            else:
-                mask = 0
-                if res & POLLIN:
-                    mask |= EV_READ
-                if res & POLLOUT:
-                    mask |= EV_WRITE
-                if res & (POLLHUP | POLLERR):
-                    mask |= EV_HUP | EV_READ
-            self.fired[count].fd = fd
-            self.fired[count].mask = mask
-            count += 1
+            count += self.fire(tag, res, count)
         return count
+
+    cdef int recv_batch(self, RecvOp *ops, int n) except -1:
+        cdef int i, err, res, done = 0
+        cdef unsigned long long tag
+        cdef bint cancelled = False
+        for i in range(n):
+            ops[i].res = -EINPROGRESS
+            err = sbus_uring_recv(&self.ring, ops[i].fd, ops[i].buf, ops[i].len, RECV_TAG | <unsigned>i)
+            if err < 0:
+                raise_errno(-err, "io_uring recv")
+        while True:
+            while self.ring.unsubmitted:
+                err = sbus_uring_submit(&self.ring, 0, 0)
+                if err < 0 and err != -EINTR:
+                    raise_errno(-err, "io_uring_enter")
+            while sbus_uring_peek(&self.ring, &tag, &res):
+                sbus_uring_advance(&self.ring)
+                if tag & RECV_TAG:
+                    # One taken back before it found a packet read nothing.
+                    ops[tag & ~RECV_TAG].res = -EAGAIN if res == -ECANCELED else res
+                    done += 1
+                else:
+                    self.hold(tag, res)
+            if done == n:
+                return 0
+            if not cancelled:
+                # A kernel that waits for data in spite of MSG_DONTWAIT:
+                # take back what it still waits on, so nothing is received
+                # after this returns.
+                cancelled = True
+                for i in range(n):
+                    if ops[i].res == -EINPROGRESS:
+                        err = sbus_uring_cancel(&self.ring, RECV_TAG | <unsigned>i, REMOVE_TAG)
+                        if err < 0:
+                            raise_errno(-err, "io_uring cancel")
+                continue
+            with nogil:
+                err = sbus_uring_submit(&self.ring, 1, -1)
+            if err < 0 and err != -EINTR:
+                raise_errno(-err, "io_uring_enter")
 
 
 def backend_names():

@@ -5,9 +5,19 @@
  * io_uring (or one that refuses it: io_uring_disabled, seccomp) is found out
  * by io_uring_setup failing, at run time.
  *
- * Only what a readiness loop needs: one-shot POLL_ADD and POLL_REMOVE
- * submissions, and one io_uring_enter per loop turn that submits them and
- * waits for completions with a timeout (IORING_ENTER_EXT_ARG).
+ * Only what the loop needs: one-shot POLL_ADD and POLL_REMOVE submissions,
+ * one io_uring_enter per loop turn that submits them and waits for
+ * completions with a timeout (IORING_ENTER_EXT_ARG), and batches of
+ * non-waiting RECVs, one io_uring_enter for every readable connection's
+ * packets instead of a recvmmsg each.
+ *
+ * Not multishot receives into a provided-buffer ring: the kernel would then
+ * receive ahead of the broker, which must be able to stop reading before a
+ * reader in a block mode passes its limit by more than one batch
+ * (RECV_BATCH packets); with buffers sized for the largest packet it could
+ * offer only a batch of them at a time, and every other readable
+ * connection's multishot receive would end with ENOBUFS, to be armed again
+ * each turn.
  *
  * Contract: sbus_uring_init returns 0 or -errno; every other function that
  * returns int returns 0 or -errno; the ring is single-threaded.
@@ -22,6 +32,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -213,6 +224,43 @@ sbus_uring_poll_add(struct sbus_uring *r, int fd, unsigned events, uint64_t user
 	sqe->opcode = IORING_OP_POLL_ADD;
 	sqe->fd = fd;
 	sqe->poll32_events = events;
+	sqe->user_data = user_data;
+	sbus_uring_push(r);
+	return 0;
+}
+
+/* One packet of fd into buf, without waiting: MSG_DONTWAIT makes the
+ * kernel complete it at once, with -EAGAIN when there is none (5.19+;
+ * where an older kernel waits instead, sbus_uring_cancel takes it back).
+ * Its completion carries user_data and the length (0: EOF or an empty
+ * packet; above len cannot happen, a longer packet is cut to len) or -errno. */
+static inline int
+sbus_uring_recv(struct sbus_uring *r, int fd, void *buf, unsigned len, uint64_t user_data)
+{
+	struct io_uring_sqe *sqe = sbus_uring_sqe(r);
+	if (!sqe)
+		return -EBUSY;
+	sqe->opcode = IORING_OP_RECV;
+	sqe->fd = fd;
+	sqe->addr = (uint64_t)(uintptr_t)buf;
+	sqe->len = len;
+	sqe->msg_flags = MSG_DONTWAIT;
+	sqe->user_data = user_data;
+	sbus_uring_push(r);
+	return 0;
+}
+
+/* Cancels the request submitted with target, whatever its kind; its own
+ * completion carries user_data. */
+static inline int
+sbus_uring_cancel(struct sbus_uring *r, uint64_t target, uint64_t user_data)
+{
+	struct io_uring_sqe *sqe = sbus_uring_sqe(r);
+	if (!sqe)
+		return -EBUSY;
+	sqe->opcode = IORING_OP_ASYNC_CANCEL;
+	sqe->fd = -1;
+	sqe->addr = target;
 	sqe->user_data = user_data;
 	sbus_uring_push(r);
 	return 0;
