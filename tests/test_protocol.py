@@ -378,3 +378,30 @@ def test_one_turn_over_many_connections_keeps_each_ones_order_and_ends_only_the_
                     "oversize": f"packet larger than {BIG} bytes"}
     for p in pubs:
         p.sync()
+
+
+def test_what_a_client_sent_before_closing_with_unread_deliveries_is_delivered(broker):
+    """Closing with deliveries unread makes the kernel report ECONNRESET to
+    the broker before the packets still queued in its end of the socket: they
+    were sent, so they are read and delivered all the same."""
+    listener, closer, feeder = client(broker), client(broker), client(broker)
+    listener.send(b"SUB out")
+    closer.send(b"SUB in")
+    listener.sync()
+    closer.sync()
+    feeder.send(b"MSG in\0unread")
+    feeder.sync()
+    closer.sync()                       # the delivery sits unread in closer's socket
+    sent = 2000
+    for i in range(sent):               # blocks while the broker's end is full: the
+        closer.send(b"MSG out\0%d" % i)  # last ones are still queued at the close
+    closer.close()
+    got = []
+    for _ in range(sent):
+        packet = recv_or_none(listener, timeout=5)
+        if packet is None:
+            break
+        got.append(packet)
+    assert got == [b"MSG out\0%d" % i for i in range(sent)], f"{len(got)} of {sent}"
+    rec = broker.wait_for_event("client_disconnect")
+    assert rec["reason"] == "eof" and rec["detail"] == "closed with unread deliveries", rec
