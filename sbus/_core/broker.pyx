@@ -486,9 +486,14 @@ cdef class Broker:
 
     cdef int recv_failed(self, Conn *c, int err) except -1:
         if err == ECONNRESET:
-            # The client closed with deliveries still unread in its
-            # socket: an ordinary close, not a fault.
-            return self.mark_closing(c, R_EOF, "closed with unread deliveries")
+            # The client closed with deliveries still unread in its socket.
+            # The kernel says so before the packets it sent that are still
+            # queued here, and forgets it once said: those were sent, so
+            # they are read and delivered up to the EOF. Nothing can be
+            # written to it any more.
+            if not c.write_dead:
+                self.stop_writing(c)
+            return 0
         return self.mark_closing(c, R_ERROR, f"recv: {os.strerror(err)}")
 
     cdef bint take_packet(self, Conn *c, int mask, int slot, size_t length,
@@ -505,7 +510,8 @@ cdef class Broker:
             # leaves the socket without data (EAGAIN) or with more.
             r = recv(c.fd, &probe, 1, MSG_DONTWAIT | MSG_PEEK)
             if (mask & EV_HUP) or r == 0:
-                self.mark_closing(c, R_EOF, None)
+                self.mark_closing(c, R_EOF,
+                                  "closed with unread deliveries" if c.write_dead else None)
             else:
                 self.mark_closing(c, R_PROTOCOL, "empty packet")
             return False
@@ -582,7 +588,9 @@ cdef class Broker:
                 if res == -EAGAIN or res == -EINTR:
                     continue
                 self.recv_failed(c, -res)
-                break
+                if c.closing:
+                    break
+                continue        # ECONNRESET: the receives after it read on
             got += 1
             self.rhdrs[base + j].msg_len = <unsigned int>res
             if not self.take_packet(c, mask, base + j, <size_t>res, False):
