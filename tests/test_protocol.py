@@ -1,5 +1,6 @@
 """The sbus protocol against real sbusd processes, on both event-loop backends."""
 import os
+import select
 import signal
 
 import pytest
@@ -391,7 +392,8 @@ def test_what_a_client_sent_before_closing_with_unread_deliveries_is_delivered(b
     closer.sync()
     feeder.send(b"MSG in\0unread")
     feeder.sync()
-    closer.sync()                       # the delivery sits unread in closer's socket
+    readable, _, _ = select.select([closer], [], [], 5)
+    assert readable                     # the delivery sits unread in closer's socket
     sent = 2000
     for i in range(sent):               # blocks while the broker's end is full: the
         closer.send(b"MSG out\0%d" % i)  # last ones are still queued at the close
