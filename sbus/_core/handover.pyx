@@ -22,6 +22,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes
 from sbus._core.broker cimport Broker
 from sbus._core.budget cimport UNLIMITED, account_get, pattern_cost
 from sbus._core.conn cimport Conn, Counters
+from sbus._core.growbuf cimport Buf, buf_append, buf_reserve
 from sbus._core.includes.sys cimport ucred
 from sbus._core.index cimport Sub, index_add, index_remove
 from sbus._core.sendq cimport Packet, PacketStats, get_packet_stats, packet_new, sq_push
@@ -43,55 +44,27 @@ class HandoverError(ValueError):
 
 # ---- writing -----------------------------------------------------------------
 
-cdef struct Out:
-    char *buf
-    size_t len
-    size_t cap
+cdef inline int put_u8(Buf *o, uint8_t v) except -1:
+    return buf_append(o, &v, 1)
 
 
-cdef int out_room(Out *o, size_t n) except -1:
-    cdef size_t cap = o.cap if o.cap else 65536
-    cdef char *grown
-    if o.len + n <= o.cap:
-        return 0
-    while cap < o.len + n:
-        cap *= 2
-    grown = <char *>realloc(o.buf, cap)
-    if grown == NULL:
-        raise MemoryError()
-    o.buf = grown
-    o.cap = cap
-    return 0
+cdef inline int put_u32(Buf *o, uint32_t v) except -1:
+    return buf_append(o, &v, 4)
 
 
-cdef inline int put(Out *o, const void *p, size_t n) except -1:
-    out_room(o, n)
-    memcpy(o.buf + o.len, p, n)
-    o.len += n
-    return 0
+cdef inline int put_u64(Buf *o, uint64_t v) except -1:
+    return buf_append(o, &v, 8)
 
 
-cdef inline int put_u8(Out *o, uint8_t v) except -1:
-    return put(o, &v, 1)
+cdef inline int put_i64(Buf *o, int64_t v) except -1:
+    return buf_append(o, &v, 8)
 
 
-cdef inline int put_u32(Out *o, uint32_t v) except -1:
-    return put(o, &v, 4)
+cdef inline int put_f64(Buf *o, double v) except -1:
+    return buf_append(o, &v, 8)
 
 
-cdef inline int put_u64(Out *o, uint64_t v) except -1:
-    return put(o, &v, 8)
-
-
-cdef inline int put_i64(Out *o, int64_t v) except -1:
-    return put(o, &v, 8)
-
-
-cdef inline int put_f64(Out *o, double v) except -1:
-    return put(o, &v, 8)
-
-
-cdef int put_counters(Out *o, const Counters *c) except -1:
+cdef int put_counters(Buf *o, const Counters *c) except -1:
     put_u64(o, c.msgs_in)
     put_u64(o, c.bytes_in)
     put_u64(o, c.msgs_out)
@@ -103,9 +76,9 @@ cdef int put_counters(Out *o, const Counters *c) except -1:
     return put_u64(o, c.blocks)
 
 
-cdef int put_blob(Out *o, bytes data) except -1:
+cdef int put_blob(Buf *o, bytes data) except -1:
     put_u32(o, <uint32_t>len(data))
-    return put(o, PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+    return buf_append(o, PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
 
 
 cdef inline uint32_t ring_at(Conn *c, uint32_t i) noexcept:
@@ -116,7 +89,7 @@ def export_state(Broker b):
     """(blob, fds) of a quiesced broker (see quiesce): fds[0] is the
     listening socket, the others its connections in the blob's order. The
     broker is left as it was, so it can go on serving if the hand-over fails."""
-    cdef Out o
+    cdef Buf o
     cdef Conn *c
     cdef Packet *p
     cdef int fd
@@ -138,10 +111,10 @@ def export_state(Broker b):
             if p != NULL and <size_t>p not in packet_ids:
                 packet_ids[<size_t>p] = len(packets)
                 packets.append(<size_t>p)
-    o.buf = NULL
+    o.p = NULL
     o.len = o.cap = 0
     try:
-        out_room(&o, HEADER_BYTES)
+        buf_reserve(&o, HEADER_BYTES)
         o.len = HEADER_BYTES
         put_counters(&o, &b.tot)
         for v in (b.connects, b.disconnects, b.trimmed_at, b.cmsgs_ignored, b.next_id, b.seq,
@@ -162,7 +135,7 @@ def export_state(Broker b):
             put_u32(&o, p.len)
             put_u64(&o, p.seq)
             put_u8(&o, p.reply)
-            put(&o, p.data, p.len)
+            buf_append(&o, p.data, p.len)
         at = o.len
         put_u32(&o, 0)      # the connection count, written once known
         for fd in range(b.conns_cap):
@@ -198,17 +171,17 @@ def export_state(Broker b):
             put_u32(&o, c.nsubs)
             for i in range(c.nsubs):
                 put_u32(&o, c.subs[i].len)
-                put(&o, c.subs[i].pattern, c.subs[i].len)
+                buf_append(&o, c.subs[i].pattern, c.subs[i].len)
             put_u64(&o, c.q.bytes)
             put_u32(&o, c.q.live)
             for i in range(c.q.count):
                 p = c.q.slots[ring_at(c, i)]
                 if p != NULL:
                     put_u32(&o, packet_ids[<size_t>p])
-        memcpy(o.buf + at, &nconns, 4)
-        blob = PyBytes_FromStringAndSize(o.buf, o.len)
+        memcpy(o.p + at, &nconns, 4)
+        blob = PyBytes_FromStringAndSize(o.p, o.len)
     finally:
-        free(o.buf)
+        free(o.p)
     return sealed(MAGIC, blob), fds
 
 
@@ -224,14 +197,14 @@ def export_subscriptions(Broker b):
     """Every connection's subscriptions in order, by connection id: what a
     new process indexes (prebuild) while this one still serves, so that the
     hand-over itself only checks them."""
-    cdef Out o
+    cdef Buf o
     cdef Conn *c
     cdef int fd
     cdef uint32_t i, nconns = 0
-    o.buf = NULL
+    o.p = NULL
     o.len = o.cap = 0
     try:
-        out_room(&o, HEADER_BYTES + 4)
+        buf_reserve(&o, HEADER_BYTES + 4)
         o.len = HEADER_BYTES + 4
         for fd in range(b.conns_cap):
             c = b.conns[fd]
@@ -242,11 +215,11 @@ def export_subscriptions(Broker b):
             put_u32(&o, c.nsubs)
             for i in range(c.nsubs):
                 put_u32(&o, c.subs[i].len)
-                put(&o, c.subs[i].pattern, c.subs[i].len)
-        memcpy(o.buf + HEADER_BYTES, &nconns, 4)
-        blob = PyBytes_FromStringAndSize(o.buf, o.len)
+                buf_append(&o, c.subs[i].pattern, c.subs[i].len)
+        memcpy(o.p + HEADER_BYTES, &nconns, 4)
+        blob = PyBytes_FromStringAndSize(o.p, o.len)
     finally:
-        free(o.buf)
+        free(o.p)
     return sealed(SUBS_MAGIC, blob)
 
 

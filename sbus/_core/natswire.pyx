@@ -25,9 +25,10 @@ from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, realloc
-from libc.string cimport memchr, memcmp, memcpy, memmove
+from libc.string cimport memchr, memcmp, memmove
 
 from .batch cimport Outbox, Sink
+from .growbuf cimport Buf, buf_append, buf_reserve
 from .protocol cimport KEY_OK, check_rest
 
 
@@ -66,37 +67,6 @@ _MAP_ERRORS = {
     MAP_EMPTY_TOKEN: "has an empty token",
     MAP_NUL: "decodes to a key with a NUL byte",
 }
-
-
-# -- a growable byte buffer -------------------------------------------------------
-
-cdef struct Buf:
-    char *p
-    size_t len
-    size_t cap
-
-
-cdef int buf_reserve(Buf *b, size_t more) except -1:
-    cdef size_t cap = b.cap if b.cap else 4096
-    cdef char *p
-    if b.len + more <= b.cap:
-        return 0
-    while cap < b.len + more:
-        cap *= 2
-    p = <char *>realloc(b.p, cap)
-    if p == NULL:
-        raise MemoryError()
-    b.p = p
-    b.cap = cap
-    return 0
-
-
-cdef inline int buf_append(Buf *b, const char *s, size_t n) except -1:
-    if b.len + n > b.cap:
-        buf_reserve(b, n)
-    memcpy(b.p + b.len, s, n)
-    b.len += n
-    return 0
 
 
 cdef inline bint is_space(char c) noexcept nogil:
