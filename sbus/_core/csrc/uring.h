@@ -250,15 +250,15 @@ sbus_uring_recv(struct sbus_uring *r, int fd, void *buf, unsigned len, uint64_t 
 	return 0;
 }
 
-/* Cancels the request submitted with target, whatever its kind; its own
- * completion carries user_data. */
+/* A request aimed at the earlier one submitted with target (a cancel or a
+ * poll removal); its own completion carries user_data. */
 static inline int
-sbus_uring_cancel(struct sbus_uring *r, uint64_t target, uint64_t user_data)
+sbus_uring_aim(struct sbus_uring *r, uint8_t opcode, uint64_t target, uint64_t user_data)
 {
 	struct io_uring_sqe *sqe = sbus_uring_sqe(r);
 	if (!sqe)
 		return -EBUSY;
-	sqe->opcode = IORING_OP_ASYNC_CANCEL;
+	sqe->opcode = opcode;
 	sqe->fd = -1;
 	sqe->addr = target;
 	sqe->user_data = user_data;
@@ -266,19 +266,18 @@ sbus_uring_cancel(struct sbus_uring *r, uint64_t target, uint64_t user_data)
 	return 0;
 }
 
-/* Cancels the poll submitted with target; its own completion carries user_data. */
+/* Cancels the request submitted with target, whatever its kind. */
+static inline int
+sbus_uring_cancel(struct sbus_uring *r, uint64_t target, uint64_t user_data)
+{
+	return sbus_uring_aim(r, IORING_OP_ASYNC_CANCEL, target, user_data);
+}
+
+/* Cancels the poll submitted with target. */
 static inline int
 sbus_uring_poll_remove(struct sbus_uring *r, uint64_t target, uint64_t user_data)
 {
-	struct io_uring_sqe *sqe = sbus_uring_sqe(r);
-	if (!sqe)
-		return -EBUSY;
-	sqe->opcode = IORING_OP_POLL_REMOVE;
-	sqe->fd = -1;
-	sqe->addr = target;
-	sqe->user_data = user_data;
-	sbus_uring_push(r);
-	return 0;
+	return sbus_uring_aim(r, IORING_OP_POLL_REMOVE, target, user_data);
 }
 
 /* The oldest unread completion, or 0 when there is none. */
