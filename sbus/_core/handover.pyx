@@ -598,6 +598,7 @@ def quiesce(Broker b):
 
 
 def resume(Broker b):
-    """Let run() serve again after a hand-over that failed."""
+    """Let run() serve again after it stopped between two turns: for a
+    signal to act on, or a hand-over that failed."""
     b.running = True
     b.stop_reason = None

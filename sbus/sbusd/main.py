@@ -14,7 +14,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List, Optional
+from collections import deque
+from typing import Deque, List, Optional
 
 from .. import address as addresses
 from .. import logschema as schema
@@ -23,6 +24,7 @@ from ..errors import AddressError
 from .config import USAGE, Config, Exit, Upgrade, UsageError, parse_args
 
 LINK_EXIT_WAIT = 5.0    # seconds the upstream link has to leave after the broker
+SIGNALLED = "signalled"     # Broker.run()'s stop reason: a signal to act on between turns
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -246,11 +248,11 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
 
     # Loaded now, with the broker it was built with: an upgrade may replace
     # both on disk before SIGUSR2.
-    from .._core import handover  # noqa: F401
+    from .._core import handover
     from .._core.broker import Broker
     from . import lifecycle
     from .events import Service
-    from .upgrade import PREPARE_REASON, UPGRADE_REASON, Predecessor, ms_since
+    from .upgrade import Predecessor, ms_since
 
     stream = logging_.ReopenableStream(cfg.log_file, logging_.fallback_stream())
     json_copy = logging_.ReopenableStream(cfg.json_log, stream) if cfg.json_log else None
@@ -275,7 +277,7 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
         tenure.owned = True
         tenure.listener = listener
 
-    def reopen(signo, frame):
+    def reopen() -> None:
         stream.reopen()
         if json_copy is not None:
             json_copy.reopen()
@@ -297,13 +299,18 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
                           link.pid if link is not None else None)
     upgrade.broker = broker
 
-    def stop(signo, frame):
-        upgrade.on_stop(signal.Signals(signo).name)
+    # A handler runs between any two bytecodes of this thread, even inside
+    # the logger's lock (a log line written from a broker callback): it only
+    # notes the signal and ends the loop's turn. The loop acts on it between
+    # two turns, where logging, starting a process and handing over are safe.
+    noted: Deque[int] = deque()
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGHUP, stop if cfg.foreground else reopen)
-    signal.signal(signal.SIGUSR2, upgrade.on_signal)
+    def note(signo, frame):
+        noted.append(signo)
+        broker.stop(SIGNALLED)
+
+    for signo in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2):
+        signal.signal(signo, note)
     if early_stop:
         broker.stop(early_stop[0])      # run() then returns at once
     if broker.backend_fallback:
@@ -318,16 +325,21 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     reason = "error"
     handed_over = False
     try:
-        while True:
+        while not handed_over:
             reason = broker.run()
-            if reason == PREPARE_REASON:
-                upgrade.prepare()
-                continue
-            if reason != UPGRADE_REASON:
+            if reason != SIGNALLED:
                 break
-            if upgrade.hand_over():
-                handed_over = True
+            handover.resume(broker)     # a signal noted now ends the next turn
+            signals = [noted.popleft() for _ in range(len(noted))]
+            stops = [signo for signo in signals
+                     if signo != signal.SIGUSR2 and (signo != signal.SIGHUP or cfg.foreground)]
+            if stops:
+                reason = signal.Signals(stops[0]).name     # an upgrade under way ends with us
                 break
+            if signal.SIGHUP in signals:
+                reopen()
+            if signal.SIGUSR2 in signals:
+                handed_over = upgrade.act()
     finally:
         if handed_over:
             # The new process serves every client, the socket and the pidfile:

@@ -7,7 +7,7 @@ The old process (``Predecessor``), on SIGUSR2:
    its own command line, the other end inherited (``HANDOVER_FD_ENV``); it
    keeps serving while the new one starts;
 2. once the new one says ``HELLO <format version>``, exports every
-   connection's subscriptions between two turns (``PREPARE_REASON``) and,
+   connection's subscriptions between two turns and,
    from a thread while the loop serves, sends ``PREPARE`` (what the process
    knows: the socket's path, the link's pid; with the listening socket) and
    the subscriptions in ``SUBS`` chunks, then ``END``; the new one indexes
@@ -62,8 +62,6 @@ STEPS = (
     "ready",         # new: dies instead of saying ready
     "before-go",     # old: fails after ready, before go
 )
-UPGRADE_REASON = "upgrade"      # Broker.run()'s stop reason at the safe point
-PREPARE_REASON = "upgrade-prepare"  # ...to export the subscriptions, then serve on
 STATUS_SUFFIX = ".upgrade"      # beside the pidfile: the last upgrade's outcome
 HELLO_TIMEOUT = 30.0    # seconds the new sbusd has to start (the old one serves meanwhile)
 STEP_TIMEOUT = 10.0     # seconds for each step of the transfer (nobody is served)
@@ -299,8 +297,10 @@ class Attempt:
 
 
 class Predecessor:
-    """The running broker's side of an upgrade: SIGUSR2 starts one; the loop
-    stops at the safe point once the new process is ready to take over."""
+    """The running broker's side of an upgrade. SIGUSR2, the operator's or
+    the attempt's thread's, only ends the loop's turn; the loop then calls
+    act(), between two turns, where starting a process, logging, exporting
+    and handing over are safe."""
 
     def __init__(self, cfg, argv: List[str], start_dir: str, log, listener, link_pid):
         self.cfg = cfg
@@ -311,51 +311,39 @@ class Predecessor:
         self.link_pid = link_pid
         self.broker = None
         self.attempt: Optional[Attempt] = None
-        self.stop_signal: Optional[str] = None     # SIGTERM & co during a hand-over
 
-    def on_signal(self, signo, frame) -> None:
-        """SIGUSR2: the operator's (start an upgrade) or the attempt's thread's
-        (the new sbusd said hello, has indexed the subscriptions, or failed)."""
+    def act(self) -> bool:
+        """Between two turns, after a SIGUSR2: start an upgrade, or take the
+        one under way a step further (the new sbusd said hello, has indexed
+        the subscriptions, or failed). True once the new process serves."""
         attempt = self.attempt
         if attempt is None:
-            meta = {"old_pid": os.getpid(), "version": __version__,
-                    "path": os.fsdecode(self.listener.path) if self.listener.path else None,
-                    "printed_address": self.listener.printed_address,
-                    "abstract": self.listener.abstract, "link_pid": self.link_pid}
-            try:
-                self.attempt = Attempt(self.argv, self.start_dir, meta,
-                                       self.listener.sock.fileno())
-            except UpgradeFailed as e:
-                return self.failed(e)
-            self.log.info(schema.UPGRADE_STARTED, new_pid=self.attempt.pid)
+            self.start()
         elif attempt.failure is not None:
             self.failed(attempt.failure)
         elif attempt.phase == "hello" and not attempt.exported.is_set():
-            self.broker.stop(PREPARE_REASON)
+            self.export_subscriptions()
         elif attempt.phase == "prebuilt":
-            self.broker.stop(UPGRADE_REASON)
+            return self.hand_over()
         # else: the operator again, while one is under way: one upgrade at a time
+        return False
 
-    def prepare(self) -> None:
-        """Between two turns (run() returned PREPARE_REASON): the subscriptions
-        for the new process to index while this one serves on."""
+    def start(self) -> None:
+        meta = {"old_pid": os.getpid(), "version": __version__,
+                "path": os.fsdecode(self.listener.path) if self.listener.path else None,
+                "printed_address": self.listener.printed_address,
+                "abstract": self.listener.abstract, "link_pid": self.link_pid}
+        try:
+            self.attempt = Attempt(self.argv, self.start_dir, meta, self.listener.sock.fileno())
+        except UpgradeFailed as e:
+            return self.failed(e)
+        self.log.info(schema.UPGRADE_STARTED, new_pid=self.attempt.pid)
+
+    def export_subscriptions(self) -> None:
+        """The subscriptions, for the new process to index while this one serves on."""
         from .._core import handover
-        attempt = self.attempt
-        if attempt is not None:
-            attempt.subscriptions = handover.export_subscriptions(self.broker)
-            attempt.exported.set()
-        self.resume()
-
-    def resume(self) -> None:
-        from .._core import handover
-        handover.resume(self.broker)
-        if self.stop_signal is not None:
-            self.broker.stop(self.stop_signal)
-
-    def on_stop(self, reason: str) -> None:
-        """A stop signal: stop now, or once a hand-over under way has failed."""
-        self.stop_signal = self.stop_signal or reason
-        self.broker.stop(reason)
+        self.attempt.subscriptions = handover.export_subscriptions(self.broker)
+        self.attempt.exported.set()
 
     def failed(self, e: UpgradeFailed) -> None:
         new_pid = None
@@ -368,17 +356,15 @@ class Predecessor:
                      reason=e.reason)
 
     def hand_over(self) -> bool:
-        """At the safe point (run() returned UPGRADE_REASON): True once the new
-        process serves; False when it failed and this one serves on."""
+        """At the safe point (between two turns): True once the new process
+        serves; False when it failed and this one serves on."""
         try:
             figures = self.attempt.transfer(self.broker)
         except UpgradeFailed as e:
             self.failed(e)
-        else:
-            self.log.info(schema.UPGRADE_HANDED_OVER, **figures)
-            return True
-        self.resume()
-        return False
+            return False
+        self.log.info(schema.UPGRADE_HANDED_OVER, **figures)
+        return True
 
     def abandon(self) -> None:
         """Stopping for another reason: an upgrade under way ends with us."""
@@ -405,8 +391,10 @@ class AdoptedLink:
     def wait(self, timeout: float) -> None:
         if self.pidfd is None:
             return
-        ready, _, _ = select.select([self.pidfd], [], [], timeout)
-        if not ready:
+        # poll(2): after a hand-over of many clients the pidfd is past select's 1024.
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
+        if not poller.poll(timeout * 1000):
             raise subprocess.TimeoutExpired(["sbusd-link"], timeout)
 
     def kill(self) -> None:

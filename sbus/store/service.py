@@ -186,10 +186,13 @@ class Store:
             # The clients reconnect while they are read: no busy loop meanwhile.
             time.sleep(min(timeout, 0.1))
             return
+        poller = select.poll()     # not select(2): no limit on the descriptor
         try:
-            select.select([b.fileno() for b in buses], [], [], timeout)
+            for b in buses:
+                poller.register(b.fileno(), select.POLLIN)
         except (OSError, ValueError):
-            pass    # a connection was lost: the next read reconnects
+            return  # a connection was lost: the next read reconnects
+        poller.poll(timeout * 1000)
 
     def take_data(self) -> int:
         """Record one batch from the data connection; how many messages it had."""

@@ -13,13 +13,13 @@ from .sbusd import BACKENDS, BIN, ROOT, SBUS, SBUSD, TESTS, Sbusd, read_to_eof
 from .seconduser import NOBODY, OTHER_GID, Child, asroot, make_public_dir, run_as, spawn_children
 from .steady import SteadyPair
 from .store import StoreProcess
-from .waiting import read_records, wait_for_record, wait_until
+from .waiting import read_records, readable, wait_for_record, wait_until
 from .worker import start_worker, worker_report
 
 __all__ = [
     "BACKENDS", "BIN", "NOBODY", "OTHER_GID", "ROOT", "SBUS", "SBUSD", "SO_SNDBUFFORCE", "STATS", "TESTS", "WHOAMI",
     "Child", "Conn", "QueueService", "Sbusd", "SteadyPair", "StoreProcess", "alive", "asroot", "cpu_seconds",
-    "fd_count", "free_port", "make_public_dir", "read_records",
+    "fd_count", "free_port", "make_public_dir", "read_records", "readable",
     "read_to_eof", "recv_or_none", "report_line", "run_as", "spawn_children", "start_worker", "state", "status_field",
     "status_kib", "stop_process", "wait_for_record", "wait_gone", "wait_until", "worker_report",
 ]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 from .conn import Conn
 from .procfs import end_process
-from .waiting import read_records, wait_for_record
+from .waiting import read_records, readable, wait_for_record
 
 TESTS = Path(__file__).resolve().parent.parent
 ROOT = TESTS.parent
@@ -30,8 +29,7 @@ def read_to_eof(pipe, timeout=5.0) -> bytes:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise AssertionError(f"stdout not closed within {timeout}s (got {data!r})")
-        ready, _, _ = select.select([fd], [], [], remaining)
-        if ready:
+        if readable(fd, remaining):
             chunk = os.read(fd, 65536)
             if not chunk:
                 return data

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from .waiting import readable
 
 
 def asroot(test):
@@ -36,8 +37,7 @@ class _ChildSide:
 
     def wait(self, timeout=15.0):
         while b"\n" not in self.buf:
-            ready, _, _ = select.select([self.r], [], [], timeout)
-            if not ready:
+            if not readable(self.r, timeout):
                 raise TimeoutError("parent never answered")
             chunk = os.read(self.r, 4096)
             if not chunk:
@@ -87,8 +87,7 @@ class Child:
 
     def recv(self, timeout=15.0):
         while b"\n" not in self._buf:
-            ready, _, _ = select.select([self._r], [], [], timeout)
-            if not ready:
+            if not readable(self._r, timeout):
                 raise AssertionError(f"child {self.pid} said nothing within {timeout}s")
             chunk = os.read(self._r, 65536)
             if not chunk:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import select
 import time
 from pathlib import Path
 
@@ -20,6 +21,15 @@ def wait_until(predicate, timeout=60.0, what="condition", interval=0.02, fail=Tr
                 return value
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def readable(fd, timeout: float) -> bool:
+    """Whether ``fd`` (or an object with fileno()) becomes readable within
+    ``timeout`` seconds. poll(2), not select(2): a test process holding many
+    connections has descriptors past select's 1024."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0.0, timeout) * 1000))
 
 
 def read_records(log_path: Path) -> list:
