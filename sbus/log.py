@@ -39,10 +39,17 @@ class ReopenableStream:
         self.path = path
         self._fallback = fallback
         self._file: IO[str] = fallback
+        self._reopen_asked = False
         if path:
             self.reopen()
 
+    def reopen_soon(self) -> None:
+        """Reopen before the next write: safe in a signal handler, which may
+        have interrupted a write to the file reopen() would close."""
+        self._reopen_asked = True
+
     def reopen(self) -> None:
+        self._reopen_asked = False
         if not self.path:
             return
         new = open_log(self.path)
@@ -52,6 +59,8 @@ class ReopenableStream:
 
     def write(self, text: str) -> None:
         try:
+            if self._reopen_asked:
+                self.reopen()
             self._file.write(text)
         except (OSError, ValueError):
             pass  # a full disk or a closed stderr must not stop the bus

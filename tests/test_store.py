@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import threading
 import time
@@ -413,3 +414,19 @@ def test_sigterm_stops_the_store_while_the_broker_is_away(bus, start_store):
     assert store.stop() == 0
     (stopped,) = store.events("store_stop")
     assert (stopped["reason"], stopped["recorded"]) == ("signal", 1)
+
+
+def test_sighup_reopens_the_log_for_rotation(bus, start_store):
+    """logrotate's way: the log is renamed, SIGHUP, and what the store logs
+    next goes to a new file at the old path; nothing is lost in between."""
+    store = start_store("h/")
+    rotated = store.log_path.with_suffix(".log.1")
+    store.log_path.rename(rotated)
+    os.kill(store.pid, signal.SIGHUP)
+    with sbus.Client(bus.address) as c:
+        c.publish(wire.REQUEST_KEY, b"\xff\x00garbage")     # a refused request is logged
+        settle(c)
+    wait_until(lambda: store.events("store_request_refused"), 10, "a record in the new log")
+    assert store.proc.poll() is None
+    assert not any(r.get("event") == "store_request_refused"
+                   for r in map(json.loads, rotated.read_text().splitlines()))

@@ -226,7 +226,7 @@ def main(args: argparse.Namespace, address: str) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    signal.signal(signal.SIGHUP, lambda *_: stream.reopen())
+    signal.signal(signal.SIGHUP, lambda *_: stream.reopen_soon())
     reason = "signal"
     try:
         reason = store.run(lambda: bool(stop))
