@@ -569,3 +569,27 @@ def test_receive_into_hands_the_sink_every_message_in_order(broker):
     expected = exporter()
     expected.add([Message(k, p) for k, p in sent])
     assert frames == expected.take(1 << 30)[0]
+
+
+def test_receive_into_takes_at_most_max_though_more_wait(broker):
+    """A reader that acts on each batch (the queue service dispatches, the
+    bridge hands frames on) gets at most ``max`` per call, not the whole backlog."""
+    from sbus import aio
+    sent = [(b"k/x", b"p%d" % i) for i in range(2000)]
+
+    async def main():
+        async with aio.Client(broker.address) as sub, aio.Client(broker.address) as pub:
+            await sub.subscribe("k/")
+            await sub.whoami()
+            await pub.publish_many(sent)
+            await pub.whoami()      # answered after the broker handed sub all of them
+            ex = exporter()
+            takes = []
+            while ex.pending_msgs < len(sent):
+                before = ex.pending_msgs
+                await asyncio.wait_for(sub.receive_into(ex, 64), 10)
+                takes.append(ex.pending_msgs - before)
+            return takes
+
+    takes = asyncio.run(main())
+    assert max(takes) == 64 and len(takes) == -(-len(sent) // 64)

@@ -419,9 +419,12 @@ class Client(Core, AsyncServiceMethods):
         """As :meth:`receive_many`, but the messages go to ``sink``, a C
         consumer (sbus._core.batch.Sink, such as the bridge's
         natswire.Exporter), with no Python object made for each. Waits for
-        at least one packet; returns the control messages among them
-        (usually none). Messages already read as objects (by receive(), or
-        queued behind a control message) reach it by ``sink.add()``, in order."""
+        at least one packet and takes at most ``max``; returns the control
+        messages among them (usually none). Like a stream's read, it returns
+        without yielding to the event loop when packets are there already: a
+        loop of it that feeds another task must yield itself. Messages
+        already read as objects (by receive(), or queued behind a control
+        message) reach it by ``sink.add()``, in order."""
         while True:
             if self._inbox:
                 items = await self.receive_many(max)
@@ -509,12 +512,14 @@ class Client(Core, AsyncServiceMethods):
     def _read_until_empty(self, limit: int = 64, sink: Optional[Sink] = None) -> int:
         """recvmmsg until EAGAIN (or the queue is long); replies go to their
         queries. With a ``sink``, plain messages go to it until something is
-        queued (so nothing overtakes what is); returns how many it took."""
+        queued (so nothing overtakes what is) or ``limit`` went to it, so its
+        owner acts on each batch before the next is read; returns how many it took."""
         inbox = self._inbox
         taken = 0
-        while self._sock is not None and len(inbox) < _INBOX_HIGH and taken < _INBOX_HIGH:
+        most = _INBOX_HIGH if sink is None else limit
+        while self._sock is not None and len(inbox) < _INBOX_HIGH and taken < most:
             try:
-                batch = self._in.receive(self._fd, limit, 0, -1.0, sink)
+                batch = self._in.receive(self._fd, min(limit, most - taken), 0, -1.0, sink)
             except BlockingIOError:
                 return taken
             except OSError as exc:

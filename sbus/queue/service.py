@@ -123,6 +123,12 @@ class QueueService:
                 else:
                     q.add(key, payload)
             self._dispatch(now)
+            if self._out:
+                # receive_into returns at once while packets wait: without
+                # this the sender would run only once the socket is empty,
+                # and consumers would wait for their jobs (and their credit)
+                # for as long as a backlog takes to read.
+                await asyncio.sleep(0)
 
     def _on_request(self, key: bytes, payload: bytes, now: float) -> None:
         q = self.queue
