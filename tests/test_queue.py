@@ -15,7 +15,7 @@ from hypothesis import strategies as hyp
 
 from sbus import Client
 from sbus import logschema as ls
-from sbus._core.jobs import Acks, jobs_from, pack_jobs, parse_jobs
+from sbus._core.jobs import Acks, jobs_from, pack_jobs, parse_jobs, parse_tags
 from sbus.aio import Client as AsyncClient
 from sbus.client.consume import consume
 from sbus.client.private import PrivateInbox
@@ -480,6 +480,35 @@ def test_a_consumer_is_overdue_once_its_oldest_job_passes_the_ack_timeout():
         (st.LEFT_ACK_TIMEOUT, 1)]
 
 
+@settings(max_examples=300, deadline=None)
+@given(args=hyp.one_of(
+    hyp.lists(hyp.integers(0, 10 ** 18 - 1)).map(lambda tags: " ".join(map(str, tags)).encode()),
+    hyp.binary(max_size=60),
+    hyp.lists(hyp.sampled_from([b"1", b"23", b" ", b"", b"x", b"-1", b"9" * 18, b"9" * 19,
+                                b"\xd9\xa1", b"007"])).map(b" ".join)))
+def test_tags_are_parsed_as_their_plain_python_twin(args):
+    """The service's C reading of ack, nack and reject tags agrees with the
+    plain-Python one on well-formed and malformed arguments alike."""
+    try:
+        expected = wire.parse_tags_py(args)
+    except wire.WireError:
+        with pytest.raises(wire.WireError):
+            parse_tags(args)
+    else:
+        assert parse_tags(args) == expected
+
+
+@given(tags=hyp.lists(hyp.integers(1, 10 ** 18 - 1), min_size=1, max_size=50))
+def test_held_acks_go_out_as_the_convention_writes_them(tags):
+    acks = Acks(60.0, 1000)
+    for tag in tags:
+        acks.add("!/cred/1/2/3/queue/s/ctl", "t0k", tag)
+    key, payload = acks.take()
+    assert key == "!/cred/1/2/3/queue/s/ctl"
+    assert payload == wire.pack_control(wire.ACK, "t0k", *tags)
+    assert wire.parse_control(payload) == (wire.ACK, "t0k", " ".join(map(str, tags)).encode())
+
+
 @settings(max_examples=200, deadline=None)
 @given(jobs=hyp.lists(hyp.tuples(hyp.binary().filter(lambda k: b"\0" not in k), hyp.binary(),
                                  hyp.integers(0, 10 ** 6)), max_size=20),
@@ -556,7 +585,8 @@ def test_wire_round_trips():
     assert wire.parse_job(packed) == (7, 2, b"k e\ny", b"pay\0load")
     assert wire.parse_welcome(wire.pack_welcome("t0k", 2.5, "!/cred/1/2/3/queue/s/ctl")) == (
         "t0k", 2.5, "!/cred/1/2/3/queue/s/ctl")
-    assert wire.parse_control(b"ack t 1 2 3") == ("ack", "t", [b"1", b"2", b"3"])
+    assert wire.parse_control(b"ack t 1 2 3") == ("ack", "t", b"1 2 3")
+    assert wire.parse_control(b"bye t") == ("bye", "t", b"")
     for bad in (b"", b"1 !/cred/1/2/3/", b"x !/cred/1/2/3/q/ p", b"1 pub/lic/ p"):
         with pytest.raises(wire.WireError):
             wire.parse_hello(bad)

@@ -9,6 +9,7 @@
 # from its record, and the acks held to go out together.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.long cimport PyLong_AsUnsignedLongLong, PyLong_FromUnsignedLongLong
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.stdint cimport uint64_t
@@ -17,7 +18,7 @@ from libc.string cimport memchr, memcmp, memcpy
 from .batch cimport Sink
 from .includes.sys cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
-from ..queue.wire import ACK, NACK, REJECT, pack_control
+from ..queue.wire import ACK, NACK, REJECT, WireError
 
 
 cdef extern from "Python.h":
@@ -154,6 +155,51 @@ def parse_jobs(bytes data):
         out.append((tag, deliveries, PyBytes_FromStringAndSize(p, nul - p),
                     PyBytes_FromStringAndSize(nul + 1, rec_end - nul - 1)))
         p = rec_end
+    return out
+
+
+def parse_tags(bytes args):
+    """The tags in the arguments of a control message (``ack TOKEN TAG...``
+    after the token): counts of 1 to MAX_DIGITS digits separated by spaces,
+    extra spaces ignored. WireError for anything else. One ack names
+    hundreds of tags: this is wire.parse_tags_py without an object per tag
+    but the int."""
+    cdef const char *p = PyBytes_AS_STRING(args)
+    cdef const char *end = p + PyBytes_GET_SIZE(args)
+    cdef const char *start
+    cdef uint64_t v
+    cdef list out = []
+    while p < end:
+        if p[0] == b' ':
+            p += 1
+            continue
+        start = p
+        v = 0
+        while p < end and p[0] != b' ':
+            if not b'0' <= p[0] <= b'9' or p - start >= MAX_DIGITS:
+                raise WireError(f"a tag is not a count: {args[:80]!r}")
+            v = v * 10 + <uint64_t>(p[0] - 48)
+            p += 1
+        out.append(PyLong_FromUnsignedLongLong(v))
+    return out
+
+
+cdef bytes pack_acks(bytes head, list tags):
+    """``head`` (``ack TOKEN``) and each tag after a space: the ack control
+    payload, formatted in C (wire.pack_control would make a str per tag)."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(tags), i, size = PyBytes_GET_SIZE(head)
+    cdef uint64_t tag
+    cdef char *at
+    for i in range(n):
+        size += 1 + digits(PyLong_AsUnsignedLongLong(<object>PyList_GET_ITEM(tags, i)))
+    out = PyBytes_FromStringAndSize(NULL, size)
+    at = PyBytes_AS_STRING(out)
+    memcpy(at, PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head))
+    at += PyBytes_GET_SIZE(head)
+    for i in range(n):
+        tag = PyLong_AsUnsignedLongLong(<object>PyList_GET_ITEM(tags, i))
+        at[0] = b' '
+        at = put_count(at + 1, tag, digits(tag))
     return out
 
 
@@ -332,4 +378,4 @@ cdef class Acks:
         tags, self.tags = self.tags, []
         self.due = None
         # Packed from a list nobody else sees: Python code may run meanwhile.
-        return (self.control, pack_control(ACK, self.token, *tags))
+        return (self.control, pack_acks(f"{ACK} {self.token}".encode(), tags))

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .. import __version__
 from .. import logschema as schema
-from .._core.jobs import Intake, pack_jobs
+from .._core.jobs import Intake, pack_jobs, parse_tags
 from ..client.aio import Client
 from ..client.private import PrivateInbox
 from ..client.protocol import MAX_MESSAGE
@@ -157,7 +157,7 @@ class QueueService:
             if c is None:
                 q.counts["late_acks"] += verb != wire.BYE
             elif verb in (wire.ACK, wire.NACK, wire.REJECT):
-                q.settle(c, wire.parse_tags(args), verb)
+                q.settle(c, parse_tags(args), verb)
             elif verb == wire.BYE:
                 self._left(q.bye(c))
         except wire.WireError as exc:

@@ -187,21 +187,23 @@ def pack_control(verb: str, token: str, *args) -> bytes:
     return " ".join((verb, token, *map(str, args))).encode()
 
 
-def parse_control(payload: bytes) -> Tuple[str, str, List[bytes]]:
-    """(verb, token, arguments): the tags of ack, nack and reject."""
-    parts = payload.split(b" ")
+def parse_control(payload: bytes) -> Tuple[str, str, bytes]:
+    """(verb, token, arguments): the arguments are the tags of ack, nack and
+    reject, as they came (``parse_tags`` reads them)."""
+    parts = payload.split(b" ", 2)
     if len(parts) < 2:
         raise WireError(f"control without a token: {payload[:80]!r}")
     verb = parts[0].decode("ascii", "replace")
     if verb not in VERBS:
         raise WireError(f"unknown verb {verb!r}")
-    return verb, parts[1].decode("ascii", "replace"), parts[2:]
+    return verb, parts[1].decode("ascii", "replace"), parts[2] if len(parts) > 2 else b""
 
 
-def parse_tags(args: List[bytes]) -> List[int]:
-    if b"" in args:
-        args = [a for a in args if a]
-    # As _count for each, with the loops in C: one ack names hundreds of tags.
-    if not all(map(bytes.isdigit, args)) or max(map(len, args), default=0) > 18:
-        raise WireError(f"a tag is not a count: {b' '.join(args)[:80]!r}")
-    return list(map(int, args))
+def parse_tags_py(args: bytes) -> List[int]:
+    """The plain-Python twin of ``sbus._core.jobs.parse_tags``: the tags in
+    the arguments of a control message, counts separated by spaces (extra
+    spaces are ignored)."""
+    tags = [a for a in args.split(b" ") if a]
+    for raw in tags:
+        _count(raw, "a tag")
+    return list(map(int, tags))
