@@ -151,7 +151,11 @@ class Queue:
             width = len(turn)
             rounds = min(c.credit - len(got.get(c, ())) for c in turn)
             take = min(len(held), rounds * width)
-            block = [held.popleft() for _ in range(take)]
+            if take == len(held):       # the usual case while consumers keep up
+                block = list(held)
+                held.clear()
+            else:
+                block = [held.popleft() for _ in range(take)]
             for i, c in enumerate(turn):
                 jobs = block[i::width]
                 if c in got:
