@@ -133,28 +133,46 @@ cdef int read_count(const char *p, const char *end, const char **after,
     return 0
 
 
+cdef struct Record:
+    uint64_t tag
+    uint64_t deliveries
+    const char *key
+    Py_ssize_t klen
+    const char *payload
+    Py_ssize_t plen
+
+
+cdef const char *next_record(const char *p, const char *end, Record *r) except NULL:
+    """Read the record at p (p < end) of a ``jobs`` payload into r; returns
+    where the next begins. ValueError for one that does not follow the convention."""
+    cdef uint64_t size
+    cdef const char *rec_end
+    cdef const char *nul
+    read_count(p, end, &p, &size)
+    if size > <uint64_t>(end - p):
+        raise ValueError("a jobs record longer than its payload")
+    rec_end = p + size
+    read_count(p, rec_end, &p, &r.tag)
+    read_count(p, rec_end, &p, &r.deliveries)
+    nul = <const char *>memchr(p, 0, rec_end - p)
+    if nul == NULL:
+        raise ValueError("a jobs record without NUL after its key")
+    r.key, r.klen = p, nul - p
+    r.payload, r.plen = nul + 1, rec_end - nul - 1
+    return rec_end
+
+
 def parse_jobs(bytes data):
     """The records of a ``jobs`` payload: a list of (tag, deliveries, key,
     payload). ValueError for a payload that does not follow the convention."""
     cdef const char *p = PyBytes_AS_STRING(data)
     cdef const char *end = p + PyBytes_GET_SIZE(data)
-    cdef const char *rec_end
-    cdef const char *nul
-    cdef uint64_t size, tag, deliveries
+    cdef Record r
     cdef list out = []
     while p < end:
-        read_count(p, end, &p, &size)
-        if size > <uint64_t>(end - p):
-            raise ValueError("a jobs record longer than its payload")
-        rec_end = p + size
-        read_count(p, rec_end, &p, &tag)
-        read_count(p, rec_end, &p, &deliveries)
-        nul = <const char *>memchr(p, 0, rec_end - p)
-        if nul == NULL:
-            raise ValueError("a jobs record without NUL after its key")
-        out.append((tag, deliveries, PyBytes_FromStringAndSize(p, nul - p),
-                    PyBytes_FromStringAndSize(nul + 1, rec_end - nul - 1)))
-        p = rec_end
+        p = next_record(p, end, &r)
+        out.append((r.tag, r.deliveries, PyBytes_FromStringAndSize(r.key, r.klen),
+                    PyBytes_FromStringAndSize(r.payload, r.plen)))
     return out
 
 
@@ -291,32 +309,21 @@ def jobs_from(bytes data, object settle):
     ``settle``; ValueError as parse_jobs raises it."""
     cdef const char *p = PyBytes_AS_STRING(data)
     cdef const char *end = p + PyBytes_GET_SIZE(data)
-    cdef const char *rec_end
-    cdef const char *nul
-    cdef uint64_t size, tag, deliveries
+    cdef Record r
     cdef Job job
     cdef bytes key = b""    # reused while the keys repeat
     cdef list out = []
     while p < end:
-        read_count(p, end, &p, &size)
-        if size > <uint64_t>(end - p):
-            raise ValueError("a jobs record longer than its payload")
-        rec_end = p + size
-        read_count(p, rec_end, &p, &tag)
-        read_count(p, rec_end, &p, &deliveries)
-        nul = <const char *>memchr(p, 0, rec_end - p)
-        if nul == NULL:
-            raise ValueError("a jobs record without NUL after its key")
-        if PyBytes_GET_SIZE(key) != nul - p or memcmp(PyBytes_AS_STRING(key), p, nul - p) != 0:
-            key = PyBytes_FromStringAndSize(p, nul - p)
+        p = next_record(p, end, &r)
+        if PyBytes_GET_SIZE(key) != r.klen or memcmp(PyBytes_AS_STRING(key), r.key, r.klen) != 0:
+            key = PyBytes_FromStringAndSize(r.key, r.klen)
         job = Job.__new__(Job)
         job.key = key
-        job.payload = PyBytes_FromStringAndSize(nul + 1, rec_end - nul - 1)
-        job.tag = tag
-        job.deliveries = deliveries
+        job.payload = PyBytes_FromStringAndSize(r.payload, r.plen)
+        job.tag = r.tag
+        job.deliveries = r.deliveries
         job.settle = settle
         out.append(job)
-        p = rec_end
     return out
 
 
