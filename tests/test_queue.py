@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -660,3 +661,21 @@ def test_a_c_consumer_written_from_the_docs(bus, queues, tmp_path):
     s = wait_state(q, lambda s: s["acked"] == 3, "3 acks")
     assert (s["in_flight"], s["consumers"], s["late_acks"]) == (0, [], 0)
     assert q.wait_for_event(ls.QUEUE_CONSUMER_LEAVE)["reason"] == st.LEFT_BYE
+
+
+def test_sighup_reopens_the_log_and_sigterm_stops_with_the_counts(bus, queues):
+    """logrotate's way: the log renamed, SIGHUP, and the next record goes to
+    a new file at the old path; SIGTERM then stops the service cleanly."""
+    q = queues(bus.address, PATTERN)
+    rotated = q.log_path.with_suffix(".log.1")
+    q.log_path.rename(rotated)
+    os.kill(q.pid, signal.SIGHUP)
+    publish(bus.address, [("jobs/a", b"1")])
+    with Client(bus.address) as c:
+        c.publish(wire.HELLO_KEY, b"not a hello")     # a bad request: logged at debug
+        c.whoami(timeout=10)
+    wait_until(lambda: q.events("queue_bad_request"), 10, "a record in the new log")
+    assert q.stop() == 0
+    (stop,) = q.events("queue_stop")
+    assert (stop["reason"], stop["received"], stop["held"]) == ("signal", 1, 1)
+    assert not any('"queue_bad_request"' in line for line in rotated.read_text().splitlines())
