@@ -22,8 +22,6 @@ cdef extern from "csrc/uring.h" nogil:
     enum:
         POLLIN
         POLLOUT
-        POLLERR
-        POLLHUP
         ECANCELED
         EINPROGRESS
     int sbus_uring_init(sbus_uring *r, unsigned entries)

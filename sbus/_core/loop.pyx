@@ -33,6 +33,29 @@ cdef enum:
 cdef unsigned long long RECV_TAG = (<unsigned long long>1) << 63
 
 
+cdef extern from *:
+    """
+    #include <poll.h>
+    #include <sys/epoll.h>
+    /* fired_mask reads epoll's events and io_uring's poll results alike. */
+    _Static_assert(EPOLLIN == POLLIN && EPOLLOUT == POLLOUT && EPOLLERR == POLLERR
+                   && EPOLLHUP == POLLHUP, "epoll and poll(2) readiness bits differ");
+    """
+
+
+cdef inline int fired_mask(uint32_t events) noexcept nogil:
+    """Readiness as the loop's EV_* bits: a hang-up or an error is also a
+    read, which finds out what is wrong."""
+    cdef int mask = 0
+    if events & EPOLLIN:
+        mask |= EV_READ
+    if events & EPOLLOUT:
+        mask |= EV_WRITE
+    if events & (EPOLLHUP | EPOLLERR):
+        mask |= EV_HUP | EV_READ
+    return mask
+
+
 cdef int raise_oserror(str what) except -1:
     return raise_errno(errno, what)
 
@@ -128,8 +151,7 @@ cdef class EpollPoller(Poller):
         return 0
 
     cdef int poll(self, int timeout_ms) except -1:
-        cdef int n, i, mask
-        cdef unsigned int ev
+        cdef int n, i
         with nogil:
             n = epoll_wait(self.epfd, self.events, self.max_fired, timeout_ms)
         if n < 0:
@@ -137,16 +159,8 @@ cdef class EpollPoller(Poller):
                 return 0
             raise_oserror("epoll_wait")
         for i in range(n):
-            ev = self.events[i].events
-            mask = 0
-            if ev & EPOLLIN:
-                mask |= EV_READ
-            if ev & EPOLLOUT:
-                mask |= EV_WRITE
-            if ev & (EPOLLHUP | EPOLLERR):
-                mask |= EV_HUP | EV_READ
             self.fired[i].fd = self.events[i].data.fd
-            self.fired[i].mask = mask
+            self.fired[i].mask = fired_mask(self.events[i].events)
         return n
 
 
@@ -319,13 +333,7 @@ cdef class IoUringPoller(Poller):
                 return 0
             mask = EV_HUP | EV_READ     # let the read find out what is wrong
         else:
-            mask = 0
-            if res & POLLIN:
-                mask |= EV_READ
-            if res & POLLOUT:
-                mask |= EV_WRITE
-            if res & (POLLHUP | POLLERR):
-                mask |= EV_HUP | EV_READ
+            mask = fired_mask(<uint32_t>res)
         self.fired[count].fd = fd
         self.fired[count].mask = mask
         return 1
