@@ -43,6 +43,7 @@ from typing import List, Optional
 
 from .. import logschema as schema
 from .._version import __version__
+from ..atomicfile import write_atomically
 
 HANDOVER_FD_ENV = "SBUSD_UPGRADE_FD"    # the new process's end of the socketpair
 FAIL_ENV = "SBUSD_UPGRADE_FAIL"         # a step of STEPS: fail there (tests)
@@ -96,28 +97,10 @@ def status_path(pidfile: str) -> str:
     return pidfile + STATUS_SUFFIX
 
 
-def write_atomically(path: str, text: str) -> None:
-    """Replace ``path`` with ``text`` in one rename: a reader sees the old
-    content or the new, never a part."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o644)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.rename(tmp, path)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def write_status(pidfile: Optional[str], **outcome) -> None:
     if pidfile:
         try:
-            write_atomically(status_path(pidfile), json.dumps(outcome) + "\n")
+            write_atomically(status_path(pidfile), (json.dumps(outcome) + "\n").encode())
         except OSError:
             pass        # the log says it too
 
@@ -524,7 +507,7 @@ class Successor:
         # From here we serve, whatever else fails.
         if pidfile:
             try:
-                write_atomically(pidfile, f"{os.getpid()}\n")
+                write_atomically(pidfile, b"%d\n" % os.getpid())
             except OSError as e:
                 self.figures["pidfile_error"] = f"{pidfile}: {e.strerror}"
             write_status(pidfile, result="done", pid=os.getpid(), old_pid=self.meta["old_pid"])
