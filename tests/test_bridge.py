@@ -493,7 +493,7 @@ def test_systemd_unit_starts_after_the_broker_and_restarts_on_failure():
 
 
 def test_server_urls_are_logged_without_credentials():
-    from sbus.bridge.core import _redact
+    from sbus.bridge.forward import _redact
     assert _redact("nats://user:pw@hub:4222") == "nats://hub:4222"
     assert _redact("tls://t0ken@hub:4443") == "tls://hub:4443"
     assert _redact("hub:4222") == "hub:4222"

@@ -81,7 +81,7 @@ def _host_id(text: str) -> int:
 
 
 def settings_of(args: argparse.Namespace, address: str):
-    from .core import Settings
+    from .forward import Settings
     return Settings(
         address=address, servers=args.nats, exports=args.export, imports=args.imports,
         subject_prefix=args.subject_prefix, max_pending=args.max_pending, drop=args.drop,
@@ -96,7 +96,7 @@ def settings_of(args: argparse.Namespace, address: str):
 def main(args: argparse.Namespace, address: str) -> int:
     """Run the bridge until SIGTERM/SIGINT; 0, or 1 with a message on stderr."""
     from .. import log as _log
-    from .core import Bridge, SettingsError, check
+    from .forward import Bridge, SettingsError, check
     settings = settings_of(args, address)
     try:
         check(settings)
