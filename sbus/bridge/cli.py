@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from .. import argtypes
+from ..service import add_log_options
 from . import mapping
 from .defaults import DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY, DROP_NEWEST, DROP_OLDEST
 
@@ -64,12 +65,7 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
     auth.add_argument("--tls-ca", metavar="FILE", help="CA certificates to verify the server")
     auth.add_argument("--tls-cert", metavar="FILE", help="client certificate")
     auth.add_argument("--tls-key", metavar="FILE", help="client certificate's key")
-    log = p.add_argument_group("logging")
-    log.add_argument("--log-format", choices=("json", "console"), default=None,
-                     help="default: console on a terminal, else json")
-    log.add_argument("--log-level", choices=("debug", "info", "warning", "error", "off"),
-                     default="info")
-    log.add_argument("--log-file", metavar="PATH", help="default: stderr")
+    add_log_options(p)
     p.set_defaults(standalone=main)
 
 
@@ -95,7 +91,7 @@ def settings_of(args: argparse.Namespace, address: str):
 
 def main(args: argparse.Namespace, address: str) -> int:
     """Run the bridge until SIGTERM/SIGINT; 0, or 1 with a message on stderr."""
-    from .. import log as _log
+    from ..service import run_async
     from .forward import Bridge, SettingsError, check
     settings = settings_of(args, address)
     try:
@@ -108,4 +104,4 @@ def main(args: argparse.Namespace, address: str) -> int:
         sys.stderr.write("sbus bridge: needs nats-py, the bridge extra of pysbus: "
                          "pip install nats-py\n")
         return 1
-    return _log.run_service("bridge", address, args, lambda logger: Bridge(settings, logger))
+    return run_async("bridge", address, args, lambda logger: Bridge(settings, logger))
