@@ -14,8 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import deque
-from typing import Deque, List, Optional
+from typing import List, Optional
 
 from .. import address as addresses
 from .. import logschema as schema
@@ -207,10 +206,13 @@ def start_link(cfg: Config, broker):
     other end the broker takes on as its link connection."""
     import socket
 
+    from .upgrade import python_main
+
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ours.setblocking(False)
     broker.attach_link(ours.detach())
-    argv = [sys.executable, "-m", "sbus.sbusd.link", "--fd", str(theirs.fileno()),
+    # Not "python -m": the directory sbusd was started in must not shadow the package.
+    argv = [*python_main("sbus.sbusd.link"), "--fd", str(theirs.fileno()),
             "--upstream", cfg.upstream, "--buffer", str(cfg.upstream_buffer)]
     for pattern in cfg.upstream_export:
         argv += ["--export", pattern]
@@ -250,6 +252,7 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     # both on disk before SIGUSR2.
     from .._core import handover
     from .._core.broker import Broker
+    from ..service import Signals
     from . import lifecycle
     from .events import Service
     from .upgrade import Predecessor, ms_since
@@ -261,10 +264,10 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     if successor is not None:
         successor.hello()
         listener = successor.receive_listener()
-    wakeup = lifecycle.SignalWakeup()
+    signals = Signals()     # its wakeup socket first: the broker polls it
     make_broker = partial(Broker, listener.sock.fileno(), cfg, allowed_uids=allowed,
                           access_mode=cfg.mode if listener.abstract else -1,
-                          wakeup_fd=wakeup.fileno())
+                          wakeup_fd=signals.fileno())
     service = Service(cfg, log=log, stream=stream, make_broker=make_broker,
                       message_log=logging_.message_logger(fmt, cfg.log_level, stream,
                                                           json_copy is not None))
@@ -301,16 +304,11 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
 
     # A handler runs between any two bytecodes of this thread, even inside
     # the logger's lock (a log line written from a broker callback): it only
-    # notes the signal and ends the loop's turn. The loop acts on it between
-    # two turns, where logging, starting a process and handing over are safe.
-    noted: Deque[int] = deque()
-
-    def note(signo, frame):
-        noted.append(signo)
-        broker.stop(SIGNALLED)
-
-    for signo in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2):
-        signal.signal(signo, note)
+    # notes the signal and ends the loop's turn (sbus.service). The loop acts
+    # on it between two turns, where logging, starting a process and handing
+    # over are safe.
+    signals.catch((signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2),
+                  on_note=partial(broker.stop, SIGNALLED))
     if early_stop:
         broker.stop(early_stop[0])      # run() then returns at once
     if broker.backend_fallback:
@@ -330,15 +328,15 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
             if reason != SIGNALLED:
                 break
             handover.resume(broker)     # a signal noted now ends the next turn
-            signals = [noted.popleft() for _ in range(len(noted))]
-            stops = [signo for signo in signals
+            noted = signals.take()
+            stops = [signo for signo in noted
                      if signo != signal.SIGUSR2 and (signo != signal.SIGHUP or cfg.foreground)]
             if stops:
                 reason = signal.Signals(stops[0]).name     # an upgrade under way ends with us
                 break
-            if signal.SIGHUP in signals:
+            if signal.SIGHUP in noted:
                 reopen()
-            if signal.SIGUSR2 in signals:
+            if signal.SIGUSR2 in noted:
                 handed_over = upgrade.act()
     finally:
         if handed_over:
@@ -359,7 +357,7 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
             log.info(schema.BROKER_STOP, reason=reason,
                      uptime_s=round(time.monotonic() - started, 3), totals=broker.totals())
         stream.flush()
-        wakeup.close()
+        signals.close()
     return 0
 
 

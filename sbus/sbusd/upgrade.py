@@ -70,10 +70,16 @@ REQUEST_TIMEOUT = 60.0  # seconds sbusd --upgrade waits for the outcome
 CHUNK = 65536           # state bytes per packet on the socketpair (its default
 #                         send buffer, 208 KiB, holds a few)
 SCM_MAX_FD = 253        # descriptors one sendmsg may carry (Linux)
-# The new sbusd, from the installed package: -c puts the working directory
-# (start_dir) first on sys.path, and nothing may be imported from there
-# (python -P would say so, from 3.11 on).
-SPAWN = "import sys; del sys.path[0]; from sbus.sbusd.main import main; sys.exit(main())"
+
+
+def python_main(module: str) -> List[str]:
+    """The command that runs ``module``'s ``main()`` in this Python, from the
+    installed package: -c puts the working directory first on sys.path, and
+    nothing may be imported from there, where a source checkout's ``sbus/``
+    may be (python -P would say so, from 3.11 on). The new sbusd of an upgrade
+    and the upstream link start this way."""
+    return [sys.executable, "-c",
+            f"import sys; del sys.path[0]; from {module} import main; sys.exit(main())"]
 
 
 class UpgradeFailed(Exception):
@@ -166,7 +172,7 @@ class Attempt:
             if injected("spawn"):
                 raise OSError("injected failure")
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", SPAWN, *argv],
+                [*python_main("sbus.sbusd.main"), *argv],
                 pass_fds=(theirs.fileno(),), cwd=start_dir, stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 env={**os.environ, HANDOVER_FD_ENV: str(theirs.fileno())})
