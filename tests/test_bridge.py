@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -425,6 +426,27 @@ def test_every_bridge_record_follows_logschema(pair):
         declared = {name for name, _ in ls.BRIDGE_EVENT_FIELDS[r["event"]]}
         assert set(r) == common | declared, r["event"]
         assert r["broker_pid"] in (ba.proc.pid, bb.proc.pid)
+
+
+def test_sighup_reopens_the_log_and_sigterm_stops_cleanly(tmp_path, cleanup):
+    """logrotate's way: the log renamed, SIGHUP, and the next records go to a
+    new file at the old path; SIGTERM then stops the bridge with status 0 and
+    its bridge_stop record (sbus.service: both acted on between turns)."""
+    server = NatsServer(tmp_path)
+    cleanup(server)
+    a = start_host(tmp_path, "a", cleanup)
+    bridge = start_bridge(tmp_path, cleanup, a, [server.url], "--export", "x/").ready()
+    rotated = bridge.log_path.with_suffix(".log.1")
+    bridge.log_path.rename(rotated)
+    os.kill(bridge.proc.pid, signal.SIGHUP)
+    wait_until(lambda: bridge.log_path.exists() and bridge.events("bridge_stats"), 20,
+               "a bridge_stats record in the new log")
+    assert bridge.alive()
+    assert bridge.stop() == 0
+    (stopped,) = bridge.events("bridge_stop")
+    assert stopped["reason"] == "signal"
+    assert not any(r["event"] == "bridge_stop"
+                   for r in map(json.loads, rotated.read_text().splitlines()))
 
 
 @pytest.mark.parametrize("server_auth, bridge_auth", [
