@@ -45,7 +45,7 @@ class ReopenableStream:
     def reopen(self) -> None:
         """Open the path again (after logrotate renamed it). Not from a signal
         handler, which may have interrupted a write to the file this closes:
-        sbus.service's loops call it between turns."""
+        sbus.runner's loops call it between turns."""
         if not self.path:
             return
         new = open_log(self.path)

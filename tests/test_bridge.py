@@ -431,7 +431,7 @@ def test_every_bridge_record_follows_logschema(pair):
 def test_sighup_reopens_the_log_and_sigterm_stops_cleanly(tmp_path, cleanup):
     """logrotate's way: the log renamed, SIGHUP, and the next records go to a
     new file at the old path; SIGTERM then stops the bridge with status 0 and
-    its bridge_stop record (sbus.service: both acted on between turns)."""
+    its bridge_stop record (sbus.runner: both acted on between turns)."""
     server = NatsServer(tmp_path)
     cleanup(server)
     a = start_host(tmp_path, "a", cleanup)

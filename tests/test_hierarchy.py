@@ -474,7 +474,7 @@ def test_the_link_starts_from_the_package_not_from_the_working_directory(tmp_pat
 
 
 def test_sigterm_stops_the_link_cleanly(tmp_path):
-    """The link runs as every service does (sbus.service): SIGTERM is noted
+    """The link runs as every service does (sbus.runner): SIGTERM is noted
     and the loop stops between turns, with status 0, not killed by it."""
     up = broker(tmp_path, "up")
     leaf = broker(tmp_path, "leaf", upstream=up)

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from .. import argtypes
-from ..service import add_log_options
+from ..runner import add_log_options
 from . import mapping
 from .defaults import DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY, DROP_NEWEST, DROP_OLDEST
 
@@ -91,7 +91,7 @@ def settings_of(args: argparse.Namespace, address: str):
 
 def main(args: argparse.Namespace, address: str) -> int:
     """Run the bridge until SIGTERM/SIGINT; 0, or 1 with a message on stderr."""
-    from ..service import run_async
+    from ..runner import run_async
     from .forward import Bridge, SettingsError, check
     settings = settings_of(args, address)
     try:

@@ -43,6 +43,7 @@ from ..client.aio import Client as BusClient
 from ..client.protocol import MAX_MESSAGE, Message, pack_subscribe
 from ..client.reconnect import Reconnect
 from ..errors import BacklogFullError, BusClosedError, MessageRefusedError
+from ..runner import STOPPED
 from . import mapping, natsconn
 from .counters import Counters
 from .defaults import DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY, DROP_NEWEST, DROP_OLDEST
@@ -565,7 +566,7 @@ class Bridge:
                 for t in done:      # only connecting to NATS ends on its own
                     if t is not stopping and t.exception() is not None:
                         raise t.exception()
-            reason = "signal"
+            reason = STOPPED
             await self._settle(SETTLE_TIMEOUT)
         finally:
             for t in (stopping, *tasks):

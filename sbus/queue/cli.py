@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from .. import argtypes
-from ..service import add_log_options
+from ..runner import add_log_options
 from .defaults import ACK_TIMEOUT, LEASE, MAX_HELD, PREFETCH, STATS_INTERVAL
 
 
@@ -41,7 +41,7 @@ def main(args: argparse.Namespace, address: str) -> int:
     """Run the service until SIGTERM/SIGINT; 0, or 1 with a message on stderr."""
     from ..client.protocol import pack_subscribe
     from ..errors import MessageRefusedError
-    from ..service import run_async
+    from ..runner import run_async
     from .service import QueueService, Settings
     try:
         pack_subscribe(args.pattern)

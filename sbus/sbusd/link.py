@@ -22,7 +22,7 @@ echo off.
 * Failure: the upstream is reconnected with the client's back-off
   (``sbus.client.reconnect.Reconnect``); on the way back the link asks
   whoami again, resubscribes and flushes its buffer.
-* Signals: as every service (``sbus.service``): SIGTERM and SIGINT stop it
+* Signals: as every service (``sbus.runner``): SIGTERM and SIGINT stop it
   between two turns of its loop; it has no log file of its own to reopen.
 
 It reports to its broker over the same socketpair: ``link/identity`` (its
@@ -46,7 +46,7 @@ from .._core.batch import Inbox, Outbox
 from ..client.protocol import WHOAMI, ControlMessage, Message, pack_control, parse
 from ..client.reconnect import Reconnect
 from ..errors import AddressError, ProtocolError
-from ..service import Runner
+from ..runner import Runner
 
 WHOAMI_TIMEOUT = 5.0        # seconds an upstream has to answer whoami
 # The client's policy, never giving up: 0.1 s before the first reconnect, doubling up to 5 s.

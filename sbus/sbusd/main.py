@@ -252,7 +252,7 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     # both on disk before SIGUSR2.
     from .._core import handover
     from .._core.broker import Broker
-    from ..service import Signals
+    from ..runner import Signals
     from . import lifecycle
     from .events import Service
     from .upgrade import Predecessor, ms_since
@@ -304,7 +304,7 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
 
     # A handler runs between any two bytecodes of this thread, even inside
     # the logger's lock (a log line written from a broker callback): it only
-    # notes the signal and ends the loop's turn (sbus.service). The loop acts
+    # notes the signal and ends the loop's turn (sbus.runner). The loop acts
     # on it between two turns, where logging, starting a process and handing
     # over are safe.
     signals.catch((signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2),

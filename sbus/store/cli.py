@@ -11,7 +11,7 @@ from typing import BinaryIO
 
 from .. import argtypes
 from ..cli import render
-from ..service import add_log_options
+from ..runner import add_log_options
 from . import wire
 
 DEFAULT_FSYNC = "100"       # milliseconds between fdatasync(2)s
@@ -190,7 +190,7 @@ def main(args: argparse.Namespace, address: str) -> int:
     if not args.dir or not args.record:
         sys.stderr.write("sbus store: needs --dir DIR and at least one --record PATTERN\n")
         return 2
-    from ..service import STOPPED, Runner, open_log
+    from ..runner import STOPPED, Runner, open_log
     from .service import Settings, Store
     settings = Settings(
         address=address, directory=args.dir,

@@ -21,7 +21,7 @@ from .. import logschema as schema
 from ..client.protocol import MAX_MESSAGE, Message
 from ..client.reconnect import Reconnect
 from ..client.sync import Client
-from ..service import STOPPED
+from ..runner import STOPPED
 from . import wire
 from .patterns import PatternSet, compile_pattern
 from .patterns import covers as _covers
@@ -152,7 +152,7 @@ class Store:
 
     def run(self, stopping: Callable[[], bool], wake: int = -1) -> str:
         """Record and answer until ``stopping()``, asked between turns, is
-        true; ``wake`` (sbus.service.Runner's) ends a wait when it is readable."""
+        true; ``wake`` (sbus.runner.Runner's) ends a wait when it is readable."""
         self.wake = wake
         # Two connections: recorded messages on one, requests (and acks) on
         # the other, so that a flood of data neither delays nor drops them.
