@@ -40,7 +40,7 @@ def add_log_options(parser: argparse.ArgumentParser) -> None:
     log.add_argument("--log-file", metavar="PATH", help="default: stderr (reopened on SIGHUP)")
 
 
-def open_log(args: argparse.Namespace):
+def configure_log(args: argparse.Namespace):
     """The stream and the logger the ``--log-*`` options in ``args`` ask for."""
     from . import log
     stream = log.ReopenableStream(args.log_file, log.fallback_stream())
@@ -149,7 +149,7 @@ def run_async(name: str, address: str, args: argparse.Namespace, make) -> int:
     0, or 1 with the broker's error on stderr."""
     import asyncio
 
-    stream, logger = open_log(args)
+    stream, logger = configure_log(args)
 
     async def run(runner: Runner) -> int:
         stop = asyncio.Event()

@@ -190,7 +190,7 @@ def main(args: argparse.Namespace, address: str) -> int:
     if not args.dir or not args.record:
         sys.stderr.write("sbus store: needs --dir DIR and at least one --record PATTERN\n")
         return 2
-    from ..runner import STOPPED, Runner, open_log
+    from ..runner import STOPPED, Runner, configure_log
     from .service import Settings, Store
     settings = Settings(
         address=address, directory=args.dir,
@@ -198,7 +198,7 @@ def main(args: argparse.Namespace, address: str) -> int:
         fsync=args.fsync, segment_bytes=args.segment_bytes, max_bytes=args.max_bytes,
         max_age_s=args.max_age, request_key=args.request_key.encode("utf-8", "surrogateescape"),
         stats_interval=args.stats_interval, max_message=args.max_message, flood=args.flood)
-    stream, logger = open_log(args)
+    stream, logger = configure_log(args)
     try:
         store = Store(settings, logger)
     except OSError as exc:
