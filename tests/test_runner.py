@@ -1,0 +1,51 @@
+"""sbus.runner, the one way every service runs: a handler only notes the
+signal and wakes the loop; the loop acts between turns (SIGHUP reopens the
+log, SIGTERM and SIGINT stop). Real signals to this process, real files."""
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import signal
+import sys
+
+from sbus.log import ReopenableStream
+from sbus.runner import Runner, add_log_options
+
+
+def readable(fd: int, timeout: float = 1.0) -> bool:
+    return bool(select.select([fd], [], [], timeout)[0])
+
+
+def test_a_signal_is_noted_and_acted_on_between_turns(tmp_path):
+    path = tmp_path / "service.log"
+    stream = ReopenableStream(str(path), sys.stderr)
+    with Runner(stream) as runner:
+        stream.write("before\n")
+        stream.flush()
+        path.rename(tmp_path / "service.log.1")
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert readable(runner.fileno()), "the handler wakes the loop"
+        assert not path.exists(), "nothing reopened inside the handler"
+        assert runner.between_turns() is False
+        assert path.exists()
+        stream.write("after\n")
+        stream.flush()
+        assert path.read_text() == "after\n"
+        assert not readable(runner.fileno(), 0), "taken: the loop does not spin"
+
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert readable(runner.fileno())
+        assert runner.between_turns() is True
+        assert runner.stop_signal == signal.SIGTERM
+    # The handlers it replaced are back.
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_log_options_are_declared_once():
+    p = argparse.ArgumentParser()
+    add_log_options(p)
+    args = p.parse_args(["--log-format", "json", "--log-level", "debug", "--log-file", "x"])
+    assert (args.log_format, args.log_level, args.log_file) == ("json", "debug", "x")
+    assert p.parse_args([]).log_level == "info"
