@@ -439,8 +439,8 @@ def test_sighup_reopens_the_log_and_sigterm_stops_cleanly(tmp_path, cleanup):
     rotated = bridge.log_path.with_suffix(".log.1")
     bridge.log_path.rename(rotated)
     os.kill(bridge.proc.pid, signal.SIGHUP)
-    wait_until(lambda: bridge.log_path.exists() and bridge.events("bridge_stats"), 20,
-               "a bridge_stats record in the new log")
+    wait_until(bridge.log_path.exists, 10, "the log reopened")
+    wait_until(lambda: bridge.events("bridge_stats"), 20, "a bridge_stats record in the new log")
     assert bridge.alive()
     assert bridge.stop() == 0
     (stopped,) = bridge.events("bridge_stop")
