@@ -84,6 +84,10 @@ class Signals:
     def fileno(self) -> int:
         return self._r.fileno()
 
+    def pending(self) -> bool:
+        """Signals were noted since the last ``take()``."""
+        return bool(self._noted)
+
     def take(self) -> List[int]:
         """The signals noted since the last call, oldest first."""
         try:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import select
 import signal
 import sys
+from pathlib import Path
 
+import sbus
 from sbus.log import ReopenableStream
 from sbus.runner import Runner, add_log_options
 
@@ -49,3 +52,19 @@ def test_the_log_options_are_declared_once():
     args = p.parse_args(["--log-format", "json", "--log-level", "debug", "--log-file", "x"])
     assert (args.log_format, args.log_level, args.log_file) == ("json", "debug", "x")
     assert p.parse_args([]).log_level == "info"
+
+
+def test_signal_handlers_are_installed_by_the_runner_alone():
+    """Every handler in sbus is sbus.runner's, which only notes. The others:
+    sbusd ignores SIGUSR2 until its loop runs (signal.SIG_IGN), and ``sbus
+    serve`` lets asyncio stop it (asyncio's handler only writes to its
+    wakeup fd; the callback runs in the loop). A handler added anywhere else
+    fails here: it belongs in sbus.runner."""
+    root = Path(sbus.__file__).parent
+    installing = re.compile(r"signal\.signal\(|add_signal_handler\(")
+    found = {str(path.relative_to(root.parent)) for ext in ("*.py", "*.pyx")
+             for path in root.rglob(ext) if installing.search(path.read_text())}
+    assert found == {"sbus/runner.py", "sbus/sbusd/main.py", "sbus/cli/requests.py"}
+    main = (root / "sbusd" / "main.py").read_text()
+    assert installing.findall(main) == ["signal.signal("]
+    assert "signal.signal(signal.SIGUSR2, signal.SIG_IGN)" in main

@@ -45,6 +45,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run(cfg: Config, argv: List[str] = ()) -> int:
+    from ..runner import Signals
     from . import lifecycle
     from .upgrade import Successor
 
@@ -63,21 +64,14 @@ def run(cfg: Config, argv: List[str] = ()) -> int:
         print(f"sbusd: {text}", file=sys.stderr)
         warnings.append(text)
 
-    # The socket accepts connections before the broker loop exists: a stop
-    # signal arriving in between is remembered and honoured at once, so the
-    # broker still exits cleanly and removes its socket. (A log reopen
-    # request before the log is open has nothing to do.)
-    early_stop: List[str] = []
-
-    def remember(signo, frame):
-        if signo != signal.SIGHUP or cfg.foreground:
-            early_stop.append(signal.Signals(signo).name)
-
-    for signo in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signo, remember)
     # An upgrade asked for before the loop runs has nothing to hand over yet.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     lifecycle.ensure_stdio()
+    # The socket accepts connections before the broker loop exists: a signal
+    # arriving in between is noted (sbus.runner) and acted on at the loop's
+    # first turn, so a stopped broker still exits cleanly and removes its
+    # socket. After ensure_stdio: the wakeup socket must not be a stdio fd.
+    signals = Signals().catch((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
     tenure = Tenure(argv, start_dir)
 
     # A daemon chdirs to "/": every path it keeps using must be absolute.
@@ -94,7 +88,7 @@ def run(cfg: Config, argv: List[str] = ()) -> int:
                 warn(f"{flag} {getattr(cfg, field)}: {e.strerror}")
                 return 1
     if successor is not None:
-        return serve_successor(cfg, successor, tenure, early_stop, warnings)
+        return serve_successor(cfg, successor, tenure, signals, warnings)
     try:
         addr = addresses.parse(cfg.address)
         if cfg.upstream:
@@ -134,7 +128,7 @@ def run(cfg: Config, argv: List[str] = ()) -> int:
                 lifecycle.release_stderr()
         if allowed:
             allowed.append(os.getuid())
-        return serve(cfg, listener, allowed, ready, tenure, early_stop, warnings)
+        return serve(cfg, listener, allowed, ready, tenure, signals, warnings)
     except lifecycle.StartupError as e:
         warn(str(e))
         return 1
@@ -167,7 +161,7 @@ class Tenure:
         self.listener = None    # a successor's, once it takes over
 
 
-def serve_successor(cfg: Config, successor, tenure: Tenure, early_stop, warnings) -> int:
+def serve_successor(cfg: Config, successor, tenure: Tenure, signals, warnings) -> int:
     """The new process of a live upgrade: serve what the old one hands over.
     Before it takes over it owns nothing, and leaves without a trace."""
     from . import lifecycle
@@ -181,7 +175,7 @@ def serve_successor(cfg: Config, successor, tenure: Tenure, early_stop, warnings
     if allowed:
         allowed.append(os.getuid())
     try:
-        return serve(cfg, None, allowed, None, tenure, early_stop, warnings, successor)
+        return serve(cfg, None, allowed, None, tenure, signals, warnings, successor)
     except UpgradeFailed as e:
         print(f"sbusd: upgrade: {e.step}: {e.reason}", file=sys.stderr)
         return 1
@@ -240,7 +234,7 @@ def _tell_terminal(where: str):
     return tell
 
 
-def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), warnings=(),
+def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnings=(),
           successor=None) -> int:
     """Run the broker until it stops or hands over. A successor (a live
     upgrade's new process) brings the listener and the state with it."""
@@ -252,7 +246,6 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     # both on disk before SIGUSR2.
     from .._core import handover
     from .._core.broker import Broker
-    from ..runner import Signals
     from . import lifecycle
     from .events import Service
     from .upgrade import Predecessor, ms_since
@@ -264,7 +257,6 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     if successor is not None:
         successor.hello()
         listener = successor.receive_listener()
-    signals = Signals()     # its wakeup socket first: the broker polls it
     make_broker = partial(Broker, listener.sock.fileno(), cfg, allowed_uids=allowed,
                           access_mode=cfg.mode if listener.abstract else -1,
                           wakeup_fd=signals.fileno())
@@ -309,8 +301,8 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     # over are safe.
     signals.catch((signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2),
                   on_note=partial(broker.stop, SIGNALLED))
-    if early_stop:
-        broker.stop(early_stop[0])      # run() then returns at once
+    if signals.pending():
+        broker.stop(SIGNALLED)      # noted before the loop: its first turn ends at once
     if broker.backend_fallback:
         warnings = [*warnings, f"--backend {cfg.backend}: {broker.backend_fallback}"]
     for text in warnings:
