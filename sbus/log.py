@@ -39,17 +39,13 @@ class ReopenableStream:
         self.path = path
         self._fallback = fallback
         self._file: IO[str] = fallback
-        self._reopen_asked = False
         if path:
             self.reopen()
 
-    def reopen_soon(self) -> None:
-        """Reopen before the next write: safe in a signal handler, which may
-        have interrupted a write to the file reopen() would close."""
-        self._reopen_asked = True
-
     def reopen(self) -> None:
-        self._reopen_asked = False
+        """Open the path again (after logrotate renamed it). Not from a signal
+        handler, which may have interrupted a write to the file this closes:
+        sbus.runner's loops call it between turns."""
         if not self.path:
             return
         new = open_log(self.path)
@@ -59,8 +55,6 @@ class ReopenableStream:
 
     def write(self, text: str) -> None:
         try:
-            if self._reopen_asked:
-                self.reopen()
             self._file.write(text)
         except (OSError, ValueError):
             pass  # a full disk or a closed stderr must not stop the bus
@@ -215,33 +209,3 @@ def emit(logger, event: str, fields: dict) -> None:
 def fallback_stream() -> IO[str]:
     return sys.stderr
 
-
-def run_service(name: str, address: str, args, make) -> int:
-    """Run an asyncio service of the ``sbus`` command (the bridge, the queue)
-    with the log its ``--log-*`` options ask for, until SIGTERM or SIGINT;
-    SIGHUP reopens the log file. ``make(logger)`` builds the service, which
-    has ``await run(stop_event) -> reason`` and ``stopped(reason)``. Returns
-    0, or 1 with the broker's error on stderr."""
-    import asyncio
-    import signal
-
-    stream = ReopenableStream(args.log_file, fallback_stream())
-    logger = configure(args.log_format or default_format(stream), args.log_level, stream)
-
-    async def run() -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, stream.reopen)
-        service = make(logger)
-        try:
-            reason = await service.run(stop)
-        except OSError as exc:
-            service.stopped(f"error: {exc}")
-            sys.stderr.write(f"sbus {name}: {address}: {exc.strerror or exc}\n")
-            return 1
-        service.stopped(reason)
-        return 0
-
-    return asyncio.run(run())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -427,6 +428,27 @@ def test_every_bridge_record_follows_logschema(pair):
         assert r["broker_pid"] in (ba.proc.pid, bb.proc.pid)
 
 
+def test_sighup_reopens_the_log_and_sigterm_stops_cleanly(tmp_path, cleanup):
+    """logrotate's way: the log renamed, SIGHUP, and the next records go to a
+    new file at the old path; SIGTERM then stops the bridge with status 0 and
+    its bridge_stop record (sbus.runner: both acted on between turns)."""
+    server = NatsServer(tmp_path)
+    cleanup(server)
+    a = start_host(tmp_path, "a", cleanup)
+    bridge = start_bridge(tmp_path, cleanup, a, [server.url], "--export", "x/").ready()
+    rotated = bridge.log_path.with_suffix(".log.1")
+    bridge.log_path.rename(rotated)
+    os.kill(bridge.proc.pid, signal.SIGHUP)
+    wait_until(bridge.log_path.exists, 10, "the log reopened")
+    wait_until(lambda: bridge.events("bridge_stats"), 20, "a bridge_stats record in the new log")
+    assert bridge.alive()
+    assert bridge.stop() == 0
+    (stopped,) = bridge.events("bridge_stop")
+    assert stopped["reason"] == "signal"
+    assert not any(r["event"] == "bridge_stop"
+                   for r in map(json.loads, rotated.read_text().splitlines()))
+
+
 @pytest.mark.parametrize("server_auth, bridge_auth", [
     (["--auth", "s3cret"], ["--token", "s3cret"]),
     (["--user", "u", "--pass", "pw"], ["--user", "u", "--password", "pw"]),
@@ -493,7 +515,7 @@ def test_systemd_unit_starts_after_the_broker_and_restarts_on_failure():
 
 
 def test_server_urls_are_logged_without_credentials():
-    from sbus.bridge.core import _redact
+    from sbus.bridge.forward import _redact
     assert _redact("nats://user:pw@hub:4222") == "nats://hub:4222"
     assert _redact("tls://t0ken@hub:4443") == "tls://hub:4443"
     assert _redact("hub:4222") == "hub:4222"

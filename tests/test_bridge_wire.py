@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sbus._core.natswire import Exporter, Importer
-from sbus.bridge import mapping, wire
-from sbus.bridge.core import MAX_SUBJECT
+from sbus.bridge import mapping, natsconn
+from sbus.bridge.forward import MAX_SUBJECT
 from sbus.client import MAX_MESSAGE, Message
 
 from support import Sbusd
@@ -34,7 +34,7 @@ FRAMES = load_frames()
 RECORDED = FRAMES["cases"]
 SID = FRAMES["sid"]
 # What the bridge says it took when not told --no-fast-path, with the nats-py installed.
-FAST_PATH = wire.choose(True, None, None, None).name
+FAST_PATH = natsconn.choose(True, None, None, None).name
 
 
 def case_id(case):
@@ -42,7 +42,7 @@ def case_id(case):
 
 
 def map_out(key):
-    """The bridge's own mapping for the Exporter (sbus.bridge.core.Bridge._map_out)."""
+    """The bridge's own mapping for the Exporter (sbus.bridge.forward.Bridge._map_out)."""
     subject = mapping.key_to_subject(key)
     return None if len(subject) > MAX_SUBJECT else (subject, mapping.encode_header(key))
 
@@ -367,17 +367,17 @@ def test_push_applies_the_same_checks():
 
 def test_the_fast_path_is_taken_only_on_tested_nats_py_releases():
     import nats.aio.client
-    assert wire.untested("2.16.0") is None and wire.untested("2.16.11") is None
+    assert natsconn.untested("2.16.0") is None and natsconn.untested("2.16.11") is None
     for other in ("2.17.0", "2.15.2", "3.0", "2.1.6", ""):
-        assert "not among the tested 2.16" in wire.untested(other)
-    assert "_ps" in wire.missing(object())
-    installed = wire.nats_py_version()
-    if wire.untested(installed) is None:
-        assert wire.missing(nats.aio.client.Client()) is None
+        assert "not among the tested 2.16" in natsconn.untested(other)
+    assert "_ps" in natsconn.missing(object())
+    installed = natsconn.nats_py_version()
+    if natsconn.untested(installed) is None:
+        assert natsconn.missing(nats.aio.client.Client()) is None
         assert FAST_PATH == "fast"
     else:
-        assert FAST_PATH == f"reference ({wire.untested(installed)})"
-    assert wire.choose(False, importer(), None, None).name == "reference (--no-fast-path)"
+        assert FAST_PATH == f"reference ({natsconn.untested(installed)})"
+    assert natsconn.choose(False, importer(), None, None).name == "reference (--no-fast-path)"
 
 
 # -- real bridges, the fast path on one side and the reference on the other ---------
@@ -408,7 +408,7 @@ def _bridge(tmp_path, started, host, url, path, *args):
     started(bridge)
     start = bridge.wait_for("bridge_start", 30)
     assert start["path"] == (FAST_PATH if path == "fast" else "reference (--no-fast-path)")
-    assert start["nats_py"] == wire.nats_py_version()
+    assert start["nats_py"] == natsconn.nats_py_version()
     return bridge
 
 
@@ -487,7 +487,7 @@ def test_the_reference_path_keeps_what_publish_refused_and_sends_it_first(tmp_pa
     then = [Message(b"k/%d" % i, b"then %d" % i) for i in range(3)]
 
     async def main():
-        path = wire.ReferencePath("test", dropped=None)
+        path = natsconn.ReferencePath("test", dropped=None)
         ex = exporter()
         ex.add(first)
         gone = await nats.connect(server.url)

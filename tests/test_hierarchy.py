@@ -5,7 +5,9 @@ credentials: the spec's four-step identity proof across servers with
 eavesdroppers of another uid on every server (docs/hierarchy.md)."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -446,6 +448,50 @@ def test_a_bad_upstream_is_a_clear_error_at_start(tmp_path, kind, words):
     finally:
         if srv is not None:
             srv.close()
+
+
+def link_pid(leaf) -> int:
+    """The leaf's link process: the pid of its credentials upstream."""
+    return int(link_identity(leaf).rsplit("/", 1)[1])
+
+
+def test_the_link_starts_from_the_package_not_from_the_working_directory(tmp_path):
+    """sbusd started in a directory holding an ``sbus/`` folder (a source
+    checkout, for one): the link must not import that folder, or it dies
+    and the leaf quietly serves as a plain broker (issue 38)."""
+    up = broker(tmp_path, "up")
+    here = tmp_path / "checkout"
+    (here / "sbus").mkdir(parents=True)
+    (here / "sbus" / "__init__.py").write_text("raise ImportError('the decoy sbus/ was imported')\n")
+    address = str(tmp_path / "leaf")
+    leaf = Sbusd(tmp_path, ["-f", "-a", address, "--upstream", up.address], address=address,
+                 log_level="info", cwd=here).ready(timeout=10.0)
+    _STARTED.append(leaf)
+    leaf.wait_for_event("upstream_connected", timeout=10)
+    with up.connect() as a, leaf.connect() as b:
+        assert b.whoami() == f"{link_identity(leaf)}/{a.me}"
+        assert link_identity(leaf).startswith("!/cred/")
+
+
+def test_sigterm_stops_the_link_cleanly(tmp_path):
+    """The link runs as every service does (sbus.runner): SIGTERM is noted
+    and the loop stops between turns, with status 0, not killed by it."""
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", upstream=up)
+    pid = link_pid(leaf)
+    os.kill(pid, signal.SIGHUP)     # nothing to reopen: it goes on
+    with leaf.connect() as c, up.connect() as u:
+        u.sub("h/")
+        u.sync()
+        c.pub("h/x", b"after SIGHUP")
+        assert u.next_packet(timeout=10) == b"MSG h/x\0after SIGHUP"
+    os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}") or
+               open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z",
+               timeout=10, what="the link to exit")
+    assert leaf.stop() == 0
+    (ended,) = leaf.events("upstream_link_exit")
+    assert ended["returncode"] == 0
 
 
 # ---- nested credentials -------------------------------------------------------

@@ -670,6 +670,9 @@ def test_sighup_reopens_the_log_and_sigterm_stops_with_the_counts(bus, queues):
     rotated = q.log_path.with_suffix(".log.1")
     q.log_path.rename(rotated)
     os.kill(q.pid, signal.SIGHUP)
+    # Acted on between turns: a record of the turn the signal came in may
+    # still go to the old file; once the new one exists, every record does.
+    wait_until(q.log_path.exists, 10, "the log reopened")
     publish(bus.address, [("jobs/a", b"1")])
     with Client(bus.address) as c:
         c.publish(wire.HELLO_KEY, b"not a hello")     # a bad request: logged at debug

@@ -423,6 +423,9 @@ def test_sighup_reopens_the_log_for_rotation(bus, start_store):
     rotated = store.log_path.with_suffix(".log.1")
     store.log_path.rename(rotated)
     os.kill(store.pid, signal.SIGHUP)
+    # Acted on between turns: a record of the turn the signal came in may
+    # still go to the old file; once the new one exists, every record does.
+    wait_until(store.log_path.exists, 10, "the log reopened")
     with sbus.Client(bus.address) as c:
         c.publish(wire.REQUEST_KEY, b"\xff\x00garbage")     # a refused request is logged
         settle(c)

@@ -21,7 +21,7 @@ import sysconfig
 import venv
 from pathlib import Path
 
-from sbus.bridge import wire
+from sbus.bridge import natsconn
 
 
 def site_packages(python: Path) -> Path:
@@ -56,16 +56,16 @@ def main() -> None:
         script.write_text(f"#!{python}\n" + "".join(lines[1:]))
         script.chmod(0o755)
     (target / "bin" / "nats-server").symlink_to(here / "nats-server")
-    latest = subprocess.run([str(python), "-c", "from sbus.bridge import wire; "
-                             "print(wire.nats_py_version())"],
+    latest = subprocess.run([str(python), "-c", "from sbus.bridge import natsconn; "
+                             "print(natsconn.nats_py_version())"],
                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
-    installed = wire.nats_py_version()
+    installed = natsconn.nats_py_version()
     same = ("the release the running venv has too" if latest == installed
             else f"the running venv has {installed}")
     got = ("the newest the package index offers" if args.nats_py == "nats-py"
            else f"for {args.nats_py}")
     print(f"nats-py {latest}, {got} ({same})")
-    why = wire.untested(latest)
+    why = natsconn.untested(latest)
     print("with it the bridge takes the fast path (a tested release)" if why is None
           else f"with it the bridge takes the reference path: {why}")
 

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from .. import argtypes
+from ..runner import add_log_options
 from . import mapping
 from .defaults import DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY, DROP_NEWEST, DROP_OLDEST
 
@@ -64,12 +65,7 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
     auth.add_argument("--tls-ca", metavar="FILE", help="CA certificates to verify the server")
     auth.add_argument("--tls-cert", metavar="FILE", help="client certificate")
     auth.add_argument("--tls-key", metavar="FILE", help="client certificate's key")
-    log = p.add_argument_group("logging")
-    log.add_argument("--log-format", choices=("json", "console"), default=None,
-                     help="default: console on a terminal, else json")
-    log.add_argument("--log-level", choices=("debug", "info", "warning", "error", "off"),
-                     default="info")
-    log.add_argument("--log-file", metavar="PATH", help="default: stderr")
+    add_log_options(p)
     p.set_defaults(standalone=main)
 
 
@@ -81,7 +77,7 @@ def _host_id(text: str) -> int:
 
 
 def settings_of(args: argparse.Namespace, address: str):
-    from .core import Settings
+    from .forward import Settings
     return Settings(
         address=address, servers=args.nats, exports=args.export, imports=args.imports,
         subject_prefix=args.subject_prefix, max_pending=args.max_pending, drop=args.drop,
@@ -95,8 +91,8 @@ def settings_of(args: argparse.Namespace, address: str):
 
 def main(args: argparse.Namespace, address: str) -> int:
     """Run the bridge until SIGTERM/SIGINT; 0, or 1 with a message on stderr."""
-    from .. import log as _log
-    from .core import Bridge, SettingsError, check
+    from ..runner import run_async
+    from .forward import Bridge, SettingsError, check
     settings = settings_of(args, address)
     try:
         check(settings)
@@ -108,4 +104,4 @@ def main(args: argparse.Namespace, address: str) -> int:
         sys.stderr.write("sbus bridge: needs nats-py, the bridge extra of pysbus: "
                          "pip install nats-py\n")
         return 1
-    return _log.run_service("bridge", address, args, lambda logger: Bridge(settings, logger))
+    return run_async("bridge", address, args, lambda logger: Bridge(settings, logger))

@@ -48,6 +48,7 @@ from typing import BinaryIO, Iterator, List, Optional
 
 from .. import __version__, argtypes
 from ..address import from_environment
+from ..atomicfile import write_atomically
 from ..client.protocol import MAX_MESSAGE, Message
 from ..client.reconnect import Reconnect
 from ..client.sync import Client
@@ -199,28 +200,10 @@ def cmd_stats(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bi
         stdout.write(text)
     else:
         try:
-            replace_file(args.output, text)
+            write_atomically(args.output, text)
         except OSError as exc:
             return _fail(f"stats --output {args.output}: {exc.strerror or exc}")
     return 0
-
-
-def replace_file(path: str, data: bytes) -> None:
-    """Write ``path`` whole or not at all: a reader (node_exporter's textfile
-    collector) never sees half of it. Readable by all (0644)."""
-    temp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        os.fchmod(fd, 0o644)    # whatever the umask: node_exporter is another user
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(temp, path)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
-        raise
 
 
 def cmd_top(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from .. import argtypes
+from ..runner import add_log_options
 from .defaults import ACK_TIMEOUT, LEASE, MAX_HELD, PREFETCH, STATS_INTERVAL
 
 
@@ -32,20 +33,15 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
                    default=STATS_INTERVAL,
                    help=f"seconds between queue_stats records, written when something "
                         f"changed (default {STATS_INTERVAL:g}; 0: none)")
-    log = p.add_argument_group("logging")
-    log.add_argument("--log-format", choices=("json", "console"), default=None,
-                     help="default: console on a terminal, else json")
-    log.add_argument("--log-level", choices=("debug", "info", "warning", "error", "off"),
-                     default="info")
-    log.add_argument("--log-file", metavar="PATH", help="default: stderr")
+    add_log_options(p)
     p.set_defaults(standalone=main)
 
 
 def main(args: argparse.Namespace, address: str) -> int:
     """Run the service until SIGTERM/SIGINT; 0, or 1 with a message on stderr."""
-    from .. import log as _log
     from ..client.protocol import pack_subscribe
     from ..errors import MessageRefusedError
+    from ..runner import run_async
     from .service import QueueService, Settings
     try:
         pack_subscribe(args.pattern)
@@ -56,4 +52,4 @@ def main(args: argparse.Namespace, address: str) -> int:
                         ack_timeout=args.ack_timeout, lease=args.lease,
                         max_held=args.max_held, stats_interval=args.stats_interval,
                         max_message=args.max_message)
-    return _log.run_service("queue", address, args, lambda logger: QueueService(settings, logger))
+    return run_async("queue", address, args, lambda logger: QueueService(settings, logger))

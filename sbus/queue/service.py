@@ -22,6 +22,7 @@ from ..client.private import PrivateInbox
 from ..client.protocol import MAX_MESSAGE
 from ..client.reconnect import Reconnect
 from ..errors import BacklogFullError, MessageRefusedError
+from ..runner import STOPPED
 from . import state as st
 from . import wire
 from .defaults import ACK_TIMEOUT, LEASE, MAX_HELD, PREFETCH, STATS_INTERVAL
@@ -282,7 +283,7 @@ class QueueService:
             for t in tasks:
                 if t in done:
                     t.result()      # a task that ended raises here
-            return "signal"
+            return STOPPED
         finally:
             for t in (stopping, *tasks):
                 t.cancel()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-import signal
 import socket
 import stat
 import sys
@@ -298,22 +297,3 @@ def sd_notify(state: str) -> None:
             s.sendall(state.encode())
     except OSError:
         pass  # systemd gone: nothing useful to do
-
-
-class SignalWakeup:
-    """Route signals to the loop: handlers set the stop reason, and the
-    wakeup fd interrupts a poll that a signal raced."""
-
-    def __init__(self):
-        self.r, self.w = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.r.setblocking(False)
-        self.w.setblocking(False)
-        signal.set_wakeup_fd(self.w.fileno(), warn_on_full_buffer=False)
-
-    def fileno(self) -> int:
-        return self.r.fileno()
-
-    def close(self) -> None:
-        signal.set_wakeup_fd(-1)
-        self.r.close()
-        self.w.close()

@@ -19,8 +19,11 @@ echo off.
   whoami answered, or its last form: a nested upstream hands its clients'
   keys down in the local form) is published here as ``!/cred/g/u/p/REST``,
   so the local rules give it to g/u/p alone; anything else comes down as it is.
-* Failure: the upstream is reconnected with back-off; on the way back the
-  link asks whoami again, resubscribes and flushes its buffer.
+* Failure: the upstream is reconnected with the client's back-off
+  (``sbus.client.reconnect.Reconnect``); on the way back the link asks
+  whoami again, resubscribes and flushes its buffer.
+* Signals: as every service (``sbus.runner``): SIGTERM and SIGINT stop it
+  between two turns of its loop; it has no log file of its own to reopen.
 
 It reports to its broker over the same socketpair: ``link/identity`` (its
 credentials upstream, the nesting prefix), ``link/log`` (records for the
@@ -40,12 +43,15 @@ from typing import Deque, List, Optional, Tuple
 from .. import address as addresses
 from .. import logschema as schema
 from .._core.batch import Inbox, Outbox
-from ..client.protocol import ControlMessage, Message
-from ..errors import AddressError
+from ..client.protocol import WHOAMI, ControlMessage, Message, pack_control, parse
+from ..client.reconnect import Reconnect
+from ..errors import AddressError, ProtocolError
+from ..runner import Runner
 
 WHOAMI_TIMEOUT = 5.0        # seconds an upstream has to answer whoami
-BACKOFF_FIRST = 0.1         # seconds before the first reconnect
-BACKOFF_MAX = 5.0
+# The client's policy, never giving up: 0.1 s before the first reconnect, doubling up to 5 s.
+BACKOFF = Reconnect(initial_delay=0.1, max_delay=5.0, give_up_after=None,
+                    confirm_timeout=WHOAMI_TIMEOUT)
 STATE_INTERVAL = 1.0        # seconds between link/state reports
 RECV_SIZE = 1 << 23         # above any --max-message
 LOCAL_BACKLOG = 1024        # downward packets waiting for the local broker before
@@ -53,6 +59,11 @@ LOCAL_BACKLOG = 1024        # downward packets waiting for the local broker befo
 BATCH = 64                  # packets per recvmmsg from the upstream, per sendmmsg down
 OWN_PRIVATE = b"!/cred////"  # every key private to the link itself, upstream
 CRED = b"!/cred/"
+# What the link says first on each upstream connection: it never hears its own
+# messages back; the broker queues, then discards, what the link cannot take;
+# and whoami, whose answer is the link's identity there.
+HELLO = (pack_control("echo/off"), pack_control("blocking/soft/queue"),
+         pack_control("blocking/hard/discard"), pack_control(WHOAMI))
 
 
 class UpstreamError(Exception):
@@ -84,7 +95,7 @@ def whoami(sock: socket.socket, text: str, timeout: float = WHOAMI_TIMEOUT) -> b
     naming what went wrong when it refuses, closes or is no sbusd."""
     sock.settimeout(timeout)
     try:
-        sock.send(b"CMSG !/cred/whoami")
+        sock.send(pack_control(WHOAMI))
         reply = sock.recv(RECV_SIZE)
     except socket.timeout:
         raise UpstreamError(f"{text}: no answer to whoami within {timeout:g} s "
@@ -97,10 +108,20 @@ def whoami(sock: socket.socket, text: str, timeout: float = WHOAMI_TIMEOUT) -> b
         sock.settimeout(None)
     if not reply:
         raise UpstreamError(f"{text}: the upstream closed the connection (refused?)")
-    head, sep, creds = reply.partition(b"\0")
-    if head != b"CMSG !/cred/whoami" or not sep or not creds.startswith(CRED):
+    try:
+        creds = identity(parse(reply))
+    except ProtocolError:
+        creds = None
+    if creds is None:
         raise UpstreamError(f"{text}: not an sbusd (answered {reply[:40]!r})")
     return creds
+
+
+def identity(item) -> Optional[bytes]:
+    """Our credentials, if ``item`` (a parsed packet) is the answer to whoami."""
+    if type(item) is ControlMessage and item.key == WHOAMI and item.payload.startswith(CRED):
+        return item.payload
+    return None
 
 
 def probe(text: str) -> bytes:
@@ -152,7 +173,7 @@ class Link:
         self.outbox = Outbox(RECV_SIZE)
         self.up_paused = False      # not reading the upstream: local_out is long
         self.retry_at = 0.0
-        self.backoff = BACKOFF_FIRST
+        self.failures = 0           # connection attempts failed in a row
         self.asked_at = 0.0
         self.next_state = 0.0
         self.counts = {"up_msgs": 0, "down_msgs": 0, "overflow_dropped": 0,
@@ -270,8 +291,7 @@ class Link:
         self.asked_at = time.monotonic()
         self.sel.register(sock, selectors.EVENT_READ, "up")
         try:
-            for packet in (b"CMSG echo/off", b"CMSG blocking/soft/queue",
-                           b"CMSG blocking/hard/discard", b"CMSG !/cred/whoami"):
+            for packet in HELLO:
                 sock.send(packet)
         except OSError as e:
             self.lost(e.strerror or str(e))
@@ -288,7 +308,7 @@ class Link:
         self.up_out.extend((False, b"SUB " + p) for p in self.refs)
         self.up_out.extend(item for item in pending if item[0])
         self.state = "up"
-        self.backoff = BACKOFF_FIRST
+        self.failures = 0
         self.counts["connects"] += 1
         self.reason = ""
         self.log(schema.UPSTREAM_CONNECTED, address=self.upstream, identity=creds.decode(),
@@ -315,13 +335,14 @@ class Link:
         self.retry(reason)
 
     def retry(self, reason: str) -> None:
+        self.failures += 1
+        wait = BACKOFF.delay(self.failures)
         if reason != self.reason:
             self.log(schema.UPSTREAM_RETRY, address=self.upstream, reason=reason,
-                     in_s=round(self.backoff, 3))
+                     in_s=round(wait, 3))
         self.reason = reason
         self.state = "away"
-        self.retry_at = time.monotonic() + self.backoff
-        self.backoff = min(self.backoff * 2, BACKOFF_MAX)
+        self.retry_at = time.monotonic() + wait
         self.report_state()
 
     # ---- packets
@@ -329,8 +350,9 @@ class Link:
         """One Message, ControlMessage or error of an Inbox batch from the upstream."""
         if self.state == "identifying":
             if type(item) is ControlMessage:
-                if item.key == b"!/cred/whoami" and item.payload.startswith(CRED):
-                    self.identified(item.payload)
+                creds = identity(item)
+                if creds is not None:
+                    self.identified(creds)
             else:
                 self.lost(f"not an sbusd (sent {item!r:.60} before whoami)")
             return
@@ -392,9 +414,15 @@ class Link:
         self.send_up(packet, True)
 
     # ---- the loop
-    def run(self) -> int:
+    def run(self, runner: Optional[Runner] = None) -> int:
+        """Link until the local broker goes, or ``runner`` (its signals) says stop."""
+        if runner is not None:
+            self.sel.register(runner.fileno(), selectors.EVENT_READ, "signals")
         self.try_connect()
         while True:
+            if runner is not None and runner.between_turns():
+                self.stop()
+                return 0
             now = time.monotonic()
             timeout = STATE_INTERVAL
             if self.state == "away":
@@ -418,6 +446,13 @@ class Link:
             if now >= self.next_state:
                 self.next_state = now + STATE_INTERVAL
                 self.report_state()
+
+    def stop(self) -> None:
+        """Leave the upstream; what was held for it is lost, as on any exit."""
+        if self.up is not None:
+            self.up.close()
+            self.up = None
+        self.sel.close()
 
     def read_local(self) -> bool:
         for _ in range(64):
@@ -481,10 +516,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--buffer", type=int, required=True)
     args = ap.parse_args(argv)
     local = socket.socket(fileno=args.fd)
-    try:
-        return Link(local, args.upstream, args.export, args.buffer).run()
-    except KeyboardInterrupt:
-        return 0
+    with Runner() as runner:
+        return Link(local, args.upstream, args.export, args.buffer).run(runner)
 
 
 if __name__ == "__main__":

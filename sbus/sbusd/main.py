@@ -14,8 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import deque
-from typing import Deque, List, Optional
+from typing import List, Optional
 
 from .. import address as addresses
 from .. import logschema as schema
@@ -46,6 +45,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run(cfg: Config, argv: List[str] = ()) -> int:
+    from ..runner import Signals
     from . import lifecycle
     from .upgrade import Successor
 
@@ -64,21 +64,14 @@ def run(cfg: Config, argv: List[str] = ()) -> int:
         print(f"sbusd: {text}", file=sys.stderr)
         warnings.append(text)
 
-    # The socket accepts connections before the broker loop exists: a stop
-    # signal arriving in between is remembered and honoured at once, so the
-    # broker still exits cleanly and removes its socket. (A log reopen
-    # request before the log is open has nothing to do.)
-    early_stop: List[str] = []
-
-    def remember(signo, frame):
-        if signo != signal.SIGHUP or cfg.foreground:
-            early_stop.append(signal.Signals(signo).name)
-
-    for signo in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signo, remember)
     # An upgrade asked for before the loop runs has nothing to hand over yet.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     lifecycle.ensure_stdio()
+    # The socket accepts connections before the broker loop exists: a signal
+    # arriving in between is noted (sbus.runner) and acted on at the loop's
+    # first turn, so a stopped broker still exits cleanly and removes its
+    # socket. After ensure_stdio: the wakeup socket must not be a stdio fd.
+    signals = Signals().catch((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
     tenure = Tenure(argv, start_dir)
 
     # A daemon chdirs to "/": every path it keeps using must be absolute.
@@ -95,7 +88,7 @@ def run(cfg: Config, argv: List[str] = ()) -> int:
                 warn(f"{flag} {getattr(cfg, field)}: {e.strerror}")
                 return 1
     if successor is not None:
-        return serve_successor(cfg, successor, tenure, early_stop, warnings)
+        return serve_successor(cfg, successor, tenure, signals, warnings)
     try:
         addr = addresses.parse(cfg.address)
         if cfg.upstream:
@@ -135,7 +128,7 @@ def run(cfg: Config, argv: List[str] = ()) -> int:
                 lifecycle.release_stderr()
         if allowed:
             allowed.append(os.getuid())
-        return serve(cfg, listener, allowed, ready, tenure, early_stop, warnings)
+        return serve(cfg, listener, allowed, ready, tenure, signals, warnings)
     except lifecycle.StartupError as e:
         warn(str(e))
         return 1
@@ -168,7 +161,7 @@ class Tenure:
         self.listener = None    # a successor's, once it takes over
 
 
-def serve_successor(cfg: Config, successor, tenure: Tenure, early_stop, warnings) -> int:
+def serve_successor(cfg: Config, successor, tenure: Tenure, signals, warnings) -> int:
     """The new process of a live upgrade: serve what the old one hands over.
     Before it takes over it owns nothing, and leaves without a trace."""
     from . import lifecycle
@@ -182,7 +175,7 @@ def serve_successor(cfg: Config, successor, tenure: Tenure, early_stop, warnings
     if allowed:
         allowed.append(os.getuid())
     try:
-        return serve(cfg, None, allowed, None, tenure, early_stop, warnings, successor)
+        return serve(cfg, None, allowed, None, tenure, signals, warnings, successor)
     except UpgradeFailed as e:
         print(f"sbusd: upgrade: {e.step}: {e.reason}", file=sys.stderr)
         return 1
@@ -207,10 +200,13 @@ def start_link(cfg: Config, broker):
     other end the broker takes on as its link connection."""
     import socket
 
+    from .upgrade import python_main
+
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ours.setblocking(False)
     broker.attach_link(ours.detach())
-    argv = [sys.executable, "-m", "sbus.sbusd.link", "--fd", str(theirs.fileno()),
+    # Not "python -m": the directory sbusd was started in must not shadow the package.
+    argv = [*python_main("sbus.sbusd.link"), "--fd", str(theirs.fileno()),
             "--upstream", cfg.upstream, "--buffer", str(cfg.upstream_buffer)]
     for pattern in cfg.upstream_export:
         argv += ["--export", pattern]
@@ -238,7 +234,7 @@ def _tell_terminal(where: str):
     return tell
 
 
-def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), warnings=(),
+def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnings=(),
           successor=None) -> int:
     """Run the broker until it stops or hands over. A successor (a live
     upgrade's new process) brings the listener and the state with it."""
@@ -261,10 +257,9 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
     if successor is not None:
         successor.hello()
         listener = successor.receive_listener()
-    wakeup = lifecycle.SignalWakeup()
     make_broker = partial(Broker, listener.sock.fileno(), cfg, allowed_uids=allowed,
                           access_mode=cfg.mode if listener.abstract else -1,
-                          wakeup_fd=wakeup.fileno())
+                          wakeup_fd=signals.fileno())
     service = Service(cfg, log=log, stream=stream, make_broker=make_broker,
                       message_log=logging_.message_logger(fmt, cfg.log_level, stream,
                                                           json_copy is not None))
@@ -301,18 +296,13 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
 
     # A handler runs between any two bytecodes of this thread, even inside
     # the logger's lock (a log line written from a broker callback): it only
-    # notes the signal and ends the loop's turn. The loop acts on it between
-    # two turns, where logging, starting a process and handing over are safe.
-    noted: Deque[int] = deque()
-
-    def note(signo, frame):
-        noted.append(signo)
-        broker.stop(SIGNALLED)
-
-    for signo in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2):
-        signal.signal(signo, note)
-    if early_stop:
-        broker.stop(early_stop[0])      # run() then returns at once
+    # notes the signal and ends the loop's turn (sbus.runner). The loop acts
+    # on it between two turns, where logging, starting a process and handing
+    # over are safe.
+    signals.catch((signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2),
+                  on_note=partial(broker.stop, SIGNALLED))
+    if signals.pending():
+        broker.stop(SIGNALLED)      # noted before the loop: its first turn ends at once
     if broker.backend_fallback:
         warnings = [*warnings, f"--backend {cfg.backend}: {broker.backend_fallback}"]
     for text in warnings:
@@ -330,15 +320,15 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
             if reason != SIGNALLED:
                 break
             handover.resume(broker)     # a signal noted now ends the next turn
-            signals = [noted.popleft() for _ in range(len(noted))]
-            stops = [signo for signo in signals
+            noted = signals.take()
+            stops = [signo for signo in noted
                      if signo != signal.SIGUSR2 and (signo != signal.SIGHUP or cfg.foreground)]
             if stops:
                 reason = signal.Signals(stops[0]).name     # an upgrade under way ends with us
                 break
-            if signal.SIGHUP in signals:
+            if signal.SIGHUP in noted:
                 reopen()
-            if signal.SIGUSR2 in signals:
+            if signal.SIGUSR2 in noted:
                 handed_over = upgrade.act()
     finally:
         if handed_over:
@@ -359,7 +349,7 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, early_stop=(), 
             log.info(schema.BROKER_STOP, reason=reason,
                      uptime_s=round(time.monotonic() - started, 3), totals=broker.totals())
         stream.flush()
-        wakeup.close()
+        signals.close()
     return 0
 
 

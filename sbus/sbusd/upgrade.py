@@ -43,6 +43,7 @@ from typing import List, Optional
 
 from .. import logschema as schema
 from .._version import __version__
+from ..atomicfile import write_atomically
 
 HANDOVER_FD_ENV = "SBUSD_UPGRADE_FD"    # the new process's end of the socketpair
 FAIL_ENV = "SBUSD_UPGRADE_FAIL"         # a step of STEPS: fail there (tests)
@@ -69,10 +70,16 @@ REQUEST_TIMEOUT = 60.0  # seconds sbusd --upgrade waits for the outcome
 CHUNK = 65536           # state bytes per packet on the socketpair (its default
 #                         send buffer, 208 KiB, holds a few)
 SCM_MAX_FD = 253        # descriptors one sendmsg may carry (Linux)
-# The new sbusd, from the installed package: -c puts the working directory
-# (start_dir) first on sys.path, and nothing may be imported from there
-# (python -P would say so, from 3.11 on).
-SPAWN = "import sys; del sys.path[0]; from sbus.sbusd.main import main; sys.exit(main())"
+
+
+def python_main(module: str) -> List[str]:
+    """The command that runs ``module``'s ``main()`` in this Python, from the
+    installed package: -c puts the working directory first on sys.path, and
+    nothing may be imported from there, where a source checkout's ``sbus/``
+    may be (python -P would say so, from 3.11 on). The new sbusd of an upgrade
+    and the upstream link start this way."""
+    return [sys.executable, "-c",
+            f"import sys; del sys.path[0]; from {module} import main; sys.exit(main())"]
 
 
 class UpgradeFailed(Exception):
@@ -96,28 +103,10 @@ def status_path(pidfile: str) -> str:
     return pidfile + STATUS_SUFFIX
 
 
-def write_atomically(path: str, text: str) -> None:
-    """Replace ``path`` with ``text`` in one rename: a reader sees the old
-    content or the new, never a part."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o644)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.rename(tmp, path)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def write_status(pidfile: Optional[str], **outcome) -> None:
     if pidfile:
         try:
-            write_atomically(status_path(pidfile), json.dumps(outcome) + "\n")
+            write_atomically(status_path(pidfile), (json.dumps(outcome) + "\n").encode())
         except OSError:
             pass        # the log says it too
 
@@ -183,7 +172,7 @@ class Attempt:
             if injected("spawn"):
                 raise OSError("injected failure")
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", SPAWN, *argv],
+                [*python_main("sbus.sbusd.main"), *argv],
                 pass_fds=(theirs.fileno(),), cwd=start_dir, stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 env={**os.environ, HANDOVER_FD_ENV: str(theirs.fileno())})
@@ -524,7 +513,7 @@ class Successor:
         # From here we serve, whatever else fails.
         if pidfile:
             try:
-                write_atomically(pidfile, f"{os.getpid()}\n")
+                write_atomically(pidfile, b"%d\n" % os.getpid())
             except OSError as e:
                 self.figures["pidfile_error"] = f"{pidfile}: {e.strerror}"
             write_status(pidfile, result="done", pid=os.getpid(), old_pid=self.meta["old_pid"])

@@ -5,13 +5,13 @@ import argparse
 import datetime
 import json
 import re
-import signal
 import sys
 import time
 from typing import BinaryIO
 
 from .. import argtypes
 from ..cli import render
+from ..runner import add_log_options
 from . import wire
 
 DEFAULT_FSYNC = "100"       # milliseconds between fdatasync(2)s
@@ -107,12 +107,7 @@ def add_parsers(commands, common: argparse.ArgumentParser) -> None:
                                            f"(default {DEFAULT_STATS_INTERVAL:g}; 0: none)")
     p.add_argument("--stats", action="store_true",
                    help="do not run a store: print the running store's counters as JSON")
-    log = p.add_argument_group("logging")
-    log.add_argument("--log-format", choices=("json", "console"), default=None,
-                     help="default: console on a terminal, else json")
-    log.add_argument("--log-level", choices=("debug", "info", "warning", "error", "off"),
-                     default="info")
-    log.add_argument("--log-file", metavar="PATH", help="default: stderr")
+    add_log_options(p)
     p.set_defaults(standalone=main)
 
     r = commands.add_parser(
@@ -178,10 +173,6 @@ def cmd_last(bus, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -
     return 0
 
 
-class Stopped(Exception):
-    """SIGTERM or SIGINT arrived: the store stops where it is."""
-
-
 def main(args: argparse.Namespace, address: str) -> int:
     """Run the store until SIGTERM/SIGINT (or print its stats with --stats)."""
     if args.stats:
@@ -199,7 +190,7 @@ def main(args: argparse.Namespace, address: str) -> int:
     if not args.dir or not args.record:
         sys.stderr.write("sbus store: needs --dir DIR and at least one --record PATTERN\n")
         return 2
-    from .. import log as _log
+    from ..runner import STOPPED, Runner, configure_log
     from .service import Settings, Store
     settings = Settings(
         address=address, directory=args.dir,
@@ -207,35 +198,21 @@ def main(args: argparse.Namespace, address: str) -> int:
         fsync=args.fsync, segment_bytes=args.segment_bytes, max_bytes=args.max_bytes,
         max_age_s=args.max_age, request_key=args.request_key.encode("utf-8", "surrogateescape"),
         stats_interval=args.stats_interval, max_message=args.max_message, flood=args.flood)
-    stream = _log.ReopenableStream(args.log_file, _log.fallback_stream())
-    logger = _log.configure(args.log_format or _log.default_format(stream), args.log_level,
-                            stream)
+    stream, logger = configure_log(args)
     try:
         store = Store(settings, logger)
     except OSError as exc:
         sys.stderr.write(f"sbus store: {args.dir}: {exc.strerror or exc}\n")
         return 1
-    stop = []
-
-    def on_signal(signum, frame) -> None:
-        stop.append(signum)
-        # Between writes, leave whatever waits (the broker may be away and
-        # the client reconnecting); a write in progress finishes first.
-        if not store.writing:
-            raise Stopped()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    signal.signal(signal.SIGHUP, lambda *_: stream.reopen_soon())
-    reason = "signal"
-    try:
-        reason = store.run(lambda: bool(stop))
-    except Stopped:
-        pass
-    except OSError as exc:
-        reason = f"error: {exc}"
-        sys.stderr.write(f"sbus store: {address}: {exc.strerror or exc}\n")
-        return 1
-    finally:
-        store.stop(reason)
+    reason = STOPPED
+    with Runner(stream) as runner:
+        try:
+            # A write in progress finishes first: the loop looks between batches.
+            reason = store.run(runner.between_turns, wake=runner.fileno())
+        except OSError as exc:
+            reason = f"error: {exc}"
+            sys.stderr.write(f"sbus store: {address}: {exc.strerror or exc}\n")
+            return 1
+        finally:
+            store.stop(reason)
     return 0

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import logschema as schema
-from ..client.protocol import Message
+from ..client.protocol import MAX_MESSAGE, Message
 from ..client.reconnect import Reconnect
 from ..client.sync import Client
+from ..runner import STOPPED
 from . import wire
 from .patterns import PatternSet, compile_pattern
 from .patterns import covers as _covers
@@ -46,7 +47,7 @@ class Settings:
     max_age_s: Optional[float] = None
     request_key: bytes = wire.REQUEST_KEY
     stats_interval: float = 10.0
-    max_message: int = 409600
+    max_message: int = MAX_MESSAGE
     flood: str = "discard"      # or "block": the broker's hard mode for the data connection
 
 
@@ -107,7 +108,7 @@ class Store:
                   level="warning" if rec.cut_bytes else "info")
         self.bus: Optional[Client] = None
         self.requests: Optional[Client] = None
-        self.writing = False    # inside a write to the log: a stop signal waits for its end
+        self.wake = -1          # readable when the loop has a signal to act on
 
     # -- logging and counters -----------------------------------------------------
 
@@ -149,7 +150,10 @@ class Store:
         bus.whoami(timeout=10.0)
         return bus
 
-    def run(self, stopping: Callable[[], bool]) -> str:
+    def run(self, stopping: Callable[[], bool], wake: int = -1) -> str:
+        """Record and answer until ``stopping()``, asked between turns, is
+        true; ``wake`` (sbus.runner.Runner's) ends a wait when it is readable."""
+        self.wake = wake
         # Two connections: recorded messages on one, requests (and acks) on
         # the other, so that a flood of data neither delays nor drops them.
         self.bus = self.connect(self.recording.patterns, self.s.flood)
@@ -176,17 +180,19 @@ class Store:
                 self.take_data()
             self.serve()
             self.housekeeping()
-        return "signal"
+        return STOPPED
 
     def wait_readable(self, timeout: float) -> None:
         buses = (self.bus, self.requests)
         if timeout <= 0 or any(b.pending for b in buses):
             return
+        poller = select.poll()     # not select(2): no limit on the descriptor
+        if self.wake >= 0:
+            poller.register(self.wake, select.POLLIN)
         if not all(b.connected for b in buses):
             # The clients reconnect while they are read: no busy loop meanwhile.
-            time.sleep(min(timeout, 0.1))
+            poller.poll(min(timeout, 0.1) * 1000)
             return
-        poller = select.poll()     # not select(2): no limit on the descriptor
         try:
             for b in buses:
                 poller.register(b.fileno(), select.POLLIN)
@@ -234,13 +240,6 @@ class Store:
     def record(self, entries: List[Tuple[bytes, bytes]]) -> None:
         if not entries:
             return
-        self.writing = True
-        try:
-            self._record(entries)
-        finally:
-            self.writing = False
-
-    def _record(self, entries: List[Tuple[bytes, bytes]]) -> None:
         if self.disk_full_since is not None and time.monotonic() < self.disk_retry_at:
             self.missed(entries)
             return
@@ -275,13 +274,10 @@ class Store:
                 by[name] = by.get(name, 0) + 1
 
     def gap(self, lost: int, reason: str) -> None:
-        self.writing = True
         try:
             self.log.append([(GAP_KEY, gap_payload(lost, reason))])
         except DiskFull:
             self.disk_missed += max(lost, 0)
-        finally:
-            self.writing = False
         self.counters["gaps"] += 1
         self.counters["lost_unknown" if lost < 0 else "lost_flood"] += max(lost, 1 if lost < 0 else 0)
         self.emit(schema.STORE_GAP, level="warning", lost=lost, reason=reason,

@@ -12,7 +12,7 @@ Importer maps each message to its key, checks it and packs it; a writer task
 publishes what it packed (one sendmmsg for many).
 
 The Exporter and Importer do the per-message work, checks and drop counts
-of both paths; sbus.bridge.wire joins them to nats-py, through two of its
+of both paths; sbus.bridge.natsconn joins them to nats-py, through two of its
 private names (the fast path) or its public API (the reference path).
 
 Echo is off on both sides (``CMSG echo/off`` on sbus, ``no_echo`` on NATS):
@@ -43,7 +43,8 @@ from ..client.aio import Client as BusClient
 from ..client.protocol import MAX_MESSAGE, Message, pack_subscribe
 from ..client.reconnect import Reconnect
 from ..errors import BacklogFullError, BusClosedError, MessageRefusedError
-from . import mapping, wire
+from ..runner import STOPPED
+from . import mapping, natsconn
 from .counters import Counters
 from .defaults import DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY, DROP_NEWEST, DROP_OLDEST
 
@@ -181,9 +182,9 @@ class Bridge:
         # NATS messages waiting for the local bus, as packed Outboxes.
         self._importer = natswire.Importer(s.subject_prefix, s.max_message, s.max_pending)
         self._inbound_ready = asyncio.Event()
-        self._wire = wire.choose(s.fast_path, self._importer, self._on_import_read,
+        self._nats_path = natsconn.choose(s.fast_path, self._importer, self._on_import_read,
                                  self._dropped)
-        self.path = self._wire.name
+        self.path = self._nats_path.name
         # --private: the connection holding the broker's link place, this
         # host's identity, and the NATS subject of its private messages.
         self._link: Optional[BusClient] = None
@@ -294,7 +295,7 @@ class Bridge:
         return subject, mapping.encode_header(key)
 
     def _pending_msgs(self) -> int:
-        return self._exporter.pending_msgs + self._wire.held
+        return self._exporter.pending_msgs + self._nats_path.held
 
     async def _read_local(self) -> None:
         """Local bus -> the Exporter. Awaits only the local socket."""
@@ -314,7 +315,7 @@ class Bridge:
             self._wake.clear()
             nc = self._nc
             while self._pending_msgs() and self.connected and nc.is_connected:
-                sent = await self._wire.send(nc, self._exporter, _WRITE_BYTES)
+                sent = await self._nats_path.send(nc, self._exporter, _WRITE_BYTES)
                 if sent is None:
                     break       # kept: sent once NATS is back
                 c.out_forwarded += sent[0]
@@ -428,7 +429,7 @@ class Bridge:
             # Made before connecting, so the error callback can lengthen its
             # wait between attempts while the first connection fails too.
             nc = self._nc = nats.aio.client.Client()
-            self._wire.install(nc)
+            self._nats_path.install(nc)
             try:
                 await nc.connect(**options)
                 break
@@ -443,7 +444,7 @@ class Bridge:
                                      pending_bytes_limit=256 << 20)
             # On the fast path its frames go to the Importer from here; anything
             # nats-py parsed before still reaches _on_nats, which hands it over.
-            self._wire.subscribed(sub)
+            self._nats_path.subscribed(sub)
         if s.private:
             # nats-py's public API on either path: private messages are few.
             await nc.subscribe(self._private_subject + ".>", cb=self._on_private,
@@ -550,7 +551,7 @@ class Bridge:
         s = self.settings
         await self._open_bus()
         self.log.info(schema.BRIDGE_START, version=__version__, path=self.path,
-                      nats_py=wire.nats_py_version(), address=s.address, nats=self._seeds(),
+                      nats_py=natsconn.nats_py_version(), address=s.address, nats=self._seeds(),
                       exports=" ".join(s.exports), imports=" ".join(s.imports),
                       subject_prefix=s.subject_prefix, max_pending=s.max_pending, drop=s.drop,
                       stats_key=s.stats_key, identity=self.identity.decode())
@@ -565,7 +566,7 @@ class Bridge:
                 for t in done:      # only connecting to NATS ends on its own
                     if t is not stopping and t.exception() is not None:
                         raise t.exception()
-            reason = "signal"
+            reason = STOPPED
             await self._settle(SETTLE_TIMEOUT)
         finally:
             for t in (stopping, *tasks):
