@@ -103,14 +103,26 @@ def sub_renderer(args: argparse.Namespace) -> render.Renderer:
     return render.format_plain
 
 
+def given_patterns(args: argparse.Namespace) -> List[str]:
+    """Every routing key pattern on a command line: sub's, the one of
+    consume, last, replay, serve and queue, store's --record, bridge's --export."""
+    found = list(getattr(args, "patterns", None) or ())
+    if isinstance(getattr(args, "pattern", None), str):
+        found.append(args.pattern)
+    for option in ("record", "export"):
+        found += getattr(args, option, None) or ()
+    return found
+
+
 def check_patterns(args: argparse.Namespace) -> bool:
     """Warn about each pattern written for another bus; False if --strict
-    refuses one."""
+    (sub's) refuses one."""
     ok = True
-    for pattern in args.patterns:
+    strict = getattr(args, "strict", False)
+    for pattern in given_patterns(args):
         problem = patterns.foreign(pattern)
         if problem is not None:
-            if args.strict:
+            if strict:
                 _say(f"{problem.text(pattern)} (refused: --strict)")
                 ok = False
             else:
@@ -153,21 +165,8 @@ def cmd_sub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bina
 
 def cmd_consume(bus: Client, args: argparse.Namespace, stdin: BinaryIO,
                 stdout: BinaryIO) -> int:
-    from ..client.consume import consume
-    render_one = sub_renderer(args)
-    if args.count == 0:
-        return 0
-    jobs = consume(bus, args.pattern, args.prefetch)
-    try:
-        for seen, job in enumerate(jobs, 1):
-            stdout.write(render_one(Message(job.key, job.payload)))
-            stdout.flush()
-            job.ack()
-            if seen == args.count:
-                break
-    finally:
-        jobs.close()    # says bye: jobs prefetched and not printed go to other consumers
-    return 0
+    from .consume import cmd_consume as run
+    return run(bus, args, stdin, stdout, sub_renderer, _say)
 
 
 def cmd_whoami(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
@@ -400,7 +399,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.parser.error("give MESSAGE, --file or --lines, not two of them")
     if args.command == "bench":     # its processes make their own connections
         return cmd_bench(args)
-    if args.command == "sub" and not check_patterns(args):
+    if not check_patterns(args):
         return 2
     if args.command == "pub" and args.file is not None:
         try:
@@ -443,7 +442,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     except OSError as exc:
         return _fail(f"{where}: {exc.strerror or exc}")
     except (SbusError, ValueError) as exc:
-        return _fail(str(exc))
+        return _fail(explain(args, exc))
+
+
+def explain(args: argparse.Namespace, exc: Exception) -> str:
+    """A failure's message; for a store that did not answer, what to start."""
+    from ..client.store import StoreError
+    # The client raises its StoreError from the receive that timed out.
+    if isinstance(exc, StoreError) and isinstance(exc.__context__, TimeoutError):
+        import shlex
+        pattern = shlex.quote(getattr(args, "pattern", None) or "PATTERN")
+        return (f"{exc}\n  is sbus store running? replay and last ask it: start one "
+                f"recording the keys, sbus store --dir DIR --record {pattern} "
+                "(docs/store.md), or give its --request-key")
+    return str(exc)
 
 
 def _say(text: str) -> None:
