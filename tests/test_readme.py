@@ -148,3 +148,18 @@ def wait_for_queue_service(address: str, pattern: str) -> None:
             except TimeoutError:
                 pass
         raise AssertionError(f"no queue service for {pattern!r}")
+
+
+def test_import_sbus_from_a_source_folder_without_the_compiled_core_says_so(tmp_path):
+    # A copy of the sources, as a clone is before make build, found first on sys.path.
+    for path in (ROOT / "sbus").rglob("*.py"):
+        target = tmp_path / "sbus" / path.relative_to(ROOT / "sbus")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+    r = subprocess.run([sys.executable, "-c", "import sbus; sbus.Client"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 1
+    assert r.stderr.splitlines()[-1] == (
+        f"ImportError: sbus's compiled core (sbus._core.batch) is not built in "
+        f"{tmp_path / 'sbus'}: this is sbus's source folder, not an installed sbus; build it "
+        "(make build, then use .venv/bin/python) or run Python from elsewhere")
