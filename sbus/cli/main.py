@@ -263,8 +263,26 @@ def add_shape_options(parser: argparse.ArgumentParser) -> None:
                        help="the payload bytes only, nothing between messages (for binary data)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser: a misspelled command gets the likeliest one."""
+
+    command_names: List[str] = []
+
+    def error(self, message: str):
+        import difflib
+        import re
+        m = re.match(r"argument COMMAND: invalid choice: '?(.*?)'? \(choose from", message)
+        if m and self.command_names:
+            commands = self.command_names
+            close = difflib.get_close_matches(m.group(1), commands, n=1, cutoff=0.5)
+            message = (f"unknown command {m.group(1)!r}"
+                       + (f"; did you mean {close[0]!r}?" if close else "")
+                       + f" (commands: {' '.join(commands)}; sbus COMMAND -h for each)")
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sbus", description="Talk to an sbus message bus.",
         epilog="ADDRESS is a socket path, /dev/unix/abstract/HEX or /dev/fd/N; "
                "the default is $SBUS_ADDRESS, else /run/sbus.socket.")
@@ -386,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_request_parsers(commands, common)
     for command in commands.choices.values():
         command.set_defaults(parser=command)
+    parser.command_names = list(commands.choices)
     return parser
 
 
