@@ -18,7 +18,7 @@ from sbus import Client
 from sbus.client.private import PrivateInbox
 from sbus.queue import wire
 
-from support import BIN, ROOT
+from support import BIN, ROOT, QueueService, StoreProcess
 
 TIMEOUT = 20.0
 
@@ -163,3 +163,22 @@ def test_import_sbus_from_a_source_folder_without_the_compiled_core_says_so(tmp_
         f"ImportError: sbus's compiled core (sbus._core.batch) is not built in "
         f"{tmp_path / 'sbus'}: this is sbus's source folder, not an installed sbus; build it "
         "(make build, then use .venv/bin/python) or run Python from elsewhere")
+
+
+def test_the_basic_calls_page_of_docs_clients(env, tmp_path):
+    text = (ROOT / "docs" / "clients.md").read_text()
+    page = text[text.index("## The basic calls on one page"):]
+    example = re.findall(r"```python\n(.*?)```", page, re.S)[0]
+    address = env["SBUS_ADDRESS"]
+    queue = QueueService.start(tmp_path, address, "jobs/")
+    StoreProcess(tmp_path, address, tmp_path / "log", ["sensors/"],
+                 "--stats-interval", "0").ready()
+    try:
+        r = subprocess.run([sys.executable, "-c", example], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    finally:
+        queue.stop()
+        StoreProcess.stop_all()
+    assert r.returncode == 0, r.stderr
+    shown = re.findall(r"print\(.*?\)\s*# (.*)", example)
+    assert r.stdout.splitlines() == shown
