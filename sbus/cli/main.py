@@ -9,7 +9,8 @@
                                     if N messages did not come within S seconds;
                                     rides out a broker restart unless --no-reconnect;
                                     warns about (--strict: refuses) patterns of
-                                    other buses (sbus.cli.patterns)
+                                    other buses (sbus.cli.patterns), as every
+                                    command that takes a pattern does
     sbus whoami                     print this client's credentials
     sbus top                        a live view of the broker's counters
     sbus bench pair|fanout N|latency
@@ -23,11 +24,13 @@
                                     share the jobs on PATTERN among consumers
     sbus consume [--json | -F TEMPLATE | -v | --raw] [-n N] [--prefetch K] PATTERN
                                     print the jobs of the queue on PATTERN, each
-                                    acknowledged once written
+                                    acknowledged once written; says when no queue
+                                    service answers within 3 s, and waits on
     sbus store --dir DIR --record PATTERN ...
                                     record messages and answer replays (docs/store.md)
     sbus replay PATTERN [--since T] [--until T] [--follow]
-    sbus last PATTERN               recorded messages, or each key's last one
+    sbus last PATTERN               recorded messages, or each key's last one;
+                                    -F '{seq}' shows where --after resumes
     sbus request KEY [PAYLOAD | -] [-W S]
                                     ask whoever serves KEY and print the reply
     sbus serve [-j N] PATTERN -- COMMAND ...
