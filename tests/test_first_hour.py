@@ -38,6 +38,6 @@ def test_a_second_sbusd_on_a_live_socket_is_told_a_broker_is_there(start_broker)
                            timeout=TIMEOUT)
         assert r.returncode == 1
         assert r.stderr.splitlines()[-1] == (
-            f"sbusd: {broker.address}: a broker is already listening there; use it, or stop it "
+            f"sbusd: {broker.address} is in use: a broker is listening there; use it, or stop it "
             "first, or give this one another -a (-r replaces only a stale socket)")
     assert broker.proc.poll() is None

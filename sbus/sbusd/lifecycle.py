@@ -123,7 +123,7 @@ def _prepare_path(path: bytes, reuse: bool) -> None:
     except FileNotFoundError:
         return
     shown = os.fsdecode(path)
-    live = (f"{shown}: a broker is already listening there; use it, or stop it first, or "
+    live = (f"{shown} is in use: a broker is listening there; use it, or stop it first, or "
             "give this one another -a (-r replaces only a stale socket)")
     if not reuse:
         # Say what is there: a second sbusd on a live socket is not helped by -r.
