@@ -151,3 +151,14 @@ def test_replay_with_no_store_running_says_to_start_sbus_store(broker):
             "  is sbus store running? replay and last ask it: start one recording the keys, "
             "sbus store --dir DIR --record sensors/ (docs/store.md), or give its --request-key",
         ]
+
+
+def test_a_request_nobody_serves_says_to_start_a_server(broker):
+    r = subprocess.run([SBUS, "-a", broker.address, "request", "-W", "0.5", "calc/sum", "1 2"],
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert (r.returncode, r.stdout) == (3, "")
+    assert r.stderr.splitlines() == [
+        "sbus request: no reply to a request on 'calc/sum' within 0.5 s",
+        "  is anything serving 'calc/sum'? start a server (sbus serve PATTERN -- COMMAND, or a "
+        "client's serve()), or wait longer with -W SECONDS",
+    ]

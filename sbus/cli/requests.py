@@ -58,7 +58,9 @@ def cmd_request(bus, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO
     try:
         reply = bus.request(args.key, payload, args.timeout)
     except RequestTimeoutError as exc:
-        sys.stderr.write(f"sbus request: {exc}\n")
+        sys.stderr.write(f"sbus request: {exc}\n  is anything serving {args.key!r}? start a "
+                         "server (sbus serve PATTERN -- COMMAND, or a client's serve()), or "
+                         "wait longer with -W SECONDS\n")
         return TIMEOUT_EXIT
     except HandlerError as exc:
         sys.stderr.write(f"sbus request: the server failed: {exc}\n")
