@@ -34,7 +34,12 @@ build: $(STAMP)
 	  { cat $(BUILD_LOG); echo "make build: failed; the output above is in $(BUILD_LOG)" >&2; exit 1; }
 
 # "listening" is printed once sbusd listens: it closes its stdout then, or
-# when it fails to start, which leaves no pidfile.
+# when it fails to start, which leaves no pidfile. A live upgrade (sbusd
+# --upgrade -p $(DEV_PIDFILE), or SIGUSR2) ends the process make started and
+# leaves the broker in its successor, which the pidfile then names: make
+# follows it, so make run lasts as long as the broker does. The successor is
+# in make's process group and keeps its stderr, so Ctrl-C still stops it and
+# its log still comes to this terminal.
 run: build
 	@mkdir -p .run
 	@if $(VENV)/bin/sbus -a $(DEV_SOCKET) whoami >/dev/null 2>&1; then \
@@ -51,7 +56,12 @@ run: build
 	  echo "    sbus sub ''                # print every message"; \
 	  echo "    sbus pub hello/world 'hi'  # publish one"; \
 	  echo "    sbus top                   # live view"; \
-	  echo "    python -m sbus.analytics $(abspath $(DEV_JSON_LOG)) --out $(abspath .run/dataset)"; }
+	  echo "    python -m sbus.analytics $(abspath $(DEV_JSON_LOG)) --out $(abspath .run/dataset)"; } || exit 1; \
+	following=; \
+	while pid=$$(cat $(DEV_PIDFILE) 2>/dev/null) && [ -n "$$pid" ] && kill -0 "$$pid" 2>/dev/null; do \
+	  if [ "$$pid" != "$$following" ]; then following=$$pid; \
+	    echo "make run: sbusd was upgraded in place; following it as pid $$pid (Ctrl-C stops it)"; fi; \
+	  sleep 0.5; done
 
 check-java:
 	@command -v java >/dev/null 2>&1 || { \

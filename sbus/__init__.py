@@ -30,15 +30,29 @@ __all__ = [
 
 def __getattr__(name):  # the client library is imported lazily to keep sbusd start-up lean
     if name == "Client":
-        from .client.sync import Client
-
-        return Client
+        return _client_module(".client.sync").Client
     if name == "Reconnect":
         from .client.reconnect import Reconnect
 
         return Reconnect
     if name == "aio":
-        import importlib
-
-        return importlib.import_module(".client.aio", __name__)
+        return _client_module(".client.aio")
     raise AttributeError(name)
+
+
+def _client_module(name):
+    """The client module ``name``; without the compiled core (a source folder,
+    say, found before the installed sbus), an ImportError that says so."""
+    import importlib
+
+    try:
+        return importlib.import_module(name, __name__)
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith(__name__ + "._core."):
+            raise
+        import os
+
+        raise ImportError(
+            f"sbus's compiled core ({exc.name}) is not built in {os.path.dirname(__file__)}: "
+            "this is sbus's source folder, not an installed sbus; build it (make build, then "
+            "use .venv/bin/python) or run Python from elsewhere") from exc

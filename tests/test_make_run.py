@@ -16,17 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from support import ROOT, Conn, read_records, wait_until
+from support import ROOT, SBUSD, Conn, alive, read_records, wait_until
 from support.procfs import wait_gone
 
 MAKE_TIMEOUT = 300      # `make run` builds first: quick unless a .pyx changed
 SPARK_TIMEOUT = 300
 
 
-def make_run(paths: dict) -> subprocess.Popen:
+def make_run(paths: dict, **popen) -> subprocess.Popen:
     return subprocess.Popen(
         ["make", "-s", "-C", str(ROOT), "run", *(f"{k}={v}" for k, v in paths.items())],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+        **popen)
 
 
 def connect(path: Path) -> Conn:
@@ -100,6 +101,50 @@ def test_a_second_make_run_says_a_broker_is_there_and_how_to_stop_it(session):
         f"make run: a broker is already listening on {p['DEV_SOCKET']} (pid {pid})",
         f"  use it, or stop it (Ctrl-C in its terminal, or: kill {pid}) and run make run again",
     ]
+
+
+def test_make_run_follows_its_broker_across_a_live_upgrade_and_ctrl_c_still_stops_it(tmp_path):
+    paths = {"DEV_SOCKET": tmp_path / "bus.socket", "DEV_PIDFILE": tmp_path / "sbusd.pid",
+             "DEV_JSON_LOG": tmp_path / "sbusd.json"}
+    # A session of its own, as a terminal gives make: Ctrl-C is SIGINT to its group.
+    proc = make_run(paths, start_new_session=True)
+    try:
+        assert proc.stdout.readline().startswith("sbusd: listening on ")
+        for _ in range(7):
+            proc.stdout.readline()
+        old = int(paths["DEV_PIDFILE"].read_text())
+        sub = connect(paths["DEV_SOCKET"])
+        sub.sub("hello/")
+        sub.sync()
+        up = subprocess.run([SBUSD, "--upgrade", "-p", str(paths["DEV_PIDFILE"])],
+                            capture_output=True, text=True, timeout=60)
+        assert up.returncode == 0, up.stderr
+        new = int(paths["DEV_PIDFILE"].read_text())
+        assert new != old and up.stdout == f"sbusd: upgraded: pid {old} handed over to pid {new}\n"
+        # make goes on, following the new pid, and says so.
+        assert proc.stdout.readline() == (
+            f"make run: sbusd was upgraded in place; following it as pid {new} "
+            "(Ctrl-C stops it)\n")
+        assert proc.poll() is None
+        pub = connect(paths["DEV_SOCKET"])
+        pub.pub("hello/world", b"after")
+        assert sub.next_packet(timeout=5) == b"MSG hello/world\0after"
+        for c in (sub, pub):
+            c.close()
+        os.killpg(proc.pid, signal.SIGINT)      # what Ctrl-C sends
+        wait_gone(new, 10)
+        out, console = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in (locals().get("new"),):
+            if pid and alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not paths["DEV_SOCKET"].exists() and not paths["DEV_PIDFILE"].exists()
+    # The successor's log came to make's terminal, to its stop.
+    after = console[console.index(" upgrade_done "):]
+    assert " client_connect " in after and " broker_stop " in after
 
 
 def analytics(log: Path, out: Path, *flags) -> subprocess.CompletedProcess:

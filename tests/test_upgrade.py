@@ -650,3 +650,15 @@ def test_a_state_blob_that_cannot_be_trusted_is_refused(tmp_path):
             restore_state(fresh(), data, [listeners[-1].fileno()])
     for s in listeners:
         s.close()
+
+
+def test_uptime_goes_on_across_an_upgrade_in_broker_stop_too(buses):
+    bus = buses()
+    time.sleep(2.0)
+    upgraded(bus)
+    before = bus.stats()["uptime_s"]
+    assert before >= 2.0
+    os.kill(bus.pid, signal.SIGTERM)
+    assert wait_gone(bus.pid, TIMEOUT)
+    stop = wait_until(lambda: bus.records("broker_stop"), TIMEOUT)[0]
+    assert stop["uptime_s"] >= before

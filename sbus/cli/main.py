@@ -9,7 +9,8 @@
                                     if N messages did not come within S seconds;
                                     rides out a broker restart unless --no-reconnect;
                                     warns about (--strict: refuses) patterns of
-                                    other buses (sbus.cli.patterns)
+                                    other buses (sbus.cli.patterns), as every
+                                    command that takes a pattern does
     sbus whoami                     print this client's credentials
     sbus top                        a live view of the broker's counters
     sbus bench pair|fanout N|latency
@@ -23,11 +24,13 @@
                                     share the jobs on PATTERN among consumers
     sbus consume [--json | -F TEMPLATE | -v | --raw] [-n N] [--prefetch K] PATTERN
                                     print the jobs of the queue on PATTERN, each
-                                    acknowledged once written
+                                    acknowledged once written; says when no queue
+                                    service answers within 3 s, and waits on
     sbus store --dir DIR --record PATTERN ...
                                     record messages and answer replays (docs/store.md)
     sbus replay PATTERN [--since T] [--until T] [--follow]
-    sbus last PATTERN               recorded messages, or each key's last one
+    sbus last PATTERN               recorded messages, or each key's last one;
+                                    -F '{seq}' shows where --after resumes
     sbus request KEY [PAYLOAD | -] [-W S]
                                     ask whoever serves KEY and print the reply
     sbus serve [-j N] PATTERN -- COMMAND ...
@@ -104,14 +107,26 @@ def sub_renderer(args: argparse.Namespace) -> render.Renderer:
     return render.format_plain
 
 
+def given_patterns(args: argparse.Namespace) -> List[str]:
+    """Every routing key pattern on a command line: sub's, the one of
+    consume, last, replay, serve and queue, store's --record, bridge's --export."""
+    found = list(getattr(args, "patterns", None) or ())
+    if isinstance(getattr(args, "pattern", None), str):
+        found.append(args.pattern)
+    for option in ("record", "export"):
+        found += getattr(args, option, None) or ()
+    return found
+
+
 def check_patterns(args: argparse.Namespace) -> bool:
     """Warn about each pattern written for another bus; False if --strict
-    refuses one."""
+    (sub's) refuses one."""
     ok = True
-    for pattern in args.patterns:
+    strict = getattr(args, "strict", False)
+    for pattern in given_patterns(args):
         problem = patterns.foreign(pattern)
         if problem is not None:
-            if args.strict:
+            if strict:
                 _say(f"{problem.text(pattern)} (refused: --strict)")
                 ok = False
             else:
@@ -154,21 +169,8 @@ def cmd_sub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: Bina
 
 def cmd_consume(bus: Client, args: argparse.Namespace, stdin: BinaryIO,
                 stdout: BinaryIO) -> int:
-    from ..client.consume import consume
-    render_one = sub_renderer(args)
-    if args.count == 0:
-        return 0
-    jobs = consume(bus, args.pattern, args.prefetch)
-    try:
-        for seen, job in enumerate(jobs, 1):
-            stdout.write(render_one(Message(job.key, job.payload)))
-            stdout.flush()
-            job.ack()
-            if seen == args.count:
-                break
-    finally:
-        jobs.close()    # says bye: jobs prefetched and not printed go to other consumers
-    return 0
+    from .consume import cmd_consume as run
+    return run(bus, args, stdin, stdout, sub_renderer, _say)
 
 
 def cmd_whoami(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
@@ -247,8 +249,26 @@ def add_shape_options(parser: argparse.ArgumentParser) -> None:
                        help="the payload bytes only, nothing between messages (for binary data)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser: a misspelled command gets the likeliest one."""
+
+    command_names: List[str] = []
+
+    def error(self, message: str):
+        import difflib
+        import re
+        m = re.match(r"argument COMMAND: invalid choice: '?(.*?)'? \(choose from", message)
+        if m and self.command_names:
+            commands = self.command_names
+            close = difflib.get_close_matches(m.group(1), commands, n=1, cutoff=0.5)
+            message = (f"unknown command {m.group(1)!r}"
+                       + (f"; did you mean {close[0]!r}?" if close else "")
+                       + f" (commands: {' '.join(commands)}; sbus COMMAND -h for each)")
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sbus", description="Talk to an sbus message bus.",
         epilog="ADDRESS is a socket path, /dev/unix/abstract/HEX or /dev/fd/N; "
                "the default is $SBUS_ADDRESS, else /run/sbus.socket.")
@@ -370,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_request_parsers(commands, common)
     for command in commands.choices.values():
         command.set_defaults(parser=command)
+    parser.command_names = list(commands.choices)
     return parser
 
 
@@ -383,7 +404,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.parser.error("give MESSAGE, --file or --lines, not two of them")
     if args.command == "bench":     # its processes make their own connections
         return cmd_bench(args)
-    if args.command == "sub" and not check_patterns(args):
+    if not check_patterns(args):
         return 2
     if args.command == "pub" and args.file is not None:
         try:
@@ -426,7 +447,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     except OSError as exc:
         return _fail(f"{where}: {exc.strerror or exc}")
     except (SbusError, ValueError) as exc:
-        return _fail(str(exc))
+        return _fail(explain(args, exc))
+
+
+def explain(args: argparse.Namespace, exc: Exception) -> str:
+    """A failure's message; for a store that did not answer, what to start."""
+    from ..client.store import StoreError
+    # The client raises its StoreError from the receive that timed out.
+    if isinstance(exc, StoreError) and isinstance(exc.__context__, TimeoutError):
+        import shlex
+        pattern = shlex.quote(getattr(args, "pattern", None) or "PATTERN")
+        return (f"{exc}\n  is sbus store running? replay and last ask it: start one "
+                f"recording the keys, sbus store --dir DIR --record {pattern} "
+                "(docs/store.md), or give its --request-key")
+    return str(exc)
 
 
 def _say(text: str) -> None:

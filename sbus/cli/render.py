@@ -12,7 +12,7 @@ import datetime
 import json
 import string
 import time
-from typing import Callable, Dict, Union
+from typing import Callable, Dict, Optional, Union
 
 from ..client.protocol import ControlMessage, Message
 
@@ -29,6 +29,11 @@ FIELDS: Dict[str, str] = {
     "base64": "the payload in base64",
     "json": "the --json object of the message, on one line",
     "type": "msg, or cmsg for a control message",
+}
+# sbus replay and sbus last also know where a message sits in the store.
+STORE_FIELDS: Dict[str, str] = {
+    **FIELDS,
+    "seq": "the record's sequence number in the store (resume with --after SEQ)",
 }
 VERBOSE = "{key} {payload}"     # -v, as mosquitto_sub -v
 
@@ -67,10 +72,12 @@ def format_raw(message: Packet) -> bytes:
 class _Fields(dict):
     """The template's fields of one message, each computed when first asked for."""
 
-    def __init__(self, message: Packet, arrived: float):
+    def __init__(self, message: Packet, arrived: float,
+                 seq: Optional[Callable[[], int]] = None):
         super().__init__()
         self.message = message
         self.arrived = arrived
+        self.seq = seq
 
     def __missing__(self, name: str):
         m, t = self.message, self.arrived
@@ -92,30 +99,34 @@ class _Fields(dict):
             value = json_object(m)
         elif name == "type":
             value = "msg" if type(m) is Message else "cmsg"
+        elif name == "seq" and self.seq is not None:
+            value = self.seq()
         else:
             raise KeyError(name)
         self[name] = value
         return value
 
 
-def check_template(template: str) -> str:
-    """The template with its escapes applied; ValueError names a bad field."""
+def check_template(template: str, fields: Dict[str, str] = FIELDS) -> str:
+    """The template with its escapes applied; ValueError names a field not in ``fields``."""
     template = template.replace("\\n", "\n").replace("\\t", "\t")
     for _, name, _, _ in string.Formatter().parse(template):
         if name is None:
             continue
         base = name.split(".")[0].split("[")[0]
-        if base not in FIELDS:
+        if base not in fields:
             raise ValueError(f"unknown field {{{name}}}; fields: "
-                             + " ".join(f"{{{f}}}" for f in FIELDS))
-    template.format_map(_Fields(Message(b"k", b"p"), time.time()))    # other format errors
+                             + " ".join(f"{{{f}}}" for f in fields))
+    template.format_map(_Fields(Message(b"k", b"p"), time.time(), lambda: 1))   # other errors
     return template
 
 
-def format_template(template: str, clock: Callable[[], float] = time.time) -> Renderer:
+def format_template(template: str, clock: Callable[[], float] = time.time,
+                    seq: Optional[Callable[[], int]] = None) -> Renderer:
     """A renderer for a template already passed through ``check_template``;
-    ``clock()`` gives the message's {time} and {unix} (default: now)."""
+    ``clock()`` gives the message's {time} and {unix} (default: now), ``seq()``
+    its {seq} (replay and last)."""
     def render(message: Packet) -> bytes:
-        fields = _Fields(message, clock())
+        fields = _Fields(message, clock(), seq)
         return template.format_map(fields).encode("utf-8", "surrogateescape") + b"\n"
     return render

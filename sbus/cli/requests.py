@@ -38,7 +38,9 @@ def add_parsers(commands, common: argparse.ArgumentParser) -> None:
         "serve", parents=[common], help="answer requests on PATTERN with a command",
         description="Answer every request on PATTERN (docs/requests.md) by running COMMAND "
                     "with the request's body on stdin; its stdout is the reply. A COMMAND "
-                    "that exits non-zero sends an error reply quoting its stderr. "
+                    "that exits non-zero, or writes to stderr and nothing to stdout, sends "
+                    "an error reply quoting its stderr (an empty stdout and stderr is an "
+                    "empty reply). "
                     f"${KEY_VARIABLE} holds the request's key.")
     serve.add_argument("pattern", metavar="PATTERN", help="the routing key pattern to serve")
     serve.add_argument("-j", "--jobs", type=argtypes.argtype(int, low=1), default=CONCURRENCY,
@@ -56,7 +58,9 @@ def cmd_request(bus, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO
     try:
         reply = bus.request(args.key, payload, args.timeout)
     except RequestTimeoutError as exc:
-        sys.stderr.write(f"sbus request: {exc}\n")
+        sys.stderr.write(f"sbus request: {exc}\n  is anything serving {args.key!r}? start a "
+                         "server (sbus serve PATTERN -- COMMAND, or a client's serve()), or "
+                         "wait longer with -W SECONDS\n")
         return TIMEOUT_EXIT
     except HandlerError as exc:
         sys.stderr.write(f"sbus request: the server failed: {exc}\n")
@@ -67,16 +71,21 @@ def cmd_request(bus, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO
 
 
 async def run_command(command: list, request: IncomingRequest) -> bytes:
-    """COMMAND's stdout for one request; RuntimeError if it exits non-zero."""
+    """COMMAND's stdout for one request; RuntimeError (an error reply) if it
+    exits non-zero, or writes to stderr and nothing to stdout: a command that
+    only complained has not answered (bc given no final newline says
+    "syntax error" and exits 0), and an empty reply would pass for success."""
     env = dict(os.environ, **{KEY_VARIABLE: request.key.decode("utf-8", "surrogateescape")})
     proc = await asyncio.create_subprocess_exec(
         *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, env=env)
     out, err = await proc.communicate(request.payload)
+    detail = err[-STDERR_QUOTED:].decode("utf-8", "replace").strip()
     if proc.returncode != 0:
-        detail = err[-STDERR_QUOTED:].decode("utf-8", "replace").strip()
         raise RuntimeError(f"{command[0]} exited with status {proc.returncode}"
                            + (f": {detail}" if detail else ""))
+    if not out and detail:
+        raise RuntimeError(f"{command[0]} wrote nothing to stdout, only to stderr: {detail}")
     return out
 
 

@@ -122,21 +122,35 @@ def _prepare_path(path: bytes, reuse: bool) -> None:
     except FileNotFoundError:
         return
     shown = os.fsdecode(path)
+    live = (f"{shown} is in use: a broker is listening there; use it, or stop it first, or "
+            "give this one another -a (-r replaces only a stale socket)")
     if not reuse:
+        # Say what is there: a second sbusd on a live socket is not helped by -r.
+        if stat.S_ISSOCK(st.st_mode) and _listening(path) is True:
+            raise StartupError(live)
         raise StartupError(f"{shown} already exists (use -r to replace a stale socket)")
     if not stat.S_ISSOCK(st.st_mode):
         raise StartupError(f"{shown} exists and is not a socket; refusing to remove it")
     # Stale means nobody listens: only then may it go.
+    listening = _listening(path)
+    if isinstance(listening, OSError):
+        raise StartupError(f"{shown}: cannot tell whether it is in use ({listening.strerror})")
+    if listening:
+        raise StartupError(live)
+    os.unlink(path)
+
+
+def _listening(path: bytes):
+    """Whether something listens on the socket at ``path``: True, False, or
+    the error that keeps us from telling (permission denied, say)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
         try:
             probe.connect(path)
         except ConnectionRefusedError:
-            pass
+            return False
         except OSError as e:
-            raise StartupError(f"{shown}: cannot tell whether it is in use ({e.strerror})") from None
-        else:
-            raise StartupError(f"{shown} is in use by a running broker; not replacing it")
-    os.unlink(path)
+            return e
+        return True
 
 
 def resolve_users(specs) -> list:

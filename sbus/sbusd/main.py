@@ -289,6 +289,9 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnin
         log.info(schema.UPGRADE_DONE, version=__version__, old_pid=successor.meta["old_pid"],
                  old_version=successor.meta["version"], clients=broker.client_count,
                  restore_ms=ms_since(successor.started), **successor.figures)
+        # The broker's start time came over with its state: broker_stop's
+        # uptime goes on from it, as CMSG stats's does.
+        started -= broker.stats()["uptime_s"]
         link = successor.link()
     upgrade = Predecessor(cfg, tenure.argv, tenure.start_dir, log, listener,
                           link.pid if link is not None else None)

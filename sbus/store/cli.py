@@ -57,7 +57,7 @@ def point_in_time(text: str) -> float:
 
 def _template(text: str) -> str:
     try:
-        return render.check_template(text)
+        return render.check_template(text, render.STORE_FIELDS)
     except (ValueError, IndexError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -66,8 +66,9 @@ def _output_options(p: argparse.ArgumentParser) -> None:
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json", action="store_true", help="one JSON object per line, as sbus sub")
     shape.add_argument("-F", "--format", type=_template, metavar="TEMPLATE",
-                       help="one line per message from TEMPLATE, as sbus sub; {time} and "
-                            "{unix} are when the store received it")
+                       help="one line per message from TEMPLATE, as sbus sub, and {seq}: the "
+                            "record's sequence number (for --after); {time} and {unix} are "
+                            "when the store received it")
     shape.add_argument("-v", "--verbose", action="store_true",
                        help=f"key and payload: -F '{render.VERBOSE}'")
     shape.add_argument("--raw", action="store_true", help="the payload bytes only")
@@ -132,13 +133,13 @@ def add_parsers(commands, common: argparse.ArgumentParser) -> None:
     la.set_defaults(run=cmd_last)
 
 
-def _renderer(args: argparse.Namespace, clock):
+def _renderer(args: argparse.Namespace, clock, seq=None):
     if args.raw:
         return render.format_raw
     if args.json:
         return render.format_json
     if args.format is not None:
-        return render.format_template(args.format, clock)
+        return render.format_template(args.format, clock, seq)
     if args.verbose:
         return render.format_template(render.VERBOSE, clock)
     return render.format_plain
@@ -154,7 +155,7 @@ def cmd_replay(bus, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO)
     from ..client.store import replay
     with replay(bus, args.pattern, args.since, args.until, args.after, follow=args.follow,
                 request_key=args.request_key, on_gap=_say_gap) as it:
-        render_one = _renderer(args, lambda: it.time)
+        render_one = _renderer(args, lambda: it.time, lambda: it.seq)
         for message in it:
             stdout.write(render_one(message))
             if args.follow:
@@ -166,7 +167,7 @@ def cmd_replay(bus, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO)
 def cmd_last(bus, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
     from ..client.store import Replay
     with Replay(bus, "last", args.pattern, request_key=args.request_key) as it:
-        render_one = _renderer(args, lambda: it.time)
+        render_one = _renderer(args, lambda: it.time, lambda: it.seq)
         for message in it:
             stdout.write(render_one(message))
     stdout.flush()

@@ -24,6 +24,7 @@ last one acknowledged with ``op=ack``, ``session=TOKEN``, ``n=N``.
 """
 from __future__ import annotations
 
+import decimal
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 REQUEST_KEY = b"sbus/store/request"
@@ -83,14 +84,31 @@ def _int(fields: Dict[str, bytes], name: str, default: int, low: int = 0,
     return value
 
 
+# Enough digits for any time_ns (19) with room for a fraction below the nanosecond.
+_EXACT = decimal.Context(prec=60, traps=[decimal.InvalidOperation, decimal.Inexact])
+
+
 def _time_ns(fields: Dict[str, bytes], name: str) -> Optional[int]:
+    """A bound in whole nanoseconds, read as an exact decimal: a float holds
+    today's epoch seconds to about 240 ns only, and the store stamps a whole
+    batch with one time, so a record's own time given back must find it.
+    The bounds are inclusive: a fraction of a nanosecond rounds inward
+    (``since`` up, ``until`` down)."""
     raw = fields.get(name)
     if raw is None or raw == b"":
         return None
     try:
-        return int(float(raw) * 1e9)
-    except (ValueError, OverflowError):
+        seconds = _EXACT.create_decimal(raw.decode("ascii"))
+        if not seconds.is_finite() or len(raw) > 64:
+            raise ValueError(raw)
+        ns = _EXACT.multiply(seconds, decimal.Decimal(1_000_000_000))
+        rounding = decimal.ROUND_CEILING if name == "since" else decimal.ROUND_FLOOR
+        value = int(ns.to_integral_value(rounding=rounding))
+    except (ValueError, UnicodeDecodeError, ArithmeticError):
         raise RequestError(f"{name} is not a time in seconds since the epoch: {raw[:40]!r}") from None
+    if abs(value) >= 1 << 63:
+        raise RequestError(f"{name} out of range: {raw[:40]!r}")
+    return value
 
 
 def reply_key_of(payload: bytes) -> Tuple[bytes, bytes]:
