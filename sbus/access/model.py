@@ -43,6 +43,7 @@ ACTIONS = (DROP, DISCONNECT)
 SELECTORS = ("user", "group", "uid", "gid")
 TOP_KEYS = ("default", "on_deny", "rule")
 RULE_KEYS = ("allow", "deny", "pattern", "on_deny") + SELECTORS
+_RULE_KEYS = frozenset(RULE_KEYS)
 MAX_ID = 0xFFFFFFFF
 # Substitution tokens, longest first so '%uid' is not read as '%u' + 'id'.
 TOKENS = ("%uid", "%gid", "%u", "%%")
@@ -260,7 +261,7 @@ def _rule(raw: dict, number: int, header: int, lines: Sequence[str], path: str,
         return PolicyError(path, line or header, f"rule {number}: {reason}")
 
     for key in raw:
-        if key not in RULE_KEYS:
+        if key not in _RULE_KEYS:
             raise error(key, f"unknown key {key!r} (expected: {', '.join(RULE_KEYS)})")
     if ("allow" in raw) == ("deny" in raw):
         raise error(None, 'say either allow = [...] or deny = [...], with "publish" '
@@ -349,6 +350,8 @@ def _resolve(who: str, name: str, number: int, line: int,
 
 def _template(text: str) -> Tuple[Template, Optional[str]]:
     """The pattern split at its tokens, and what is wrong with it (None)."""
+    if "%" not in text and "\x00" not in text:
+        return Template(text, (text,)), None
     if "\x00" in text:
         return Template(text, (text,)), "a pattern cannot hold a NUL byte"
     parts: List[str] = []
