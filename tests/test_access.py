@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sbus._ref.protocol import matches
-from sbus.access import PolicyError, load, parse
+from sbus.access import PolicyError, keysets, load, parse
 from sbus.access.compiled import canonical_key, from_bytes
-from sbus.access.keysets import KeySet, find_key, meet, within
+from sbus.access.keysets import KeySet, TooComplex, find_key, meet, within
 from sbus.access.review import review
 
 from support import ROOT, SBUS
@@ -376,6 +376,24 @@ def test_wildcard_leak_cases_are_refused(wanted):
         assert not d.allowed and d.rule is not None and matches(wanted, d.key)
     else:
         assert d.allowed
+
+
+def test_a_pattern_too_tangled_to_prove_is_refused(monkeypatch):
+    a = policy('''
+        default = "deny"
+        [[rule]]
+        allow = "subscribe"
+        pattern = ["a/", "b/"]
+        ''').compile_for(1, 1)
+    assert a.may_subscribe(b"a/").allowed and not a.may_subscribe(b"").allowed
+    outside = [KeySet(b"a/"), KeySet(b"b/")]
+    assert find_key([KeySet(b"*/")], outside) is not None
+    with pytest.raises(TooComplex):
+        find_key([KeySet(b"*/")], outside, budget=1)
+    monkeypatch.setattr(keysets, "BUDGET", 1)
+    d = a.may_subscribe(b"*/")
+    assert (d.allowed, d.rule) == (False, None) and "refused to be safe" in d.why
+    assert a.may_subscribe(b"a/x/").allowed     # one allow holds it: no walk needed
 
 
 def test_credential_keys_are_judged_in_canonical_form():

@@ -167,9 +167,10 @@ BUDGET = 20000
 
 
 def find_key(inside: Sequence[KeySet], outside: Sequence[KeySet] = (),
-             budget: int = BUDGET) -> Optional[bytes]:
+             budget: Optional[int] = None) -> Optional[bytes]:
     """A key every set of ``inside`` matches and no set of ``outside`` does,
-    or None if there is none. Raises TooComplex past ``budget`` steps.
+    or None if there is none. Raises TooComplex past ``budget`` steps
+    (default ``BUDGET``).
 
     The walk chooses the key's segments one by one. Whether a segment matches
     a constraint depends only on which of the position's literals it equals
@@ -192,6 +193,7 @@ def find_key(inside: Sequence[KeySet], outside: Sequence[KeySet] = (),
                for s in inside + outside] + [lo])
     failed: Set[Tuple[int, FrozenSet[int]]] = set()
     steps = [0]
+    limit = BUDGET if budget is None else budget
 
     def walk(i: int, alive: FrozenSet[int], parts: List[bytes]) -> Optional[List[bytes]]:
         if i >= 1 and lo <= i and (hi is None or i <= hi):
@@ -202,8 +204,8 @@ def find_key(inside: Sequence[KeySet], outside: Sequence[KeySet] = (),
         if (i, alive) in failed:
             return None
         steps[0] += 1
-        if steps[0] > budget:
-            raise TooComplex(f"more than {budget} steps")
+        if steps[0] > limit:
+            raise TooComplex(f"more than {limit} steps")
         need = [s.segs[i] for s in inside if i < len(s.segs)]
         live = [j for j in alive if i < len(outside[j].segs)]
         literals = {lit for lit, _ in need} | {outside[j].segs[i][0] for j in live}
