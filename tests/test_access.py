@@ -231,7 +231,9 @@ SUBST = '''
 
 
 def test_substitution_of_user_uid_and_gid():
-    a = policy(SUBST).compile_for(1000, 100, (), "alice")
+    p = policy(SUBST)
+    assert p.uses_user_name and not p.uses_groups
+    a = p.compile_for(1000, 100, (), "alice")
     assert [e.pattern for e in a.entries] == [
         b"user/1000/", b"group/100/", b"home/alice/", b"pct/100%/alice-x",
         b"shared/alice/secret", b"shared/"]
@@ -309,6 +311,7 @@ def test_rules_apply_to_their_verbs_and_clients_only():
     assert member.may_publish(b"team/x").allowed and member.may_subscribe(b"team/").allowed
     assert not p.compile_for(9, 9).may_publish(b"team/x").allowed
     assert p.compile_for(9, 9, (50,)) is member         # one table per identity
+    assert p.uses_groups and not p.uses_user_name
 
 
 @settings(max_examples=300, deadline=None)

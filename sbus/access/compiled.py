@@ -40,6 +40,14 @@ which the core copies into a C struct once per identity:
 
 Patterns in the table are those of publish rules only, in file order; an
 entry that matches every key ends the table (nothing after it is reached).
+
+At connect the core calls ``policy.compile_for(uid, gid, groups, user)``,
+looking up the user name only if ``policy.uses_user_name`` and the
+supplementary groups (``SO_PEERGROUPS``) only if ``policy.uses_groups``, and
+keeps the ``Access`` and its C table per identity (``compile_for`` returns
+the same object for the same identity). At ``SUB``, after the ``!/cred/``
+check, it calls ``access.may_subscribe(stored_pattern)`` and refuses the
+subscription unless ``.allowed``; ``.rule`` and ``.key`` are for the log.
 """
 from __future__ import annotations
 

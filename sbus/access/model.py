@@ -141,6 +141,11 @@ class Policy:
             else:
                 self._everyone.append(i)
         self._compiled: Dict[tuple, object] = {}
+        # What compile_for needs to know about a client beyond its uid and
+        # gid: a connect need not look up a name (NSS can block) or the
+        # supplementary groups when no rule uses them.
+        self.uses_user_name = any("%u" in t.tokens for r in self.rules for t in r.patterns)
+        self.uses_groups = bool(self._by_gid)
 
     def rules_for(self, uid: int, gids: Iterable[int]) -> List[Rule]:
         """The rules that name this client, in file order."""
