@@ -146,8 +146,8 @@ def test_the_model():
     assert (r1.number, r1.line, r1.allow, r1.verbs, r1.uids) == (1, 5, True, 3, {0, 5})
     assert (r2.number, r2.line, r2.allow, r2.verbs, r2.gids) == (2, 10, False, 1, {100})
     assert [t.text for t in r2.patterns] == ["a/", "b/*"] and r2.action == "disconnect"
-    assert r2.describe() == ("rule 2 (line 10): deny publish 'a/', 'b/*' to gid 100, "
-                             "else disconnect")
+    assert r2.describe() == ("rule 2 (line 10): deny publish 'a/', 'b/*' to gid 100 "
+                             "(on_deny: disconnect)")
 
 
 @pytest.mark.parametrize("text, line, reason", [
@@ -323,6 +323,7 @@ def test_publish_is_the_first_match_against_brute_force(rules, default, key):
     d = a.may_publish(key)
     assert d.allowed == want_allow
     assert (d.rule.number - 1 if d.rule else None) == want_rule
+    assert a.may_read(key) == d         # the same rules cover both verbs here
     # The C table says the same.
     (dallow, _, drule), entries = from_bytes(a.to_bytes())
     for allow, _, pattern, number in entries:

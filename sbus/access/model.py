@@ -93,13 +93,6 @@ class Rule(NamedTuple):
     gids: Optional[FrozenSet[int]]
     action: str
 
-    def names_client(self, uid: int, gids: Iterable[int]) -> bool:
-        if self.uids is not None:
-            return uid in self.uids
-        if self.gids is not None:
-            return not self.gids.isdisjoint(gids)
-        return True
-
     def describe(self) -> str:
         """``rule 3 (line 12): deny publish 'power/' to uid 0``, as an operator wrote it."""
         verbs = " and ".join(v for v, bit in VERBS.items() if self.verbs & bit)
@@ -108,7 +101,7 @@ class Rule(NamedTuple):
             who = "everyone"
         else:
             who = f"{self.who} " + ", ".join(str(n) for n in self.names)
-        tail = f", else {self.action}" if not self.allow and self.verbs & PUBLISH and \
+        tail = f" (on_deny: {DISCONNECT})" if not self.allow and self.verbs & PUBLISH and \
             self.action == DISCONNECT else ""
         return (f"rule {self.number} (line {self.line}): {'allow' if self.allow else 'deny'} "
                 f"{verbs} {pats} to {who}{tail}")
