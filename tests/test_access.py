@@ -559,3 +559,9 @@ def test_explain_publish_and_subscribe():
 def test_explain_needs_a_gid_for_an_unknown_uid():
     r = sbus("explain", str(EXAMPLE), "--user", "4000000000", "publish", "x")
     assert r.returncode == 1 and "give --gid" in r.stderr
+
+
+def test_the_docs_show_the_example_file_as_shipped():
+    shipped = EXAMPLE.read_text()
+    body = shipped[shipped.index('default = "deny"'):]
+    assert f"```toml\n{body}```" in (ROOT / "docs" / "policy.md").read_text()
