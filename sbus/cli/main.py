@@ -383,11 +383,13 @@ def build_parser() -> argparse.ArgumentParser:
     from ..bridge.cli import add_parser as add_bridge_parser
     from ..queue.cli import add_parser as add_queue_parser
     from ..store.cli import add_parsers as add_store_parsers
+    from .access import add_parsers as add_access_parsers
     from .requests import add_parsers as add_request_parsers
     add_bridge_parser(commands, common)
     add_queue_parser(commands, common)
     add_store_parsers(commands, common)
     add_request_parsers(commands, common)
+    add_access_parsers(commands, common)
     for command in commands.choices.values():
         command.set_defaults(parser=command)
     parser.command_names = list(commands.choices)
