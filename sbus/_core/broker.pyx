@@ -41,8 +41,8 @@ from sbus._core.protocol cimport (
     CredForm, parse_cred_form, is_cred_key, check_rest, KEY_OK, CRED_EMPTY,
     CRED_CANONICAL_MAX, cred_canonical_prefix)
 from sbus._core.report cimport text
-from sbus._core.sendq cimport (Packet, packet_new, packet_release, sq_push, sq_select,
-                               sq_consume, sq_clear)
+from sbus._core.sendq cimport (Packet, get_packet_stats, packet_new, packet_release,
+                               sq_push, sq_select, sq_consume, sq_clear)
 
 import os
 
@@ -409,8 +409,10 @@ cdef class Broker(Hub):
         read, so the bus stops where it did with a flush per batch. pend_bytes
         bounds what the flush can add to any queue, account or the total."""
         cdef uint32_t i
+        cdef uint64_t packet_bytes = get_packet_stats().bytes
         for i in range(self.nblockers):
-            if could_block(&self.flood, self.blockers[i], self.pend_bytes, <uint64_t>self.npend):
+            if could_block(&self.flood, self.blockers[i], self.pend_bytes, <uint64_t>self.npend,
+                           packet_bytes):
                 return True
         return False
 

@@ -64,11 +64,11 @@ cdef inline FloodAction on_full(Flood *f, Conn *c, uint64_t length, bint reply, 
 
 
 # Whether flushing pend_bytes in npend deliveries could make c (a recipient
-# in a block mode) hold the bus.
-cdef inline bint could_block(Flood *f, Conn *c, uint64_t pend_bytes,
-                             uint64_t npend) noexcept nogil:
+# in a block mode) hold the bus, with packet_bytes in packets now.
+cdef inline bint could_block(Flood *f, Conn *c, uint64_t pend_bytes, uint64_t npend,
+                             uint64_t packet_bytes) noexcept nogil:
     return c.soft == MODE_BLOCK or (
         c.q.bytes + pend_bytes > f.queue_max_bytes or
         c.q.live + npend > f.queue_max_msgs or
         c.acct.queued_bytes + pend_bytes > c.acct.max_queued_bytes or
-        get_packet_stats().bytes + pend_bytes > f.total_max_bytes)
+        packet_bytes + pend_bytes > f.total_max_bytes)
