@@ -4,7 +4,7 @@
 # broker its identity upstream, log records and state (link/...). Each call
 # returns a CTL_ decision the broker acts on, with what it needs in answer.
 # The broker holds one Control and reads link, notes and answer.
-from libc.stdint cimport uint64_t, int64_t
+from libc.stdint cimport uint8_t, uint64_t, int64_t
 
 from sbus._core.conn cimport Conn
 
@@ -43,4 +43,4 @@ cdef class Control:
 
 cdef bytes stats_reply(dict snapshot, size_t max_message)
 # Whether a connection's modes are ones it could have set (the hand-over).
-cdef bint modes_valid(int soft, int hard, int order) noexcept
+cdef bint modes_valid(uint8_t soft, uint8_t hard, uint8_t order) noexcept

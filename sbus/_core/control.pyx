@@ -1,6 +1,6 @@
 # cython: language_level=3
 """Control messages and the upstream link (see control.pxd)."""
-from libc.stdint cimport uint64_t, int64_t
+from libc.stdint cimport uint8_t, uint64_t, int64_t
 from libc.string cimport memcmp
 
 from sbus._core cimport report
@@ -166,6 +166,5 @@ cdef bytes stats_reply(dict snapshot, size_t max_message):
     return b"CMSG stats\0" + body
 
 
-cdef bint modes_valid(int soft, int hard, int order) noexcept:
-    return (0 <= soft <= MODE_ERROR and MODE_QUEUE < hard <= MODE_ERROR and
-            0 <= order <= ORDER_RANDOM)
+cdef bint modes_valid(uint8_t soft, uint8_t hard, uint8_t order) noexcept:
+    return soft <= MODE_ERROR and MODE_QUEUE < hard <= MODE_ERROR and order <= ORDER_RANDOM

@@ -163,7 +163,7 @@ cdef class Hub:
     # ---- accepting (the decisions: peers.pxd) ------------------------------
 
     cdef int accept_clients(self) except -1:
-        cdef int fd, _attempt, decided
+        cdef int fd, _attempt, decided, err
         cdef ucred cred
         for _attempt in range(ACCEPT_BATCH):
             fd = accept_peer(&self.peers, &cred)
@@ -172,9 +172,10 @@ cdef class Hub:
             elif fd == ACCEPT_AGAIN:
                 return 0
             elif fd == ACCEPT_EXHAUSTED:
+                err = errno     # before fd_exhausted's own calls
                 decided = fd_exhausted(&self.peers)
                 if decided & EXHAUSTED_LOG:
-                    self.emit(FD_EXHAUSTED, {"errno": errno, "connected": self.peers.n})
+                    self.emit(FD_EXHAUSTED, {"errno": err, "connected": self.peers.n})
                 if decided & EXHAUSTED_PAUSE:
                     self.poller.set(self.peers.listen_fd, 0)
                     self.emit(ACCEPT_PAUSED, {"connected": self.peers.n})
