@@ -48,7 +48,6 @@ cdef class Hub:
 
     def __cinit__(self, *args, **kwargs):
         self.wakeup_fd = -1
-        self.peers.spare_fd = -1
         self.rng = 0x9E3779B97F4A7C15 ^ <uint64_t>(<size_t><void *>self)
 
     def __init__(self, int listen_fd, config, *, allowed_uids=(), int access_mode=-1,

@@ -58,7 +58,7 @@ cdef struct Peers:
 
 cdef int peers_init(Peers *t, int listen_fd, int fd_limit, config, allowed_uids,
                     int access_mode) except -1
-cdef void peers_free(Peers *t) noexcept          # closes and frees every connection
+cdef void peers_free(Peers *t) noexcept          # closes and frees every connection; all zeros: nothing
 
 # accepting
 cdef int accept_peer(Peers *t, ucred *cred) noexcept    # an fd with cred, or ACCEPT_*

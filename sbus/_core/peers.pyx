@@ -59,6 +59,8 @@ cdef int peers_init(Peers *t, int listen_fd, int fd_limit, config, allowed_uids,
 cdef void peers_free(Peers *t) noexcept:
     cdef int fd
     cdef Conn *c
+    if t.accounts.table == NULL:
+        return      # peers_init never ran (or failed first): t is all zeros
     if t.conns != NULL:
         for fd in range(t.cap):
             c = t.conns[fd]
