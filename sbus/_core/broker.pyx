@@ -1,7 +1,8 @@
 # cython: language_level=3
-"""The sbus broker: accept, subscriptions, control messages and closing
-around the per-message path (receive, parse, match, fan out, send), and the
-loop that drives them.
+"""The sbus broker: the per-message path (receive, parse, match, fan out,
+send) and the loop's turn that drives it. Everything slower is Hub's
+(hub.pyx), which Broker extends: the rooms (peers, subs, flood, control),
+acting on their decisions, teardown and the Python surface.
 
 The message path is C over C structs (broker.pxd tells the life of a
 message): each readable connection's batch is read with recvmmsg into the
@@ -18,82 +19,38 @@ points at them. A callback that raises does not cut a batch short: the first
 exception is kept, the turn finishes, and ``run()`` raises it once afterwards.
 """
 from cpython.exc cimport PyErr_CheckSignals
-from libc.errno cimport (
-    errno, EAGAIN, EINTR, ECONNABORTED, ECONNRESET, EMFILE, ENFILE, ENOBUFS, ENOMEM, EPIPE)
-from libc.stdint cimport int32_t, uint32_t, uint64_t, int64_t
-from libc.stdlib cimport malloc, calloc, realloc, free
+from libc.errno cimport errno, EAGAIN, EINTR, ECONNRESET, EPIPE
+from libc.stdint cimport int32_t, uint32_t, uint64_t
+from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memchr, memcmp, memcpy, memset
-from posix.fcntl cimport open as c_open, O_RDONLY, O_CLOEXEC
-from posix.unistd cimport close, read
+from posix.unistd cimport read
 
-from sbus._core cimport report
-from sbus._core.budget cimport (
-    Account, UNLIMITED, accounts_init, accounts_free, account_get, account_drop_if_idle,
-    pattern_cost)
-from sbus._core.conn cimport (
-    Conn, MODE_QUEUE, MODE_BLOCK, R_EOF, R_ERROR, R_PROTOCOL, R_CRED, R_BANG, R_USER, R_FLOOD, R_OVERSIZE,
-    R_LIMIT, R_SHUTDOWN, R_FD_LIMIT, R_SUB_BUDGET, R_CONN_BUDGET)
+from sbus._core.conn cimport Conn, MODE_BLOCK, R_EOF, R_ERROR, R_PROTOCOL, R_BANG, R_FLOOD, R_OVERSIZE
+from sbus._core.flood cimport on_full, could_block, start_blocking
+from sbus._core.hub cimport Hub
 from sbus._core.includes.sys cimport (
-    accept4, getsockopt, setsockopt, socklen_t, ucred, SOL_SOCKET, SO_PEERCRED, SO_SNDBUF,
-    SO_SNDBUFFORCE, SOCK_NONBLOCK, SOCK_CLOEXEC, clock_gettime, timespec, CLOCK_MONOTONIC,
-    malloc_trim, recv, recvmmsg, sendmmsg, MSG_DONTWAIT, MSG_NOSIGNAL, MSG_TRUNC, MSG_PEEK,
-    mmap, munmap, madvise, MAP_FAILED, PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_ANONYMOUS,
-    MAP_NORESERVE, MADV_DONTNEED,
-)
-from sbus._core.index cimport (
-    Sub, index_init, index_free, index_add, index_remove, index_match)
+    clock_gettime, timespec, CLOCK_MONOTONIC, recv, recvmmsg, sendmmsg, MSG_DONTWAIT,
+    MSG_NOSIGNAL, MSG_TRUNC, MSG_PEEK, mmap, munmap, madvise, MAP_FAILED, PROT_READ, PROT_WRITE,
+    MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE, MADV_DONTNEED)
+from sbus._core.index cimport Sub, index_match
 from sbus._core.loop cimport EV_READ, EV_WRITE, EV_HUP
-from sbus._core.loop import make_poller
 from sbus._core.policy cimport (
-    holds_bus, flood_action, FLOOD_QUEUE_BLOCK, FLOOD_DROP_SOFT, FLOOD_DROP_HARD,
-    FLOOD_CLOSE_SOFT, FLOOD_CLOSE_HARD)
+    FLOOD_QUEUE_BLOCK, FLOOD_DROP_SOFT, FLOOD_DROP_HARD, FLOOD_CLOSE_SOFT, FLOOD_CLOSE_HARD)
 from sbus._core.protocol cimport (
     ParsedPacket, parse_packet, VERB_MSG, VERB_SUB, VERB_UNSUB, VERB_CMSG,
-    CredForm, parse_cred_form, is_cred_key, check_rest, KEY_OK, KEY_BANG_MISUSE, CRED_EMPTY,
-    CRED_CANONICAL_MAX, cred_canonical_prefix,
-    normalise_pattern, PATTERN_OK, PATTERN_CRED_MALFORMED, PATTERN_CRED_MISMATCH,
-    PATTERN_NESTED_CRED_MALFORMED, PATTERN_BANG_MISUSE, PATTERN_TOO_LONG)
+    CredForm, parse_cred_form, is_cred_key, check_rest, KEY_OK, CRED_EMPTY,
+    CRED_CANONICAL_MAX, cred_canonical_prefix)
 from sbus._core.report cimport text
-from sbus._core.sendq cimport (Packet, PacketStats, get_packet_stats, packet_new,
-                               packet_release, sq_push, sq_select, sq_consume, sq_clear)
+from sbus._core.sendq cimport (Packet, get_packet_stats, packet_new, packet_release,
+                               sq_push, sq_select, sq_consume, sq_clear)
 
-import json
 import os
-
-from sbus.logschema import (
-    ACCEPT_ERROR, ACCEPT_PAUSED, CLIENT_CONNECT, CLIENT_DISCONNECT, CMSG_IGNORED, UPSTREAM_EVENTS,
-    DELTA_FIELDS, FD_EXHAUSTED, SUBSCRIBE, UNSUBSCRIBE, REFUSE_BANG_MISUSE,
-    REFUSE_CRED_MALFORMED, REFUSE_CRED_MISMATCH, REFUSE_NOT_SUBSCRIBED,
-    REFUSE_PATTERN_TOO_LONG, REFUSE_TOO_MANY, REFUSE_SUB_BUDGET_CONNECTION,
-    REFUSE_SUB_BUDGET_USER, REFUSE_SUB_BUDGET_TOTAL)
-from sbus._core.policy import MODE_NAMES, ORDER_NAMES
-
-# A refused SUB: its logged reason, and the connection's Reason and detail.
-_PATTERN_REFUSALS = {
-    PATTERN_CRED_MALFORMED: (REFUSE_CRED_MALFORMED, R_CRED, "malformed !/cred/ pattern"),
-    PATTERN_CRED_MISMATCH: (REFUSE_CRED_MISMATCH, R_CRED,
-                            "credentials do not match the client's"),
-    PATTERN_NESTED_CRED_MALFORMED: (REFUSE_CRED_MALFORMED, R_CRED,
-                                    "malformed nested !/cred/ pattern"),
-    PATTERN_BANG_MISUSE: (REFUSE_BANG_MISUSE, R_BANG, "reserved '!' in pattern"),
-    PATTERN_TOO_LONG: (REFUSE_PATTERN_TOO_LONG, R_LIMIT, "pattern too long"),
-}
-
-cdef enum:
-    WHICH_SOFT = 0
-    WHICH_HARD = 1
-    WHICH_ORDER = 2
-    WHICH_ECHO = 3
 
 
 cdef inline double monotonic() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec + ts.tv_nsec * 1e-9
-
-
-cdef inline bint key_is(const char *key, size_t n, const char *lit, size_t litlen) noexcept nogil:
-    return n == litlen and memcmp(key, lit, n) == 0
 
 
 cdef void fan_one(void *ctx, Sub *sub) noexcept nogil:
@@ -118,24 +75,6 @@ cdef void fan_one(void *ctx, Sub *sub) noexcept nogil:
         return
     f.recips[f.n] = c
     f.n += 1
-
-
-cdef int link_pattern(const char *pat, size_t n, char *out, size_t cap,
-                      size_t *out_len) noexcept nogil:
-    """A !/cred/ pattern of the link, stored as written once well formed: the
-    link receives private keys for others anyway, and a bridge subscribes to
-    the host form of every other host with '*' for the host field
-    (!/cred/*/4294967295/0/, docs/bridge.md)."""
-    cdef int check = check_rest(pat, n, True)
-    if check == KEY_BANG_MISUSE:
-        return PATTERN_BANG_MISUSE
-    if check != KEY_OK:
-        return PATTERN_CRED_MALFORMED
-    if n > cap:
-        return PATTERN_TOO_LONG
-    memcpy(out, pat, n)
-    out_len[0] = n
-    return PATTERN_OK
 
 
 cdef inline uint32_t read_want(Conn *c, uint32_t room) noexcept:
@@ -164,7 +103,7 @@ cdef inline void note_read(Conn *c, uint32_t want, int got) noexcept:
             c.recv_want = <uint8_t>(got if got > c.recv_want - 1 else c.recv_want - 1)
 
 
-cdef class Broker:
+cdef class Broker(Hub):
     """Serve the sbus protocol on an already listening socket.
 
     ``config`` is any object with the attributes of the configuration's
@@ -181,17 +120,8 @@ cdef class Broker:
         cdef void *area
         cdef size_t slot = <size_t>config.max_message + 1
         cdef size_t fit = TURN_AREA_BYTES // slot
-        self.listen_fd = -1
-        self.wakeup_fd = -1
-        self.spare_fd = -1
-        self.conns = NULL
-        self.scratch = NULL
-        self.allowed_uids = NULL
         self.recv_area = NULL
         self.readable = NULL
-        if index_init(&self.index) < 0 or accounts_init(&self.accounts) < 0:
-            raise MemoryError()
-        self.rng = 0x9E3779B97F4A7C15 ^ <uint64_t>(<size_t><void *>self)
         # One slot per packet received in a loop turn, each big enough for
         # the largest packet plus one byte so MSG_TRUNC can tell an oversized
         # one apart; as many as TURN_AREA_BYTES holds, and never fewer than
@@ -222,97 +152,18 @@ cdef class Broker:
         if self.pend == NULL:
             raise MemoryError()
 
-    def __init__(self, int listen_fd, config, *, allowed_uids=(), int access_mode=-1,
-                 int wakeup_fd=-1, on_event=None, on_message=None, on_tick=None,
-                 double tick_interval=0.0):
-        cdef int i
-        self.poller = make_poller(config.backend)
+    def __init__(self, int listen_fd, config, **options):
+        Hub.__init__(self, listen_fd, config, **options)
         if self.poller.batch_recv:
             self.readable = <Fired *>malloc(self.poller.max_fired * sizeof(Fired))
             if self.readable == NULL:
                 raise MemoryError()
-        self.listen_fd = listen_fd
-        self.wakeup_fd = wakeup_fd
-        self.max_message = config.max_message
-        self.sndbuf = <int>(2 * self.max_message + 65536)
-        self.soft = MODE_NAMES.index(config.soft)
-        self.hard = MODE_NAMES.index(config.hard)
-        if self.hard == MODE_QUEUE:
-            raise ValueError("the hard mode is discard, block or error")
-        self.order = ORDER_NAMES.index(config.order)
-        self.queue_max_bytes = config.queue_max_bytes
-        self.queue_max_msgs = config.queue_max_msgs
-        self.total_max_bytes = config.total_max_bytes
-        self.block_timeout = config.block_timeout
-        self.max_subscriptions = config.max_subscriptions
-        # 0: no limit of its own; a pattern is as long as a packet allows.
-        self.max_pattern = config.max_pattern or config.max_message
-        self.sub_max_bytes = config.sub_max_bytes
-        self.user_sub_max_bytes = config.user_sub_max_bytes
-        self.total_sub_max_bytes = config.total_sub_max_bytes
-        self.user_max_connections = config.user_max_connections
-        self.user_queue_max_bytes = config.user_queue_max_bytes
-        self.auto_close = config.auto_close
-        self.log_messages = config.log_messages
-        self.on_event = on_event
-        self.on_message = on_message
-        self.on_tick = on_tick
-        self.tick_interval = tick_interval
-        self.close_details = {}
-        self.last_totals = None
-        self.next_id = 1
-        self.access_mode = access_mode
-        self.own_uid = os.getuid()
-        self.own_gid = os.getgid()
-        self.n_allowed = len(allowed_uids)
-        if self.n_allowed:
-            self.allowed_uids = <int64_t *>malloc(self.n_allowed * sizeof(int64_t))
-            if self.allowed_uids == NULL:
-                raise MemoryError()
-            for i, uid in enumerate(allowed_uids):
-                self.allowed_uids[i] = uid
-        self.scratch_cap = self.max_pattern + 128
-        if self.scratch_cap < 4096:
-            self.scratch_cap = 4096
-        self.scratch = <char *>malloc(self.scratch_cap)
-        if self.scratch == NULL:
-            raise MemoryError()
-        self.grow_lists(64)
-        # A spare descriptor to give up when accept hits EMFILE (see fd_exhausted).
-        self.spare_fd = c_open(b"/dev/null", O_RDONLY | O_CLOEXEC)
-        self.poller.set(listen_fd, EV_READ)
-        if wakeup_fd >= 0:
-            self.poller.set(wakeup_fd, EV_READ)
-        self.started = self.now = monotonic()
-        self.running = True
 
     def __dealloc__(self):
-        cdef int fd
-        cdef Conn *c
         free(self.pend)
         free(self.readable)
         if self.recv_area != NULL:
             munmap(self.recv_area, self.recv_area_size)
-        if self.conns != NULL:
-            for fd in range(self.conns_cap):
-                c = self.conns[fd]
-                if c != NULL:
-                    close(c.fd)
-                    sq_clear(&c.q)
-                    free(c.subs)
-                    free(c)
-            free(self.conns)
-        index_free(&self.index)
-        accounts_free(&self.accounts)
-        free(self.recips)
-        free(self.touched)
-        free(self.blockers)
-        free(self.closing)
-        free(self.paused)
-        free(self.scratch)
-        free(self.allowed_uids)
-        if self.spare_fd >= 0:
-            close(self.spare_fd)
 
     # ---- the loop ----------------------------------------------------------
 
@@ -338,32 +189,6 @@ cdef class Broker:
                 PyErr_CheckSignals()
         return self.stop_reason
 
-    def stop(self, reason="stopped"):
-        """Make run() return after the current loop turn."""
-        self.running = False
-        if self.stop_reason is None:
-            self.stop_reason = reason
-
-    def close(self):
-        """Disconnect every client (reason 'shutdown'), logging each."""
-        cdef int fd
-        self.flush_pending()
-        for fd in range(self.conns_cap):
-            if self.conns[fd] != NULL:
-                self.mark_closing(self.conns[fd], R_SHUTDOWN, None)
-        self.finalize_closing()
-        self.raise_callback_error()
-
-    cdef int poll_timeout(self) noexcept:
-        cdef int timeout = -1
-        cdef double wait
-        if self.tick_interval > 0:
-            wait = self.next_tick - monotonic()
-            timeout = 0 if wait <= 0 else <int>(wait * 1000) + 1
-        if self.nblocking and (timeout < 0 or timeout > 100):
-            timeout = 100       # re-check block timeouts
-        return timeout
-
     cdef int dispatch(self, int n) except -1:
         cdef int i, fd, mask, nready = 0
         cdef Conn *c
@@ -371,7 +196,7 @@ cdef class Broker:
         for i in range(n):
             fd = self.poller.fired[i].fd
             mask = self.poller.fired[i].mask
-            if fd == self.listen_fd:
+            if fd == self.peers.listen_fd:
                 self.accept_clients()
                 continue
             if fd == self.wakeup_fd:
@@ -379,9 +204,9 @@ cdef class Broker:
                     pass
                 self.signalled = True
                 continue
-            if fd >= self.conns_cap:
+            if fd >= self.peers.cap:
                 continue
-            c = self.conns[fd]
+            c = self.peers.conns[fd]
             if c == NULL or c.closing:
                 continue
             if mask & EV_WRITE:
@@ -404,37 +229,16 @@ cdef class Broker:
             self.flush_pending()
         if self.nclosing:
             self.finalize_closing()
-        if self.nblocking:
+        if self.flood.nblocking:
             self.check_block_timeouts()
             if self.nclosing:
                 self.finalize_closing()
         return 0
 
-    cdef int housekeeping(self) except -1:
-        if not (self.tick_interval > 0 and self.now >= self.next_tick):
-            return 0
-        self.next_tick = self.now + self.tick_interval
-        if self.disconnects != self.trimmed_at:
-            # Clients left: hand the memory they used back to the system,
-            # so RSS follows the load down after a churn.
-            self.trimmed_at = self.disconnects
-            malloc_trim(0)
-        self.release_buffers()
-        if self.on_tick is not None:
-            try:
-                self.on_tick()
-            except BaseException as err:
-                self.keep_callback_error(err)
-        return 0
-
-    cdef int raise_callback_error(self) except -1:
-        err = self.callback_error
-        if err is not None:
-            self.callback_error = None
-            raise err
-        return 0
-
     # ---- buffers -----------------------------------------------------------
+
+    cdef bint at_safe_point(self) noexcept:
+        return not (self.nslots or self.npend or self.nclosing)
 
     cdef int release_buffers(self) except -1:
         if self.recv_high > 65536:
@@ -473,13 +277,13 @@ cdef class Broker:
         return 0
 
     cdef bint before_read(self, Conn *c, int mask) except -1:
-        if self.nblocking:
+        if self.flood.nblocking:
             # A peer that hung up can never read its queue: drop it, so a dead
             # client cannot hold the bus. Its unread input waits, like every
             # publisher's, until the bus is released.
             if mask & EV_HUP and not c.write_dead:
                 self.stop_writing(c)
-            if self.nblocking:
+            if self.flood.nblocking:
                 self.pause(c)
                 return False
         return True
@@ -541,7 +345,7 @@ cdef class Broker:
             while i < n and nops < RECV_BATCH:
                 fd = self.readable[i].fd
                 mask = self.readable[i].mask
-                c = self.conns[fd]
+                c = self.peers.conns[fd]
                 if c == NULL or c.closing:
                     i += 1
                     continue
@@ -570,7 +374,7 @@ cdef class Broker:
             # Slots a receive left empty stay unused until the flush.
             self.nslots = base + nops
             for k in range(nround):
-                c = self.conns[round_fd[k]]
+                c = self.peers.conns[round_fd[k]]
                 if c != NULL:
                     self.take_batch(c, round_mask[k], base, round_first[k], round_want[k])
         return 0
@@ -605,15 +409,10 @@ cdef class Broker:
         read, so the bus stops where it did with a flush per batch. pend_bytes
         bounds what the flush can add to any queue, account or the total."""
         cdef uint32_t i
-        cdef Conn *c
-        cdef PacketStats *ps = get_packet_stats()
+        cdef uint64_t packet_bytes = get_packet_stats().bytes
         for i in range(self.nblockers):
-            c = self.blockers[i]
-            if c.soft == MODE_BLOCK or (
-                    c.q.bytes + self.pend_bytes > self.queue_max_bytes or
-                    c.q.live + <uint64_t>self.npend > self.queue_max_msgs or
-                    c.acct.queued_bytes + self.pend_bytes > c.acct.max_queued_bytes or
-                    ps.bytes + self.pend_bytes > self.total_max_bytes):
+            if could_block(&self.flood, self.blockers[i], self.pend_bytes, <uint64_t>self.npend,
+                           packet_bytes):
                 return True
         return False
 
@@ -629,8 +428,8 @@ cdef class Broker:
             return self.unsubscribe(c, p.key, p.key_len)
         if verb == VERB_CMSG:
             if c.link and p.key_len > 5 and memcmp(p.key, b"link/", 5) == 0:
-                return self.link_control(p.key, p.key_len, p.payload, p.payload_len)
-            return self.control(c, p.key, p.key_len)
+                return self.act(c, self.ctl.from_link(p.key, p.key_len, p.payload, p.payload_len))
+            return self.act(c, self.ctl.control(c, p.key, p.key_len))
         head = buf[:n if n < 24 else 24]
         return self.mark_closing(c, R_PROTOCOL, f"malformed packet {head!r}")
 
@@ -663,7 +462,7 @@ cdef class Broker:
         f.sender = c
         f.recips = self.recips
         f.n = 0
-        index_match(&self.index, key, klen, fan_one, &f)
+        index_match(&self.subs.index, key, klen, fan_one, &f)
         if f.is_cred:
             self.match_canonical(key, klen, &form, &f)
         for i in range(f.n):
@@ -689,23 +488,8 @@ cdef class Broker:
             raise MemoryError()
         memcpy(alt, canon, clen)
         memcpy(alt + clen, key + form.prefix_len, rest)
-        index_match(&self.index, alt, clen + rest, fan_one, f)
+        index_match(&self.subs.index, alt, clen + rest, fan_one, f)
         free(alt)
-        return 0
-
-    cdef int sample(self, Conn *c, const char *key, size_t klen, size_t n,
-                    uint32_t fanout) except -1:
-        """Hand one message in 1/log_messages to on_message (xorshift draw)."""
-        cdef double draw
-        self.rng ^= self.rng << 13
-        self.rng ^= self.rng >> 7
-        self.rng ^= self.rng << 17
-        draw = (self.rng >> 11) * (1.0 / 9007199254740992.0)
-        if draw < self.log_messages and self.on_message is not None:
-            try:
-                self.on_message(c.id, c.pid, c.uid, key[:klen], n, fanout)
-            except BaseException as err:
-                self.keep_callback_error(err)
         return 0
 
     # ---- delivering --------------------------------------------------------
@@ -851,18 +635,12 @@ cdef class Broker:
         return sent
 
     cdef int enqueue(self, Conn *c, Pending *e) except -1:
-        """Apply c's soft and hard modes (policy.flood_action) to a delivery
-        that would block."""
+        """Apply c's soft and hard modes (flood.on_full) to a delivery that
+        would block."""
         cdef Packet *pkt = e.pkt
         cdef uint64_t length = pkt.len if pkt != NULL else self.rhdrs[e.slot].msg_len
-        cdef PacketStats *ps = get_packet_stats()
-        cdef bint over = (c.q.bytes + length > self.queue_max_bytes or
-                          c.q.live + 1 > self.queue_max_msgs or
-                          c.acct.queued_bytes + length > c.acct.max_queued_bytes or
-                          (pkt == NULL and self.batch_pkts[e.slot] == NULL and
-                           ps.bytes + length > self.total_max_bytes))
-        cdef int action = flood_action(c.soft, c.hard, c.blocking,
-                                       pkt != NULL and pkt.reply, over)
+        cdef int action = on_full(&self.flood, c, length, pkt != NULL and pkt.reply,
+                                  pkt == NULL and self.batch_pkts[e.slot] == NULL, self.now)
         if action == FLOOD_DROP_SOFT:
             c.counts.drops_soft += 1
             self.tot.drops_soft += 1
@@ -876,8 +654,6 @@ cdef class Broker:
             c.counts.drops_hard += 1
             self.tot.drops_hard += 1
             return 0
-        if over and action == FLOOD_QUEUE_BLOCK:
-            self.start_blocking(c)      # over a limit: hold the bus first
         if pkt == NULL:
             pkt = self.shared_packet(e)
         if pkt == NULL or sq_push(&c.q, pkt) < 0:
@@ -886,7 +662,7 @@ cdef class Broker:
             return 0
         c.acct.queued_bytes += pkt.len
         if action == FLOOD_QUEUE_BLOCK:
-            self.start_blocking(c)
+            start_blocking(&self.flood, c, self.now)
         if c.q.live == 1:
             self.update_interest(c)
         return 0
@@ -924,7 +700,7 @@ cdef class Broker:
                 break
         self.update_interest(c)
         if c.blocking:
-            self.maybe_unblock(c)
+            self.release(c)
         return 0
 
     cdef int send_failed(self, Conn *c, int err) except -1:
@@ -940,528 +716,8 @@ cdef class Broker:
         c.acct.queued_bytes -= c.q.bytes
         self.count_drops_disconnect(c, sq_clear(&c.q))
         if c.blocking:
-            self.maybe_unblock(c)
+            self.release(c)
         return self.update_interest(c)
-
-    # ---- accepting ---------------------------------------------------------
-
-    cdef int accept_clients(self) except -1:
-        cdef int fd, _attempt
-        cdef ucred cred
-        cdef socklen_t len_
-        for _attempt in range(ACCEPT_BATCH):
-            fd = accept4(self.listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)
-            if fd < 0:
-                if errno == EAGAIN:
-                    return 0
-                if errno == EINTR or errno == ECONNABORTED:
-                    continue
-                if errno == EMFILE or errno == ENFILE or errno == ENOBUFS or errno == ENOMEM:
-                    return self.fd_exhausted(errno)
-                self.emit(ACCEPT_ERROR, {"errno": errno})
-                return 0
-            len_ = sizeof(cred)
-            if getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len_) < 0:
-                close(fd)
-                continue
-            self.admit(fd, &cred)
-        return 0
-
-    cdef int admit(self, int fd, ucred *cred) except -1:
-        """Take fd on as a connection, or close it with a disconnect record."""
-        cdef Conn *c
-        cdef Account *acct = NULL
-        cdef int reason = R_USER
-        detail = self.refuse_peer(cred)
-        if detail is None and fd >= self.poller.fd_limit():
-            reason = R_FD_LIMIT
-            detail = f"fd {fd} is beyond what the {self.poller.name} backend can watch"
-        if detail is None:
-            # sbusd's own uid has no per-uid budgets (docs/security.md).
-            exempt = cred.uid == self.own_uid
-            acct = account_get(&self.accounts, cred.uid,
-                               UNLIMITED if exempt else self.user_max_connections,
-                               UNLIMITED if exempt else self.user_sub_max_bytes,
-                               UNLIMITED if exempt else self.user_queue_max_bytes)
-            if acct == NULL:
-                close(fd)
-                raise MemoryError()
-            if acct.conns >= acct.max_conns:
-                reason = R_CONN_BUDGET
-                detail = (f"uid {cred.uid} has {acct.conns} connections "
-                          f"(--user-max-connections {acct.max_conns})")
-                self.budgets.conns_refused += 1
-                account_drop_if_idle(&self.accounts, acct)
-        if detail is not None:
-            close(fd)
-            self.emit(CLIENT_DISCONNECT, report.refused(
-                self.next_id, cred.pid, cred.uid, cred.gid, reason, detail))
-            self.next_id += 1
-            return 0
-        # Big enough to deliver the largest packet the bus accepts.
-        if setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &self.sndbuf, sizeof(int)) < 0:
-            setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &self.sndbuf, sizeof(int))
-        c = self.add_conn(fd, cred)
-        c.acct = acct
-        acct.conns += 1
-        if self.nblocking:
-            self.pause(c)
-        else:
-            self.update_interest(c)
-        self.emit(CLIENT_CONNECT, report.ident(c))
-        if self.link != NULL:
-            self.link_note(b"CMSG link/conn\0%d/%d/%d" % (c.gid, c.uid, c.pid))
-        return 0
-
-    cdef Conn *add_conn(self, int fd, ucred *cred) except NULL:
-        """A new record for fd in the table, in the broker's default modes."""
-        cdef Conn *c
-        if fd >= self.conns_cap:
-            self.grow_table(fd)
-        self.grow_lists(self.nconns + 1)
-        c = <Conn *>calloc(1, sizeof(Conn))
-        if c == NULL:
-            close(fd)
-            raise MemoryError()
-        c.fd = fd
-        c.id = self.next_id
-        self.next_id += 1
-        c.pid = cred.pid
-        c.uid = cred.uid
-        c.gid = cred.gid
-        c.soft = self.soft
-        c.hard = self.hard
-        c.order = self.order
-        c.echo = 1
-        c.connected_at = self.now
-        c.pend_head = -1
-        c.pend_tail = -1
-        self.conns[fd] = c
-        self.nconns += 1
-        self.connects += 1
-        self.had_client = True
-        return c
-
-    cdef str refuse_peer(self, ucred *cred):
-        """Why this peer may not connect, or None. -u lists the uids allowed;
-        an abstract socket has no file mode, so the mode's meaning is
-        enforced here: owner (and root), then group, then others."""
-        cdef int k
-        cdef int bits
-        if self.n_allowed:
-            for k in range(self.n_allowed):
-                if self.allowed_uids[k] == cred.uid:
-                    break
-            else:
-                return f"uid {cred.uid} is not allowed (-u)"
-        if self.access_mode >= 0 and cred.uid != 0 and cred.uid != self.own_uid:
-            bits = (self.access_mode >> 3) & 7 if cred.gid == self.own_gid else self.access_mode & 7
-            if not bits:
-                return (f"uid {cred.uid} gid {cred.gid} may not connect to a socket "
-                        f"of mode {self.access_mode:04o}")
-        return None
-
-    cdef int fd_exhausted(self, int err) except -1:
-        """Out of descriptors: give up the spare one to accept and drop the
-        waiting connection, so a storm neither spins the loop nor stalls it;
-        if even that fails, stop accepting until a client leaves."""
-        cdef int fd
-        if not self.fd_exhausted_logged:
-            self.fd_exhausted_logged = True
-            self.emit(FD_EXHAUSTED, {"errno": err, "connected": self.nconns})
-        if self.spare_fd >= 0:
-            close(self.spare_fd)
-            self.spare_fd = -1
-            fd = accept4(self.listen_fd, NULL, NULL, SOCK_CLOEXEC)
-            if fd >= 0:
-                close(fd)
-            self.spare_fd = c_open(b"/dev/null", O_RDONLY | O_CLOEXEC)
-            if self.spare_fd >= 0:
-                return 0
-        if not self.accept_paused:
-            self.accept_paused = True
-            self.poller.set(self.listen_fd, 0)
-            self.emit(ACCEPT_PAUSED, {"connected": self.nconns})
-        return 0
-
-    cdef int grow_table(self, int fd) except -1:
-        cdef int k = self.conns_cap * 2 if self.conns_cap else 1024
-        cdef Conn **grown
-        while k <= fd:
-            k *= 2
-        grown = <Conn **>realloc(self.conns, k * sizeof(Conn *))
-        if grown == NULL:
-            close(fd)
-            raise MemoryError()
-        memset(grown + self.conns_cap, 0, (k - self.conns_cap) * sizeof(Conn *))
-        self.conns = grown
-        self.conns_cap = k
-        return 0
-
-    cdef int grow_lists(self, uint32_t need) except -1:
-        """Scratch lists hold at most one entry per connection; size them so
-        the hot path never has to check."""
-        cdef uint32_t cap = self.list_cap
-        if need <= cap:
-            return 0
-        while cap < need:
-            cap = cap * 2 if cap else 64
-        self.recips = <Conn **>realloc(self.recips, cap * sizeof(Conn *))
-        self.touched = <Conn **>realloc(self.touched, cap * sizeof(Conn *))
-        self.blockers = <Conn **>realloc(self.blockers, cap * sizeof(Conn *))
-        self.closing = <Conn **>realloc(self.closing, cap * sizeof(Conn *))
-        self.paused = <Conn **>realloc(self.paused, cap * sizeof(Conn *))
-        if (self.recips == NULL or self.touched == NULL or self.blockers == NULL or
-                self.closing == NULL or self.paused == NULL):
-            raise MemoryError()
-        self.list_cap = cap
-        return 0
-
-    # ---- subscriptions -----------------------------------------------------
-
-    cdef int subscribe(self, Conn *c, const char *pat, size_t n) except -1:
-        cdef size_t stored = 0
-        cdef size_t cost
-        cdef int refusal
-        cdef Sub *sub
-        cdef Sub **grown
-        cdef uint32_t cap
-        if n > self.max_pattern:
-            return self.refuse_pattern(c, REFUSE_PATTERN_TOO_LONG, pat, n, R_LIMIT,
-                                       f"pattern longer than {self.max_pattern} bytes")
-        if c.nsubs >= self.max_subscriptions:
-            return self.refuse_pattern(c, REFUSE_TOO_MANY, pat, n, R_LIMIT,
-                                       f"more than {self.max_subscriptions} subscriptions")
-        if self.upstream_cred is not None:
-            stored = self.nested_prefix(pat, n)
-            pat += stored
-            n -= stored
-        if c.link and is_cred_key(pat, n):
-            refusal = link_pattern(pat, n, self.scratch, self.scratch_cap, &stored)
-        else:
-            refusal = normalise_pattern(pat, n, c.gid, c.uid, c.pid, self.scratch,
-                                        self.scratch_cap, &stored)
-        if refusal != PATTERN_OK:
-            logged, reason, detail = _PATTERN_REFUSALS[refusal]
-            return self.refuse_pattern(c, logged, pat, n, reason, detail)
-        cost = pattern_cost(self.scratch, stored)
-        if self.over_sub_budget(c, cost, pat, n):
-            return 0
-        if c.nsubs == c.subs_cap:
-            cap = c.subs_cap * 2 if c.subs_cap else 4
-            grown = <Sub **>realloc(c.subs, cap * sizeof(Sub *))
-            if grown == NULL:
-                return self.mark_closing(c, R_ERROR, "out of memory")
-            c.subs = grown
-            c.subs_cap = cap
-        sub = index_add(&self.index, c, self.scratch, stored)
-        if sub == NULL:
-            return self.mark_closing(c, R_ERROR, "out of memory")
-        sub.owner_pos = c.nsubs
-        c.subs[c.nsubs] = sub
-        c.nsubs += 1
-        c.sub_bytes += cost
-        c.acct.sub_bytes += cost
-        self.budgets.sub_bytes += cost
-        self.emit(SUBSCRIBE, report.subscription(c, self.scratch, stored, None))
-        if self.link != NULL and c != self.link:
-            self.link_note(b"CMSG link/sub\0" + self.scratch[:stored])
-        return 0
-
-    cdef int refuse_pattern(self, Conn *c, str refusal, const char *pat, size_t n,
-                            int reason, str detail) except -1:
-        """Log a SUB refused for ``refusal`` (logschema's word) and close the
-        connection that sent it for ``reason``."""
-        self.emit(SUBSCRIBE, report.subscription(c, pat, n, refusal))
-        return self.mark_closing(c, reason, detail)
-
-    cdef int over_sub_budget(self, Conn *c, size_t cost, const char *pat,
-                             size_t n) except -1:
-        """Refuse a SUB whose pattern would take c, its uid or the broker past
-        a subscription-bytes budget: log it, count it, close c."""
-        if c.sub_bytes + cost > self.sub_max_bytes:
-            logged, used, limit, flag = (REFUSE_SUB_BUDGET_CONNECTION, c.sub_bytes,
-                                         self.sub_max_bytes, "--sub-max-bytes")
-        elif c.acct.sub_bytes + cost > c.acct.max_sub_bytes:
-            logged, used, limit, flag = (REFUSE_SUB_BUDGET_USER, c.acct.sub_bytes,
-                                         c.acct.max_sub_bytes, "--user-sub-max-bytes")
-        elif self.budgets.sub_bytes + cost > self.total_sub_max_bytes:
-            logged, used, limit, flag = (REFUSE_SUB_BUDGET_TOTAL, self.budgets.sub_bytes,
-                                         self.total_sub_max_bytes, "--total-sub-max-bytes")
-        else:
-            return 0
-        self.budgets.subs_refused += 1
-        self.refuse_pattern(c, logged, pat, n, R_SUB_BUDGET,
-                            f"pattern of {cost} bytes over {flag} {limit} ({used} in use)")
-        return 1
-
-    cdef void drop_sub(self, Conn *c, Sub *sub) noexcept:
-        cdef size_t cost = pattern_cost(sub.pattern, sub.len)
-        c.sub_bytes -= cost
-        c.acct.sub_bytes -= cost
-        self.budgets.sub_bytes -= cost
-        index_remove(&self.index, sub)
-
-    cdef int unsubscribe(self, Conn *c, const char *pat, size_t n) except -1:
-        cdef size_t stored = 0
-        cdef int refusal
-        cdef uint32_t i
-        cdef Sub *sub
-        cdef Sub *last
-        if self.upstream_cred is not None:
-            stored = self.nested_prefix(pat, n)
-            pat += stored
-            n -= stored
-        if c.link and is_cred_key(pat, n):
-            refusal = link_pattern(pat, n, self.scratch, self.scratch_cap, &stored)
-        else:
-            refusal = normalise_pattern(pat, n, c.gid, c.uid, c.pid, self.scratch,
-                                        self.scratch_cap, &stored)
-        if refusal == PATTERN_BANG_MISUSE:
-            # as in SUB; a pattern refused for its credentials was simply
-            # never stored, so it is not found
-            return self.mark_closing(c, R_BANG, "reserved '!' in pattern")
-        if refusal == PATTERN_OK:
-            i = c.nsubs
-            while i > 0:        # newest first: the usual case
-                i -= 1
-                sub = c.subs[i]
-                if sub.len == stored and memcmp(sub.pattern, self.scratch, stored) == 0:
-                    c.nsubs -= 1
-                    if i != c.nsubs:
-                        last = c.subs[c.nsubs]
-                        c.subs[i] = last
-                        last.owner_pos = i
-                    self.drop_sub(c, sub)
-                    self.emit(UNSUBSCRIBE, report.subscription(c, pat, n, None))
-                    if self.link != NULL and c != self.link:
-                        self.link_note(b"CMSG link/unsub\0" + self.scratch[:stored])
-                    return 0
-        self.emit(UNSUBSCRIBE, report.subscription(c, pat, n, REFUSE_NOT_SUBSCRIBED))
-        return 0
-
-    # ---- the upstream link --------------------------------------------------
-
-    def attach_link(self, int fd):
-        """Take fd (one end of a socketpair) on as the upstream link: it
-        receives every publish its patterns match, private keys included,
-        never its own publishes back, and a control message for every
-        connection, disconnection, subscription and unsubscription of the
-        others (link/conn, link/gone, link/sub, link/unsub), starting with
-        those that exist now. It waits for no one: soft queue, hard block."""
-        cdef ucred cred
-        cdef Conn *c
-        cdef Conn *other
-        cdef int k
-        cdef uint32_t j
-        if self.link != NULL:
-            raise ValueError("the broker has an upstream link already")
-        cred.pid = os.getpid()
-        cred.uid = self.own_uid
-        cred.gid = self.own_gid
-        if setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &self.sndbuf, sizeof(int)) < 0:
-            setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &self.sndbuf, sizeof(int))
-        c = self.add_conn(fd, &cred)
-        c.acct = account_get(&self.accounts, cred.uid, UNLIMITED, UNLIMITED, UNLIMITED)
-        if c.acct == NULL:
-            raise MemoryError()
-        c.acct.conns += 1
-        c.link = 1
-        c.echo = 0
-        c.soft = MODE_QUEUE
-        c.hard = MODE_BLOCK
-        self.link = c
-        self.link_notes = True
-        self.upstream_state = {"state": "starting"}
-        self.update_interest(c)
-        self.emit(CLIENT_CONNECT, report.ident(c))
-        for k in range(self.conns_cap):
-            other = self.conns[k]
-            if other == NULL or other == c or other.closing:
-                continue
-            self.link_note(b"CMSG link/conn\0%d/%d/%d" % (other.gid, other.uid, other.pid))
-            for j in range(other.nsubs):
-                self.link_note(b"CMSG link/sub\0" +
-                               other.subs[j].pattern[:other.subs[j].len])
-        self.flush_pending()
-        return None
-
-    cdef int link_note(self, bytes packet) except -1:
-        if self.link_notes and not self.link.closing:
-            self.reply(self.link, packet)
-        return 0
-
-    cdef int claim_link(self, Conn *c) except -1:
-        """CMSG link/attach: a client of the broker's own uid (or root) takes
-        the link place, free on a broker without --upstream. Like the leaf's
-        link it then receives every private key its patterns match and may set
-        the nesting prefix (link/identity); it keeps its own flood modes and is
-        told nothing of the others (sbus bridge --private, docs/bridge.md).
-        Answered "ok" or "refused: why"."""
-        if c.link:
-            return self.reply(c, b"CMSG link/attach\0ok")
-        if c.uid != 0 and c.uid != self.own_uid:
-            return self.reply(c, b"CMSG link/attach\0refused: only the broker's own uid "
-                                 b"or root may take the link place")
-        if self.link != NULL:
-            return self.reply(c, b"CMSG link/attach\0refused: the broker has a link already "
-                                 b"(an upstream, or another bridge)")
-        c.link = 1
-        self.link = c
-        self.link_notes = False
-        return self.reply(c, b"CMSG link/attach\0ok")
-
-    cdef int link_control(self, const char *key, size_t n, const char *payload,
-                          size_t plen) except -1:
-        """What the link tells the broker: its credentials upstream
-        (link/identity), a record for the log (link/log: JSON with "event"),
-        its state for stats (link/state: JSON)."""
-        body = payload[:plen] if payload != NULL else b""
-        if key_is(key, n, b"link/attach", 11):
-            return self.claim_link(self.link)
-        if key_is(key, n, b"link/identity", 13):
-            self.upstream_cred = body if body.startswith(b"!/cred/") else None
-            return 0
-        try:
-            fields = json.loads(body)
-        except ValueError:
-            fields = None
-        if not isinstance(fields, dict):
-            return 0    # the link is ours; a bad report is ignored, never fatal
-        if key_is(key, n, b"link/log", 8):
-            event = fields.pop("event", None)
-            if event in UPSTREAM_EVENTS:    # only the link's own events, by name
-                self.emit(event, fields)
-        elif key_is(key, n, b"link/state", 10):
-            self.upstream_state = fields
-        return 0
-
-    cdef size_t nested_prefix(self, const char *pat, size_t n) noexcept:
-        """The length of "<upstream credentials>/" when a pattern is in the
-        nested form under this leaf's own upstream identity, else 0: the rest
-        is then checked against the client as a local pattern."""
-        cdef const char *own = self.upstream_cred
-        cdef size_t olen = len(self.upstream_cred)
-        if n > olen + 7 and memcmp(pat, own, olen) == 0 and pat[olen] == b'/' \
-                and memcmp(pat + olen + 1, b"!/cred/", 7) == 0:
-            return olen + 1
-        return 0
-
-    # ---- control messages --------------------------------------------------
-
-    cdef int control(self, Conn *c, const char *key, size_t n) except -1:
-        if key_is(key, n, b"link/attach", 11):
-            return self.claim_link(c)
-        if key_is(key, n, b"!/cred/whoami", 13):
-            if self.upstream_cred is not None:
-                return self.reply(c, b"CMSG !/cred/whoami\0%s/!/cred/%d/%d/%d" % (
-                    self.upstream_cred, c.gid, c.uid, c.pid))
-            return self.reply(c, b"CMSG !/cred/whoami\0!/cred/%d/%d/%d" % (c.gid, c.uid, c.pid))
-        if n > 14 and memcmp(key, b"blocking/soft/", 14) == 0:
-            mode = key[14:n].decode("latin-1")
-            if mode in MODE_NAMES:
-                return self.set_mode(c, WHICH_SOFT, MODE_NAMES.index(mode))
-        elif n > 14 and memcmp(key, b"blocking/hard/", 14) == 0:
-            mode = key[14:n].decode("latin-1")
-            if mode in MODE_NAMES and mode != MODE_NAMES[MODE_QUEUE]:
-                return self.set_mode(c, WHICH_HARD, MODE_NAMES.index(mode))
-        elif n > 6 and memcmp(key, b"order/", 6) == 0:
-            mode = key[6:n].decode("latin-1")
-            if mode in ORDER_NAMES:
-                return self.set_mode(c, WHICH_ORDER, ORDER_NAMES.index(mode))
-        elif key_is(key, n, b"echo/on", 7):
-            return self.set_mode(c, WHICH_ECHO, 1)
-        elif key_is(key, n, b"echo/off", 8):
-            return self.set_mode(c, WHICH_ECHO, 0)
-        elif key_is(key, n, b"stats", 5):
-            # Count the deliveries so far first; the batch being read still
-            # points into its receive slots, so they stay.
-            self.flush_deliveries()
-            snapshot = self.stats()
-            body = json.dumps(snapshot, separators=(",", ":")).encode()
-            if <size_t>len(body) + 11 > self.max_message:
-                snapshot["clients_omitted"] = len(snapshot.pop("clients"))
-                body = json.dumps(snapshot, separators=(",", ":")).encode()
-            return self.reply(c, b"CMSG stats\0" + body)
-        self.cmsgs_ignored += 1
-        d = report.ident(c)
-        d["key"] = text(key, n)
-        self.emit(CMSG_IGNORED, d)
-        return 0
-
-    cdef int set_mode(self, Conn *c, int which, int value) except -1:
-        if which == WHICH_SOFT:
-            c.soft = value
-        elif which == WHICH_HARD:
-            c.hard = value
-        elif which == WHICH_ORDER:
-            c.order = value
-        else:
-            c.echo = value
-        if c.blocking:
-            self.maybe_unblock(c)
-        return 0
-
-    # ---- blocking the bus --------------------------------------------------
-
-    cdef int start_blocking(self, Conn *c) except -1:
-        if not c.blocking:
-            c.blocking = 1
-            c.block_since = self.now
-            c.counts.blocks += 1
-            self.nblocking += 1
-        return 0
-
-    cdef int maybe_unblock(self, Conn *c) except -1:
-        if holds_bus(c.soft, c.hard, c.q.live, c.q.bytes, self.queue_max_bytes,
-                     self.queue_max_msgs):
-            return 0
-        return self.stop_blocking(c)
-
-    cdef int stop_blocking(self, Conn *c) except -1:
-        c.blocking = 0
-        self.nblocking -= 1
-        if self.nblocking == 0:
-            self.resume_all()
-        return 0
-
-    cdef int pause(self, Conn *c) except -1:
-        if not c.paused:
-            c.paused = 1
-            self.paused[self.npaused] = c
-            self.npaused += 1
-            self.update_interest(c)
-        return 0
-
-    cdef int resume_all(self) except -1:
-        cdef uint32_t i
-        cdef Conn *c
-        for i in range(self.npaused):
-            c = self.paused[i]
-            c.paused = 0
-            if not c.closing:
-                self.update_interest(c)
-        self.npaused = 0
-        return 0
-
-    cdef int check_block_timeouts(self) except -1:
-        cdef int fd
-        cdef Conn *c
-        for fd in range(self.conns_cap):
-            c = self.conns[fd]
-            if c != NULL and c.blocking and not c.closing and \
-                    self.now - c.block_since >= self.block_timeout:
-                self.mark_closing(c, R_FLOOD,
-                                  f"kept the bus blocked for {self.block_timeout:g}s")
-        return 0
-
-    cdef int update_interest(self, Conn *c) except -1:
-        cdef int mask = 0
-        if not c.paused:
-            mask |= EV_READ
-        if c.q.live:
-            mask |= EV_WRITE
-        return self.poller.set(c.fd, mask)
 
     # ---- closing -----------------------------------------------------------
 
@@ -1510,121 +766,3 @@ cdef class Broker:
         c.pend_head = e
         c.pend_tail = tail if e >= 0 else -1
         return 0
-
-    cdef int finalize_closing(self) except -1:
-        cdef uint32_t i, j
-        cdef Conn *c
-        for i in range(self.nclosing):
-            c = self.closing[i]
-            self.poller.set(c.fd, 0)
-            close(c.fd)
-            if c == self.link:
-                # Nothing forwards for the prefix any more: whoami answers
-                # the local form again until a link says who it is.
-                self.link = NULL
-                self.upstream_cred = None
-            elif self.link != NULL:
-                for j in range(c.nsubs):
-                    self.link_note(b"CMSG link/unsub\0" + c.subs[j].pattern[:c.subs[j].len])
-                self.link_note(b"CMSG link/gone\0%d/%d/%d" % (c.gid, c.uid, c.pid))
-            for j in range(c.nsubs):
-                self.drop_sub(c, c.subs[j])
-            free(c.subs)
-            c.acct.queued_bytes -= c.q.bytes
-            self.count_drops_disconnect(c, sq_clear(&c.q))
-            c.acct.conns -= 1
-            account_drop_if_idle(&self.accounts, c.acct)
-            if c.paused:
-                for j in range(self.npaused):
-                    if self.paused[j] == c:
-                        self.npaused -= 1
-                        self.paused[j] = self.paused[self.npaused]
-                        break
-            self.conns[c.fd] = NULL
-            self.nconns -= 1
-            self.disconnects += 1
-            record = report.disconnect(c, self.close_details.pop(c.id, None), self.now)
-            if c.blocking:
-                self.stop_blocking(c)
-            free(c)
-            self.emit(CLIENT_DISCONNECT, record)
-        self.nclosing = 0
-        self.fd_exhausted_logged = False
-        if self.spare_fd < 0:
-            # fd_exhausted could not get its spare back while the table was
-            # full; descriptors were just freed, so take it again now.
-            self.spare_fd = c_open(b"/dev/null", O_RDONLY | O_CLOEXEC)
-        if self.accept_paused:
-            self.accept_paused = False
-            self.poller.set(self.listen_fd, EV_READ)
-        if self.auto_close and self.had_client and self.nconns == 0:
-            self.stop("auto_close")
-        return 0
-
-    cdef void count_drops_disconnect(self, Conn *c, uint64_t n) noexcept:
-        c.counts.drops_disconnect += n
-        self.tot.drops_disconnect += n
-
-    # ---- reporting ---------------------------------------------------------
-
-    cdef int emit(self, str name, dict fields) except -1:
-        if self.on_event is not None:
-            try:
-                self.on_event(name, fields)
-            except BaseException as err:
-                self.keep_callback_error(err)
-        return 0
-
-    cdef int keep_callback_error(self, object err) except -1:
-        """Keep the first exception of the turn; run() raises it after the
-        turn, so no batch is left half processed."""
-        if self.callback_error is None:
-            self.callback_error = err
-        return 0
-
-    def totals(self):
-        """Broker-wide counters (cumulative since start)."""
-        return report.totals(self.conns, self.conns_cap, self.nconns, self.connects,
-                             self.disconnects, &self.tot, self.index.nsubs, &self.budgets)
-
-    def stats(self):
-        """A snapshot: totals, and counters and modes per connected client."""
-        return {"uptime_s": round(monotonic() - self.started, 3), "backend": self.poller.name,
-                "totals": self.totals(), "clients": report.entries(self.conns, self.conns_cap),
-                "users": self.users(),
-                **({"upstream": self.upstream_state} if self.upstream_state is not None else {})}
-
-    def users(self):
-        """Each connected uid's usage against its budgets."""
-        return report.users(&self.accounts)
-
-    def take_changed_clients(self):
-        """Entries, as in stats(), for the clients that connected or changed
-        since the last call (see report.take_changed_entries)."""
-        return report.take_changed_entries(self.conns, self.conns_cap)
-
-    def take_stats_delta(self):
-        """Totals, plus the change of each traffic counter since the last call."""
-        totals = self.totals()
-        last = self.last_totals or {}
-        delta = {k: totals[k] - last.get(k, 0) for k in DELTA_FIELDS}
-        self.last_totals = totals
-        return totals, delta
-
-    def take_flood_report(self):
-        """A flood record per client whose drops or blocks grew since the last
-        call (see report.take_flood_records)."""
-        return report.take_flood_records(self.conns, self.conns_cap)
-
-    @property
-    def backend(self):
-        return self.poller.name
-
-    @property
-    def backend_fallback(self):
-        """Why the backend asked for is not the one running, or None."""
-        return self.poller.fallback
-
-    @property
-    def client_count(self):
-        return self.nconns

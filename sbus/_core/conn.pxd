@@ -1,6 +1,9 @@
 # One connection as the broker keeps it: its record, its counters, and the
-# enums that describe its state. Declarations only; the broker owns the
-# records (one calloc'd Conn per accepted socket, freed at teardown).
+# enums that describe its state. Declarations only; peers.pyx owns the
+# records (one calloc'd Conn per accepted socket, freed at teardown). Each
+# room writes its own fields: subs the subscriptions (subs, nsubs, sub_bytes),
+# flood the bus (blocking, block_since, paused), control the modes and link;
+# the message path (broker.pyx) the pending chain, queue and counters.
 from libc.stdint cimport uint8_t, int32_t, uint32_t, uint64_t, int64_t
 
 from sbus._core.budget cimport Account
@@ -70,7 +73,7 @@ cdef struct Conn:
     uint8_t echo
     uint8_t closing         # marked; torn down at the end of the loop turn
     uint8_t paused          # not read while the bus is blocked
-    uint8_t blocking        # counted in Broker.nblocking
+    uint8_t blocking        # counted in Flood.nblocking
     uint8_t write_dead      # peer gone: deliveries are dropped, input read to EOF
     uint8_t link            # the upstream link (sbusd --upstream): sees private keys too
     uint8_t recv_want       # packets its next read asks for (broker.read_want); 0: RECV_BATCH

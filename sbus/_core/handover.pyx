@@ -13,6 +13,10 @@ multiplicity) and its send queue as indexes into the packets, so a packet
 queued for many recipients is shared again after the restore. What can be
 recomputed is: the index, the per-uid accounts and the subscription bytes,
 which are checked against the figures the old process wrote.
+
+The broker's state is reached through its rooms' functions (peers, subs,
+flood, control) and Hub's hand-over methods (carry, restore_carried), so
+what the broker keeps consistent stays consistent.
 """
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport malloc, realloc, free
@@ -20,12 +24,16 @@ from libc.string cimport memcmp, memcpy
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 
 from sbus._core.broker cimport Broker
-from sbus._core.budget cimport UNLIMITED, account_get, pattern_cost
 from sbus._core.conn cimport Conn, Counters
+from sbus._core.control cimport modes_valid
+from sbus._core.flood cimport restore_blocking
 from sbus._core.growbuf cimport Buf, buf_append, buf_reserve
+from sbus._core.hub cimport Carried
 from sbus._core.includes.sys cimport ucred
-from sbus._core.index cimport Sub, index_add, index_remove
-from sbus._core.sendq cimport Packet, PacketStats, get_packet_stats, packet_new, sq_push
+from sbus._core.index cimport Sub
+from sbus._core.peers cimport conn_open, restore_counts, restore_queued
+from sbus._core.sendq cimport Packet, PacketStats, get_packet_stats, packet_new, sq_at
+from sbus._core.subs cimport prebuild_sub, discard_sub, restore_sub, restore_refused
 
 import json
 import zlib
@@ -81,10 +89,6 @@ cdef int put_blob(Buf *o, bytes data) except -1:
     return buf_append(o, PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
 
 
-cdef inline uint32_t ring_at(Conn *c, uint32_t i) noexcept:
-    return (c.q.head + i) & (c.q.cap - 1)
-
-
 def export_state(Broker b):
     """(blob, fds) of a quiesced broker (see quiesce): fds[0] is the
     listening socket, the others its connections in the blob's order. The
@@ -97,17 +101,19 @@ def export_state(Broker b):
     cdef size_t at
     cdef dict packet_ids = {}
     cdef list packets = []
-    cdef list fds = [b.listen_fd]
+    cdef list fds = [b.peers.listen_fd]
     cdef PacketStats *ps = get_packet_stats()
-    if b.nslots or b.npend or b.nclosing:
+    cdef Carried car
+    if not b.at_safe_point():
         raise HandoverError("the broker is not at a safe point (call quiesce first)")
+    last_totals = b.carry(&car)
     # Every distinct queued packet, numbered in the order first met.
-    for fd in range(b.conns_cap):
-        c = b.conns[fd]
+    for fd in range(b.peers.cap):
+        c = b.peers.conns[fd]
         if c == NULL:
             continue
         for i in range(c.q.count):
-            p = c.q.slots[ring_at(c, i)]
+            p = sq_at(&c.q, i)
             if p != NULL and <size_t>p not in packet_ids:
                 packet_ids[<size_t>p] = len(packets)
                 packets.append(<size_t>p)
@@ -116,19 +122,19 @@ def export_state(Broker b):
     try:
         buf_reserve(&o, HEADER_BYTES)
         o.len = HEADER_BYTES
-        put_counters(&o, &b.tot)
-        for v in (b.connects, b.disconnects, b.trimmed_at, b.cmsgs_ignored, b.next_id, b.seq,
-                  b.budgets.sub_bytes, b.budgets.conns_refused, b.budgets.subs_refused,
+        put_counters(&o, &car.tot)
+        for v in (b.peers.connects, b.peers.disconnects, car.trimmed_at, b.ctl.ignored,
+                  b.peers.next_id, car.seq, b.subs.bytes, b.peers.refused, b.subs.refused,
                   ps.bytes_peak):
             put_u64(&o, v)
-        put_f64(&o, b.started)
-        put_u8(&o, b.had_client)
-        if b.upstream_cred is None:
+        put_f64(&o, car.started)
+        put_u8(&o, b.peers.had_client)
+        if b.ctl.upstream_cred is None:
             put_u32(&o, NO_CRED)
         else:
-            put_blob(&o, b.upstream_cred)
-        put_blob(&o, json.dumps({"last_totals": b.last_totals,
-                                 "upstream_state": b.upstream_state}).encode())
+            put_blob(&o, b.ctl.upstream_cred)
+        put_blob(&o, json.dumps({"last_totals": last_totals,
+                                 "upstream_state": b.ctl.upstream_state}).encode())
         put_u32(&o, <uint32_t>len(packets))
         for addr in packets:
             p = <Packet *><size_t>addr
@@ -138,8 +144,8 @@ def export_state(Broker b):
             buf_append(&o, p.data, p.len)
         at = o.len
         put_u32(&o, 0)      # the connection count, written once known
-        for fd in range(b.conns_cap):
-            c = b.conns[fd]
+        for fd in range(b.peers.cap):
+            c = b.peers.conns[fd]
             if c == NULL:
                 continue
             nconns += 1
@@ -175,7 +181,7 @@ def export_state(Broker b):
             put_u64(&o, c.q.bytes)
             put_u32(&o, c.q.live)
             for i in range(c.q.count):
-                p = c.q.slots[ring_at(c, i)]
+                p = sq_at(&c.q, i)
                 if p != NULL:
                     put_u32(&o, packet_ids[<size_t>p])
         memcpy(o.p + at, &nconns, 4)
@@ -206,8 +212,8 @@ def export_subscriptions(Broker b):
     try:
         buf_reserve(&o, HEADER_BYTES + 4)
         o.len = HEADER_BYTES + 4
-        for fd in range(b.conns_cap):
-            c = b.conns[fd]
+        for fd in range(b.peers.cap):
+            c = b.peers.conns[fd]
             if c == NULL:
                 continue
             nconns += 1
@@ -238,7 +244,7 @@ cdef class Prebuilt:
         cdef uint32_t i
         for i in range(self.n):
             if self.subs[i] != NULL:
-                index_remove(&b.index, self.subs[i])
+                discard_sub(&b.subs, self.subs[i])
                 self.subs[i] = NULL
         return 0
 
@@ -252,7 +258,6 @@ def prebuild(Broker b, bytes blob):
     cdef size_t cap = 0
     cdef uint64_t conn_id
     cdef const char *pat
-    cdef Sub *sub
     cdef Sub **grown
     check_header(blob, SUBS_MAGIC)
     pre.spans = {}
@@ -275,10 +280,7 @@ def prebuild(Broker b, bytes blob):
             for _sub in range(n):
                 k = get_u32(&r)
                 pat = get_span(&r, k)
-                sub = index_add(&b.index, NULL, pat, k)
-                if sub == NULL:
-                    raise MemoryError()
-                pre.subs[total] = sub
+                pre.subs[total] = prebuild_sub(&b.subs, pat, k)
                 total += 1
                 pre.n = total
     except BaseException:
@@ -393,46 +395,45 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
     cdef uint32_t first
     cdef bint same
     cdef ucred cred
+    cdef Carried car
     cdef uint64_t sub_bytes, q_bytes
-    cdef uint64_t connects, disconnects, next_id, peak
+    cdef uint64_t connects, disconnects, ignored, next_id, peak, conns_refused, subs_refused
     cdef uint64_t budget_sub_bytes
     cdef int64_t pid, uid, gid
     cdef uint64_t conn_id, seq
-    cdef uint8_t reply, paused
-    cdef size_t cost
-    cdef bint exempt
+    cdef uint8_t reply, paused, soft, hard, order, echo, link, blocking, write_dead
+    cdef double connected_at, block_since
+    cdef bint had_client
     cdef PacketStats *ps = get_packet_stats()
     check_header(blob)
-    if not fds or fds[0] != b.listen_fd:
+    if not fds or fds[0] != b.peers.listen_fd:
         raise HandoverError("the first descriptor is not the broker's listening socket")
-    if b.nconns:
+    if b.peers.n:
         raise HandoverError("the broker has connections of its own already")
     r.p = PyBytes_AS_STRING(blob) + HEADER_BYTES
     r.end = PyBytes_AS_STRING(blob) + PyBytes_GET_SIZE(blob)
-    get_counters(&r, &b.tot)
+    get_counters(&r, &car.tot)
     connects = get_u64(&r)
     disconnects = get_u64(&r)
-    b.trimmed_at = get_u64(&r)
-    b.cmsgs_ignored = get_u64(&r)
+    car.trimmed_at = get_u64(&r)
+    ignored = get_u64(&r)
     next_id = get_u64(&r)
-    b.seq = get_u64(&r)
+    car.seq = get_u64(&r)
     budget_sub_bytes = get_u64(&r)
-    b.budgets.conns_refused = get_u64(&r)
-    b.budgets.subs_refused = get_u64(&r)
+    conns_refused = get_u64(&r)
+    subs_refused = get_u64(&r)
     peak = get_u64(&r)
-    b.started = get_f64(&r)
-    b.had_client = get_u8(&r)
+    car.started = get_f64(&r)
+    had_client = get_u8(&r)
     n = get_u32(&r)
-    if n == NO_CRED:
-        b.upstream_cred = None
-    else:
-        b.upstream_cred = get_span(&r, n)[:n]
+    upstream_cred = None if n == NO_CRED else get_span(&r, n)[:n]
     try:
         extra = json.loads(get_blob(&r))
-        b.last_totals = extra["last_totals"]
-        b.upstream_state = extra["upstream_state"]
+        b.restore_carried(&car, extra["last_totals"])
+        b.ctl.restore(upstream_cred, extra["upstream_state"], ignored)
     except (ValueError, KeyError, TypeError):
         raise HandoverError("the state's broker record is corrupt") from None
+    restore_refused(&b.subs, subs_refused)
     npackets = get_u32(&r)
     used = set()
     try:
@@ -457,33 +458,41 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
                 raise HandoverError(f"connection {i}: bad descriptor index {fd_index}")
             used.add(fd_index)
             fd = fds[fd_index]
-            if fd >= b.poller.fd_limit():
-                raise HandoverError(f"descriptor {fd} is beyond what the {b.poller.name} "
+            if fd >= b.peers.fd_limit:
+                raise HandoverError(f"descriptor {fd} is beyond what the {b.backend} "
                                     f"backend can watch")
             conn_id = get_u64(&r)
             pid = get_i64(&r)
             uid = get_i64(&r)
             gid = get_i64(&r)
+            soft = get_u8(&r)
+            hard = get_u8(&r)
+            order = get_u8(&r)
+            echo = get_u8(&r)
+            link = get_u8(&r)
+            paused = get_u8(&r)
+            blocking = get_u8(&r)
+            write_dead = get_u8(&r)
+            if not modes_valid(soft, hard, order):
+                raise HandoverError(f"connection {conn_id}: bad modes")
+            connected_at = get_f64(&r)
+            block_since = get_f64(&r)
             cred.pid = <int>pid
             cred.uid = <unsigned int>uid
             cred.gid = <unsigned int>gid
-            c = b.add_conn(fd, &cred)
+            # Charged to its uid's account by the rule admission and
+            # attach_link use (peers.account_for).
+            c = conn_open(&b.peers, fd, &cred, link, b.now)
             c.id = conn_id
             c.pid = pid
             c.uid = uid
             c.gid = gid
-            c.soft = get_u8(&r)
-            c.hard = get_u8(&r)
-            c.order = get_u8(&r)
-            c.echo = get_u8(&r)
-            c.link = get_u8(&r)
-            paused = get_u8(&r)
-            c.blocking = get_u8(&r)
-            c.write_dead = get_u8(&r)
-            if c.soft > 3 or c.hard > 3 or c.hard == 0 or c.order > 2:
-                raise HandoverError(f"connection {conn_id}: bad modes")
-            c.connected_at = get_f64(&r)
-            c.block_since = get_f64(&r)
+            c.soft = soft
+            c.hard = hard
+            c.order = order
+            c.echo = echo
+            c.write_dead = write_dead
+            c.connected_at = connected_at
             get_counters(&r, &c.counts)
             get_counters(&r, &c.reported)
             get_counters(&r, &c.listed.counts)
@@ -492,27 +501,10 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
             c.listed.nsubs = get_u32(&r)
             c.listed.modes = get_u8(&r)
             c.listed.ever = get_u8(&r)
-            # sbusd's own uid and the link are exempt from the per-uid budgets,
-            # as admit and attach_link decide.
-            exempt = c.link or c.uid == b.own_uid
-            c.acct = account_get(&b.accounts, c.uid,
-                                 UNLIMITED if exempt else b.user_max_connections,
-                                 UNLIMITED if exempt else b.user_sub_max_bytes,
-                                 UNLIMITED if exempt else b.user_queue_max_bytes)
-            if c.acct == NULL:
-                raise MemoryError()
-            c.acct.conns += 1
-            if c.link:
-                if b.link != NULL:
-                    raise HandoverError("two upstream links")
-                b.link = c
+            if link and not b.ctl.restore_link(c):
+                raise HandoverError("two upstream links")
             sub_bytes = get_u64(&r)
             n = get_u32(&r)
-            if n:
-                c.subs = <Sub **>malloc(n * sizeof(Sub *))
-                if c.subs == NULL:
-                    raise MemoryError()
-                c.subs_cap = n
             # Prebuilt for this connection and still the same: take them over.
             span = pre.spans.get(conn_id) if pre is not None else None
             same = span is not None and span[1] == n
@@ -530,21 +522,11 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
             for j in range(n):
                 k = get_u32(&r)
                 pat = get_span(&r, k)
+                sub = NULL
                 if same:
                     sub = pre.subs[first + j]
                     pre.subs[first + j] = NULL
-                    sub.owner = c
-                else:
-                    sub = index_add(&b.index, c, pat, k)
-                    if sub == NULL:
-                        raise MemoryError()
-                sub.owner_pos = j
-                c.subs[j] = sub
-                c.nsubs = j + 1
-                cost = pattern_cost(pat, k)
-                c.sub_bytes += cost
-                c.acct.sub_bytes += cost
-                b.budgets.sub_bytes += cost
+                restore_sub(&b.subs, c, pat, k, sub)
             if c.sub_bytes != sub_bytes:
                 raise HandoverError(f"connection {conn_id}: its subscriptions cost "
                                     f"{c.sub_bytes} bytes, the state says {sub_bytes}")
@@ -554,14 +536,12 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
                 k = get_u32(&r)
                 if k >= npackets:
                     raise HandoverError(f"connection {conn_id}: bad packet index {k}")
-                if sq_push(&c.q, pkts[k]) < 0:
-                    raise MemoryError()
+                restore_queued(c, pkts[k])
             if c.q.bytes != q_bytes:
                 raise HandoverError(f"connection {conn_id}: its queue holds {c.q.bytes} "
                                     f"bytes, the state says {q_bytes}")
-            c.acct.queued_bytes += c.q.bytes
-            if c.blocking:
-                b.nblocking += 1
+            if blocking:
+                restore_blocking(&b.flood, c, block_since)
             if paused:
                 b.pause(c)      # sets its interest: not read until the bus is free
             else:
@@ -570,17 +550,15 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
             raise HandoverError(f"{r.end - r.p} bytes after the last connection")
         if pre is not None:
             pre.discard(b)      # what is no connection's any more
-        if b.budgets.sub_bytes != budget_sub_bytes:
-            raise HandoverError(f"the subscriptions cost {b.budgets.sub_bytes} bytes, "
+        if b.subs.bytes != budget_sub_bytes:
+            raise HandoverError(f"the subscriptions cost {b.subs.bytes} bytes, "
                                 f"the state says {budget_sub_bytes}")
         for i in range(npackets):
             if pkts[i].refs == 0:
                 raise HandoverError(f"packet {i} is in no queue")
     finally:
         free(pkts)
-    b.connects = connects
-    b.disconnects = disconnects
-    b.next_id = next_id
+    restore_counts(&b.peers, connects, disconnects, next_id, conns_refused, had_client)
     if peak > ps.bytes_peak:
         ps.bytes_peak = peak
     return None
@@ -590,15 +568,10 @@ def quiesce(Broker b):
     """Bring a broker whose run() has returned to the hand-over's safe
     point: every delivery of the last turn written or queued, every
     connection marked closing torn down, nothing pending. Nothing is read."""
-    while b.ntouched or b.nslots or b.npend or b.nclosing:
-        b.flush_pending()
-        if b.nclosing:
-            b.finalize_closing()
-    b.raise_callback_error()
+    b.quiesce()
 
 
 def resume(Broker b):
     """Let run() serve again after it stopped between two turns: for a
     signal to act on, or a hand-over that failed."""
-    b.running = True
-    b.stop_reason = None
+    b.resume()

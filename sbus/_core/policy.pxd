@@ -1,6 +1,6 @@
 # Flood control as pure decisions: what to do with a delivery that cannot be
 # written now, and whether a connection still holds the bus. No state is
-# changed here; the broker acts on the answer (Broker.enqueue, maybe_unblock).
+# changed here; flood.pxd acts on the answer (on_full, release).
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
 from sbus._core.conn cimport MODE_DISCARD, MODE_BLOCK, MODE_ERROR

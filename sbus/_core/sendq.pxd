@@ -48,3 +48,6 @@ cdef uint32_t sq_select(SendQueue *q, int order, uint32_t *positions,
                         Packet **out, uint32_t max_n) noexcept nogil
 cdef void sq_consume(SendQueue *q, uint32_t *positions, uint32_t n) noexcept nogil
 cdef uint32_t sq_clear(SendQueue *q) noexcept nogil
+# The packet pos slots from the oldest (pos < count), or NULL for a hole:
+# a walk over the queue in ring order that does not know the ring.
+cdef Packet *sq_at(const SendQueue *q, uint32_t pos) noexcept nogil

@@ -50,6 +50,10 @@ cdef inline uint32_t ring(SendQueue *q, uint32_t pos) noexcept nogil:
     return (q.head + pos) & (q.cap - 1)
 
 
+cdef Packet *sq_at(const SendQueue *q, uint32_t pos) noexcept nogil:
+    return q.slots[(q.head + pos) & (q.cap - 1)]
+
+
 cdef int compact_or_grow(SendQueue *q) noexcept nogil:
     """Make room for one more slot: squeeze out holes, else double the ring."""
     cdef uint32_t new_cap, i, j = 0

@@ -1,0 +1,490 @@
+# cython: language_level=3
+"""The broker around its message path (see hub.pxd): the rooms' state, made
+from the configuration; acting on what the rooms decide (accept and admit,
+SUB and UNSUB, control messages and the link, holding the bus); tearing
+closed connections down at the end of the turn; the records and the Python
+surface. broker.pyx's Broker is a Hub with the message path and the loop.
+"""
+from libc.errno cimport errno
+from libc.stdint cimport uint32_t, uint64_t
+from libc.stdlib cimport realloc, free
+
+from sbus._core cimport report
+from sbus._core.conn cimport Conn, MODE_QUEUE, R_FLOOD, R_SHUTDOWN
+from sbus._core.control cimport (
+    Control, CTL_ANSWER, CTL_STATS, CTL_MODES, CTL_IGNORED, CTL_LOG, stats_reply)
+from sbus._core.flood cimport (
+    flood_init, flood_free, flood_reserve, stop_blocking, next_resumed, forget, timed_out,
+    timeout_detail)
+from sbus._core.flood cimport pause as flood_pause, release as flood_release
+from sbus._core.includes.sys cimport (
+    ucred, clock_gettime, timespec, CLOCK_MONOTONIC, malloc_trim)
+from sbus._core.loop cimport EV_READ, EV_WRITE
+from sbus._core.loop import make_poller
+from sbus._core.peers cimport (
+    peers_init, peers_free, accept_peer, fd_exhausted, after_closing, refusal, give_sndbuf,
+    conn_open, conn_close, conn_free, ACCEPT_AGAIN, ACCEPT_EXHAUSTED, ACCEPT_FAILED,
+    EXHAUSTED_LOG, EXHAUSTED_PAUSE)
+from sbus._core.report cimport Budgets
+from sbus._core.subs cimport subs_init, subs_free, drop_all
+from sbus._core.subs cimport subscribe as subs_subscribe, unsubscribe as subs_unsubscribe
+
+import os
+
+from sbus.logschema import (
+    ACCEPT_ERROR, ACCEPT_PAUSED, CLIENT_CONNECT, CLIENT_DISCONNECT, CMSG_IGNORED,
+    DELTA_FIELDS, FD_EXHAUSTED, SUBSCRIBE, UNSUBSCRIBE)
+from sbus._core.policy import MODE_NAMES
+
+
+cdef inline double monotonic() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef class Hub:
+    """The broker's state and slow paths; see Broker (broker.pyx)."""
+
+    def __cinit__(self, *args, **kwargs):
+        self.wakeup_fd = -1
+        self.rng = 0x9E3779B97F4A7C15 ^ <uint64_t>(<size_t><void *>self)
+
+    def __init__(self, int listen_fd, config, *, allowed_uids=(), int access_mode=-1,
+                 int wakeup_fd=-1, on_event=None, on_message=None, on_tick=None,
+                 double tick_interval=0.0):
+        if MODE_NAMES.index(config.hard) == MODE_QUEUE:
+            raise ValueError("the hard mode is discard, block or error")
+        self.poller = make_poller(config.backend)
+        peers_init(&self.peers, listen_fd, self.poller.fd_limit(), config, allowed_uids,
+                   access_mode)
+        subs_init(&self.subs, config)
+        flood_init(&self.flood, config)
+        self.ctl = Control(self.peers.own_uid)
+        self.wakeup_fd = wakeup_fd
+        self.max_message = config.max_message
+        self.auto_close = config.auto_close
+        self.log_messages = config.log_messages
+        self.on_event = on_event
+        self.on_message = on_message
+        self.on_tick = on_tick
+        self.tick_interval = tick_interval
+        self.close_details = {}
+        self.last_totals = None
+        self.grow_lists(64)
+        self.poller.set(listen_fd, EV_READ)
+        if wakeup_fd >= 0:
+            self.poller.set(wakeup_fd, EV_READ)
+        self.started = self.now = monotonic()
+        self.running = True
+
+    def __dealloc__(self):
+        peers_free(&self.peers)
+        subs_free(&self.subs)
+        flood_free(&self.flood)
+        free(self.recips)
+        free(self.touched)
+        free(self.blockers)
+        free(self.closing)
+
+    # ---- the message path's: Broker defines them ---------------------------
+
+    cdef int flush_pending(self) except -1:
+        raise NotImplementedError
+
+    cdef int flush_deliveries(self) except -1:
+        raise NotImplementedError
+
+    cdef int reply(self, Conn *c, bytes packet) except -1:
+        raise NotImplementedError
+
+    cdef int mark_closing(self, Conn *c, int reason, detail) except -1:
+        raise NotImplementedError
+
+    cdef int release_buffers(self) except -1:
+        raise NotImplementedError
+
+    cdef bint at_safe_point(self) noexcept:
+        return False
+
+    # ---- the loop's slow side ----------------------------------------------
+
+    def stop(self, reason="stopped"):
+        """Make run() return after the current loop turn."""
+        self.running = False
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    def close(self):
+        """Disconnect every client (reason 'shutdown'), logging each."""
+        cdef int fd
+        self.flush_pending()
+        for fd in range(self.peers.cap):
+            if self.peers.conns[fd] != NULL:
+                self.mark_closing(self.peers.conns[fd], R_SHUTDOWN, None)
+        self.finalize_closing()
+        self.raise_callback_error()
+
+    cdef int poll_timeout(self) noexcept:
+        cdef int timeout = -1
+        cdef double wait
+        if self.tick_interval > 0:
+            wait = self.next_tick - monotonic()
+            timeout = 0 if wait <= 0 else <int>(wait * 1000) + 1
+        if self.flood.nblocking and (timeout < 0 or timeout > 100):
+            timeout = 100       # re-check block timeouts
+        return timeout
+
+    cdef int housekeeping(self) except -1:
+        if not (self.tick_interval > 0 and self.now >= self.next_tick):
+            return 0
+        self.next_tick = self.now + self.tick_interval
+        if self.peers.disconnects != self.trimmed_at:
+            # Clients left: hand the memory they used back to the system,
+            # so RSS follows the load down after a churn.
+            self.trimmed_at = self.peers.disconnects
+            malloc_trim(0)
+        self.release_buffers()
+        if self.on_tick is not None:
+            try:
+                self.on_tick()
+            except BaseException as err:
+                self.keep_callback_error(err)
+        return 0
+
+    cdef int raise_callback_error(self) except -1:
+        err = self.callback_error
+        if err is not None:
+            self.callback_error = None
+            raise err
+        return 0
+
+    # ---- accepting (the decisions: peers.pxd) ------------------------------
+
+    cdef int accept_clients(self) except -1:
+        cdef int fd, _attempt, decided, err
+        cdef ucred cred
+        for _attempt in range(ACCEPT_BATCH):
+            fd = accept_peer(&self.peers, &cred)
+            if fd >= 0:
+                self.admit(fd, &cred)
+            elif fd == ACCEPT_AGAIN:
+                return 0
+            elif fd == ACCEPT_EXHAUSTED:
+                err = errno     # before fd_exhausted's own calls
+                decided = fd_exhausted(&self.peers)
+                if decided & EXHAUSTED_LOG:
+                    self.emit(FD_EXHAUSTED, {"errno": err, "connected": self.peers.n})
+                if decided & EXHAUSTED_PAUSE:
+                    self.poller.set(self.peers.listen_fd, 0)
+                    self.emit(ACCEPT_PAUSED, {"connected": self.peers.n})
+                return 0
+            elif fd == ACCEPT_FAILED:
+                self.emit(ACCEPT_ERROR, {"errno": errno})
+                return 0
+        return 0
+
+    cdef int admit(self, int fd, ucred *cred) except -1:
+        """Take fd on as a connection, or close it with a disconnect record."""
+        cdef Conn *c
+        record = refusal(&self.peers, fd, cred, self.poller.name)
+        if record is not None:
+            return self.emit(CLIENT_DISCONNECT, record)
+        give_sndbuf(&self.peers, fd)
+        self.grow_lists(self.peers.n + 1)
+        c = conn_open(&self.peers, fd, cred, False, self.now)
+        if self.flood.nblocking:
+            self.pause(c)
+        else:
+            self.update_interest(c)
+        self.emit(CLIENT_CONNECT, report.ident(c))
+        if self.ctl.link != NULL:
+            self.link_note(b"CMSG link/conn\0%d/%d/%d" % (c.gid, c.uid, c.pid))
+        return 0
+
+    cdef int grow_lists(self, uint32_t need) except -1:
+        """Scratch lists hold at most one entry per connection; size them so
+        the hot path never has to check."""
+        cdef uint32_t cap = self.list_cap
+        if need <= cap:
+            return 0
+        while cap < need:
+            cap = cap * 2 if cap else 64
+        self.recips = <Conn **>realloc(self.recips, cap * sizeof(Conn *))
+        self.touched = <Conn **>realloc(self.touched, cap * sizeof(Conn *))
+        self.blockers = <Conn **>realloc(self.blockers, cap * sizeof(Conn *))
+        self.closing = <Conn **>realloc(self.closing, cap * sizeof(Conn *))
+        if (self.recips == NULL or self.touched == NULL or self.blockers == NULL or
+                self.closing == NULL):
+            raise MemoryError()
+        flood_reserve(&self.flood, cap)
+        self.list_cap = cap
+        return 0
+
+    # ---- subscriptions (the decisions: subs.pxd) ----------------------------
+
+    cdef int subscribe(self, Conn *c, const char *pat, size_t n) except -1:
+        record, reason, detail, stored = subs_subscribe(
+            &self.subs, c, pat, n, self.ctl.nested_prefix(pat, n))
+        if record is not None:
+            self.emit(SUBSCRIBE, record)
+        if reason:
+            return self.mark_closing(c, reason, detail)
+        if self.ctl.link != NULL and c != self.ctl.link:
+            self.link_note(b"CMSG link/sub\0" + stored)
+        return 0
+
+    cdef int unsubscribe(self, Conn *c, const char *pat, size_t n) except -1:
+        record, reason, detail, stored = subs_unsubscribe(
+            &self.subs, c, pat, n, self.ctl.nested_prefix(pat, n))
+        if reason:
+            return self.mark_closing(c, reason, detail)
+        self.emit(UNSUBSCRIBE, record)
+        if stored is not None and self.ctl.link != NULL and c != self.ctl.link:
+            self.link_note(b"CMSG link/unsub\0" + stored)
+        return 0
+
+    # ---- control messages and the upstream link (control.pxd) --------------
+
+    def attach_link(self, int fd):
+        """Take fd (one end of a socketpair) on as the upstream link: it
+        receives every publish its patterns match, private keys included,
+        never its own publishes back, and a control message for every
+        connection, disconnection, subscription and unsubscription of the
+        others (link/conn, link/gone, link/sub, link/unsub), starting with
+        those that exist now. It waits for no one: soft queue, hard block."""
+        cdef ucred cred
+        cdef Conn *c
+        cdef Conn *other
+        cdef int k
+        cdef uint32_t j
+        if self.ctl.link != NULL:
+            raise ValueError("the broker has an upstream link already")
+        cred.pid = os.getpid()
+        cred.uid = self.peers.own_uid
+        cred.gid = self.peers.own_gid
+        give_sndbuf(&self.peers, fd)
+        self.grow_lists(self.peers.n + 1)
+        c = conn_open(&self.peers, fd, &cred, True, self.now)
+        self.ctl.attach(c)
+        self.update_interest(c)
+        self.emit(CLIENT_CONNECT, report.ident(c))
+        for k in range(self.peers.cap):
+            other = self.peers.conns[k]
+            if other == NULL or other == c or other.closing:
+                continue
+            self.link_note(b"CMSG link/conn\0%d/%d/%d" % (other.gid, other.uid, other.pid))
+            for j in range(other.nsubs):
+                self.link_note(b"CMSG link/sub\0" +
+                               other.subs[j].pattern[:other.subs[j].len])
+        self.flush_pending()
+        return None
+
+    cdef int link_note(self, bytes packet) except -1:
+        if self.ctl.notes and not self.ctl.link.closing:
+            self.reply(self.ctl.link, packet)
+        return 0
+
+    cdef int act(self, Conn *c, int action) except -1:
+        if action == CTL_ANSWER:
+            return self.reply(c, self.ctl.answer)
+        if action == CTL_MODES:
+            return self.release(c) if c.blocking else 0
+        if action == CTL_STATS:
+            # Count the deliveries so far first; the batch being read still
+            # points into its receive slots, so they stay.
+            self.flush_deliveries()
+            return self.reply(c, stats_reply(self.stats(), self.max_message))
+        if action == CTL_IGNORED:
+            return self.emit(CMSG_IGNORED, self.ctl.answer)
+        if action == CTL_LOG:
+            event, fields = self.ctl.answer
+            return self.emit(event, fields)
+        return 0
+
+    # ---- blocking the bus (flood.pxd) ---------------------------------------
+
+    cdef int release(self, Conn *c) except -1:
+        if flood_release(&self.flood, c):
+            self.resume_all()
+        return 0
+
+    cdef int pause(self, Conn *c) except -1:
+        if flood_pause(&self.flood, c):
+            self.update_interest(c)
+        return 0
+
+    cdef int resume_all(self) except -1:
+        cdef Conn *c = next_resumed(&self.flood)
+        while c != NULL:
+            if not c.closing:
+                self.update_interest(c)
+            c = next_resumed(&self.flood)
+        return 0
+
+    cdef int check_block_timeouts(self) except -1:
+        cdef int fd
+        cdef Conn *c
+        for fd in range(self.peers.cap):
+            c = self.peers.conns[fd]
+            if c != NULL and timed_out(&self.flood, c, self.now):
+                self.mark_closing(c, R_FLOOD, timeout_detail(&self.flood))
+        return 0
+
+    cdef int update_interest(self, Conn *c) except -1:
+        cdef int mask = 0
+        if not c.paused:
+            mask |= EV_READ
+        if c.q.live:
+            mask |= EV_WRITE
+        return self.poller.set(c.fd, mask)
+
+    # ---- closing -------------------------------------------------------------
+
+    cdef int finalize_closing(self) except -1:
+        cdef uint32_t i, j
+        cdef Conn *c
+        for i in range(self.nclosing):
+            c = self.closing[i]
+            self.poller.set(c.fd, 0)
+            if not self.ctl.detach(c) and self.ctl.link != NULL:
+                for j in range(c.nsubs):
+                    self.link_note(b"CMSG link/unsub\0" + c.subs[j].pattern[:c.subs[j].len])
+                self.link_note(b"CMSG link/gone\0%d/%d/%d" % (c.gid, c.uid, c.pid))
+            drop_all(&self.subs, c)
+            self.count_drops_disconnect(c, conn_close(&self.peers, c))
+            if c.paused:
+                forget(&self.flood, c)
+            record = report.disconnect(c, self.close_details.pop(c.id, None), self.now)
+            if c.blocking and stop_blocking(&self.flood, c):
+                self.resume_all()
+            conn_free(c)
+            self.emit(CLIENT_DISCONNECT, record)
+        self.nclosing = 0
+        if after_closing(&self.peers):
+            self.poller.set(self.peers.listen_fd, EV_READ)
+        if self.auto_close and self.peers.had_client and self.peers.n == 0:
+            self.stop("auto_close")
+        return 0
+
+    cdef void count_drops_disconnect(self, Conn *c, uint64_t n) noexcept:
+        c.counts.drops_disconnect += n
+        self.tot.drops_disconnect += n
+
+    # ---- reporting -----------------------------------------------------------
+
+    cdef int emit(self, str name, dict fields) except -1:
+        if self.on_event is not None:
+            try:
+                self.on_event(name, fields)
+            except BaseException as err:
+                self.keep_callback_error(err)
+        return 0
+
+    cdef int keep_callback_error(self, object err) except -1:
+        """Keep the first exception of the turn; run() raises it after the
+        turn, so no batch is left half processed."""
+        if self.callback_error is None:
+            self.callback_error = err
+        return 0
+
+    cdef int sample(self, Conn *c, const char *key, size_t klen, size_t n,
+                    uint32_t fanout) except -1:
+        """Hand one message in 1/log_messages to on_message (xorshift draw)."""
+        cdef double draw
+        self.rng ^= self.rng << 13
+        self.rng ^= self.rng >> 7
+        self.rng ^= self.rng << 17
+        draw = (self.rng >> 11) * (1.0 / 9007199254740992.0)
+        if draw < self.log_messages and self.on_message is not None:
+            try:
+                self.on_message(c.id, c.pid, c.uid, key[:klen], n, fanout)
+            except BaseException as err:
+                self.keep_callback_error(err)
+        return 0
+
+    def totals(self):
+        """Broker-wide counters (cumulative since start)."""
+        cdef Budgets budgets
+        budgets.sub_bytes = self.subs.bytes
+        budgets.conns_refused = self.peers.refused
+        budgets.subs_refused = self.subs.refused
+        return report.totals(self.peers.conns, self.peers.cap, self.peers.n,
+                             self.peers.connects, self.peers.disconnects, &self.tot,
+                             self.subs.index.nsubs, &budgets)
+
+    def stats(self):
+        """A snapshot: totals, and counters and modes per connected client."""
+        upstream = self.ctl.upstream_state
+        return {"uptime_s": round(monotonic() - self.started, 3), "backend": self.poller.name,
+                "totals": self.totals(),
+                "clients": report.entries(self.peers.conns, self.peers.cap),
+                "users": self.users(),
+                **({"upstream": upstream} if upstream is not None else {})}
+
+    def users(self):
+        """Each connected uid's usage against its budgets."""
+        return report.users(&self.peers.accounts)
+
+    def take_changed_clients(self):
+        """Entries, as in stats(), for the clients that connected or changed
+        since the last call (see report.take_changed_entries)."""
+        return report.take_changed_entries(self.peers.conns, self.peers.cap)
+
+    def take_stats_delta(self):
+        """Totals, plus the change of each traffic counter since the last call."""
+        totals = self.totals()
+        last = self.last_totals or {}
+        delta = {k: totals[k] - last.get(k, 0) for k in DELTA_FIELDS}
+        self.last_totals = totals
+        return totals, delta
+
+    def take_flood_report(self):
+        """A flood record per client whose drops or blocks grew since the last
+        call (see report.take_flood_records)."""
+        return report.take_flood_records(self.peers.conns, self.peers.cap)
+
+    @property
+    def backend(self):
+        return self.poller.name
+
+    @property
+    def backend_fallback(self):
+        """Why the backend asked for is not the one running, or None."""
+        return self.poller.fallback
+
+    @property
+    def client_count(self):
+        return self.peers.n
+
+    # ---- the live upgrade ------------------------------------------------------
+
+    cdef int quiesce(self) except -1:
+        """Bring a broker whose run() has returned to the hand-over's safe
+        point: every delivery of the last turn written or queued, every
+        connection marked closing torn down, nothing pending. Nothing is read."""
+        while not self.at_safe_point() or self.ntouched:
+            self.flush_pending()
+            if self.nclosing:
+                self.finalize_closing()
+        return self.raise_callback_error()
+
+    cdef int resume(self) except -1:
+        self.running = True
+        self.stop_reason = None
+        return 0
+
+    cdef dict carry(self, Carried *out):
+        out.tot = self.tot
+        out.seq = self.seq
+        out.trimmed_at = self.trimmed_at
+        out.started = self.started
+        return self.last_totals
+
+    cdef int restore_carried(self, const Carried *c, object last_totals) except -1:
+        self.tot = c.tot
+        self.seq = c.seq
+        self.trimmed_at = c.trimmed_at
+        self.started = c.started
+        self.last_totals = last_totals
+        return 0

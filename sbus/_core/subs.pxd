@@ -1,0 +1,41 @@
+# Subscriptions: the segment trie of every pattern, the one step that
+# normalises a pattern as a connection sent it into the form stored, and the
+# subscription budgets (per connection, per uid, broker-wide). The broker
+# embeds one Subs and reads its index on the message path (index_match);
+# everything that adds, removes or charges a pattern is here. SUB and UNSUB
+# return a decision: (record, reason, detail, stored), where record is the
+# log record or None, reason the connection's close Reason or 0, and stored
+# the pattern as stored or removed (for the link), or None.
+from libc.stdint cimport uint32_t, uint64_t
+
+from sbus._core.conn cimport Conn
+from sbus._core.index cimport Index, Sub
+
+
+cdef struct Subs:
+    Index index             # the segment trie of every subscription
+    char *scratch           # the pattern normalise stored last
+    size_t scratch_cap
+    uint32_t max_subscriptions
+    size_t max_pattern
+    uint64_t conn_max_bytes     # --sub-max-bytes
+    uint64_t total_max_bytes    # --total-sub-max-bytes (per uid: the Account's)
+    uint64_t bytes              # charged now, broker-wide
+    uint64_t refused            # SUBs refused over a budget since start
+
+
+cdef int subs_init(Subs *s, config) except -1
+cdef void subs_free(Subs *s) noexcept
+
+cdef tuple subscribe(Subs *s, Conn *c, const char *pat, size_t n, size_t nested)
+cdef tuple unsubscribe(Subs *s, Conn *c, const char *pat, size_t n, size_t nested)
+# Every pattern of a closing connection out of the index and uncharged;
+# c.nsubs stays for its disconnect record.
+cdef void drop_all(Subs *s, Conn *c) noexcept
+
+# The hand-over (handover.pyx): patterns as stored, checked by the old process.
+cdef Sub *prebuild_sub(Subs *s, const char *pat, size_t n) except NULL   # no owner yet
+cdef void discard_sub(Subs *s, Sub *sub) noexcept
+# c's next subscription: prebuilt (prebuild_sub's, same pattern) or NULL to index it now.
+cdef int restore_sub(Subs *s, Conn *c, const char *pat, size_t n, Sub *prebuilt) except -1
+cdef void restore_refused(Subs *s, uint64_t refused) noexcept
