@@ -672,6 +672,46 @@ def test_a_foreign_uid_cannot_subscribe_to_a_nested_key_on_a_leaf(tmp_path, spaw
         shutil.rmtree(d, ignore_errors=True)
 
 
+def test_after_a_live_upgrade_a_link_that_dies_is_restarted_and_handed_on(tmp_path):
+    """The new sbusd watches the link it adopted (no child of its own, no
+    exit status: a pidfd), restarts it, and hands the new one on at the next
+    upgrade."""
+    from support import SBUSD, alive, wait_gone
+    up = broker(tmp_path, "up")
+    address, pidfile = str(tmp_path / "leaf"), tmp_path / "leaf.pid"
+    leaf = Sbusd(tmp_path, ["-f", "-a", address, "-p", str(pidfile), "--upstream", up.address],
+                 address=address, log_level="info").ready(timeout=10.0)
+    pids = [leaf.pid]
+    try:
+        leaf.wait_for_event("upstream_connected", timeout=10)
+        first = link_pid(leaf)
+
+        def upgrade():
+            r = subprocess.run([SBUSD, "--upgrade", "-p", str(pidfile)], capture_output=True,
+                               text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            pids.append(int(pidfile.read_text()))
+            leaf.wait_for_event("upgrade_done", timeout=20,
+                                predicate=lambda rec: rec["broker_pid"] == pids[-1])
+
+        upgrade()
+        os.kill(first, signal.SIGKILL)
+        failed = leaf.wait_for_event("upstream_link_failed", timeout=10)
+        assert failed["broker_pid"] == pids[-1]
+        assert failed["reason"] == "the link ended (it exited)", failed
+        restarted = leaf.wait_for_event("upstream_link_restarted", timeout=10)
+        wait_until(lambda: link_pid(leaf) == restarted["pid"], timeout=15, what="the new link")
+        upgrade()
+        assert link_pid(leaf) == restarted["pid"] and alive(restarted["pid"])
+        assert len(leaf.events("upstream_link_restarted")) == 1
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGTERM)
+                wait_gone(pid, 10)
+    assert wait_gone(restarted["pid"], 10)
+
+
 # ---- readiness: the leaf is ready once its link's subscriptions are in place upstream
 
 def test_a_leaf_is_ready_once_its_link_is_and_sbus_ready_upstream_waits(tmp_path):
