@@ -125,24 +125,24 @@ class Uplink:
         self.broker = broker
         self.spawn()
         deadline = time.monotonic() + START_TIMEOUT
-        while self.start_pipe is not None:
+        late = False
+        while self.start_pipe is not None and not late:
             left = deadline - time.monotonic()
-            if left <= 0:
-                self.process.kill()
-                self.process.wait()
-                raise LinkFailed(f"it did not start within {START_TIMEOUT:g} s")
-            select.select([self.start_pipe], [], [], left)
-            self.read_start_pipe()
-        if not self.early.endswith(STARTED):
-            try:
-                self.process.wait(EXIT_WAIT)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-            self.log.error(schema.UPSTREAM_LINK_FAILED, address=self.cfg.upstream,
-                           reason=self.reason(), returncode=self.process.returncode,
-                           restarts=0, in_s=None)
-            raise LinkFailed(self.reason())
+            late = left <= 0
+            if not late:
+                select.select([self.start_pipe], [], [], left)
+                self.read_start_pipe()
+        if self.early.endswith(STARTED):
+            return
+        try:
+            self.process.wait(0 if late else EXIT_WAIT)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        reason = f"the link did not start within {START_TIMEOUT:g} s" if late else self.reason()
+        self.log.error(schema.UPSTREAM_LINK_FAILED, address=self.cfg.upstream, reason=reason,
+                       returncode=self.process.returncode, restarts=0, in_s=None)
+        raise LinkFailed(reason)
 
     def adopt(self, broker, process) -> None:
         """A live upgrade's new process: watch the old one's link, or start one."""
@@ -163,9 +163,10 @@ class Uplink:
                 return
             if data:
                 self.early = (self.early + data)[-65536:]
-                if not data.endswith(STARTED):
+                said = data.replace(STARTED, b"")
+                if said:
                     try:
-                        os.write(2, data.replace(STARTED, b""))
+                        os.write(2, said)
                     except OSError:
                         pass
                 continue
