@@ -57,6 +57,13 @@ UPSTREAM_DISCONNECTED = "upstream_disconnected"  # address, reason, held
 UPSTREAM_RETRY = "upstream_retry"                # address, reason, in_s: a new reason to wait
 UPSTREAM_OVERFLOW = "upstream_overflow"          # dropped, buffer_max: at 1, 2, 4, 8, ... drops
 UPSTREAM_LINK_EXIT = "upstream_link_exit"        # returncode: the link process ended
+# The link process died or could not start (reason, returncode, restarts) and
+# is started again in_s seconds (null: sbusd exits, the first link could not start).
+UPSTREAM_LINK_FAILED = "upstream_link_failed"
+UPSTREAM_LINK_RESTARTED = "upstream_link_restarted"  # pid, restarts: a new link process
+# Every service, once what it serves is in place (sbus.runner.ready; `sbus ready`
+# waits for it): service (store, queue, bridge, link), pid, and what it serves.
+SERVICE_READY = "service_ready"
 # A live upgrade (SIGUSR2, sbusd --upgrade; docs/upgrade.md).
 UPGRADE_STARTED = "upgrade_started"          # new_pid: the old process started the new one
 UPGRADE_FAILED = "upgrade_failed"            # step, reason, new_pid: the old one serves on
@@ -68,9 +75,11 @@ UPGRADE_DONE = "upgrade_done"                # version, old_pid, old_version, cl
 UPGRADE_EVENTS = (UPGRADE_STARTED, UPGRADE_FAILED, UPGRADE_HANDED_OVER, UPGRADE_DONE)
 # What the link reports for the broker to log (sbus/sbusd/link.py); the broker
 # logs no other name it is sent.
-UPSTREAM_EVENTS = (UPSTREAM_CONNECTED, UPSTREAM_DISCONNECTED, UPSTREAM_RETRY, UPSTREAM_OVERFLOW)
+UPSTREAM_EVENTS = (UPSTREAM_CONNECTED, UPSTREAM_DISCONNECTED, UPSTREAM_RETRY, UPSTREAM_OVERFLOW,
+                   SERVICE_READY)
 OPERATIONAL_EVENTS = (CMSG_IGNORED, LOG_REOPENED, FD_EXHAUSTED, ACCEPT_PAUSED, ACCEPT_ERROR,
-                      CONFIG_WARNING, *UPSTREAM_EVENTS, UPSTREAM_LINK_EXIT, *UPGRADE_EVENTS)
+                      CONFIG_WARNING, *UPSTREAM_EVENTS, UPSTREAM_LINK_EXIT, UPSTREAM_LINK_FAILED,
+                      UPSTREAM_LINK_RESTARTED, *UPGRADE_EVENTS)
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -280,6 +289,7 @@ BRIDGE_EVENT_FIELDS = {
     BRIDGE_DROP: (("direction", STR), ("reason", STR), ("subject", STR), ("key", STR),
                   ("size", INT), ("detail", STR), ("suppressed", INT)),
     BRIDGE_REFUSED: (("server", STR), ("error", STR)),
+    SERVICE_READY: (("service", STR), ("pid", INT), ("exports", STR)),
 }
 
 # --- the queue service (``sbus queue``, docs/queues.md) ---------------------
@@ -318,6 +328,7 @@ QUEUE_EVENT_FIELDS = {
     QUEUE_BUS_LOST: (("address", STR), ("error", STR)),
     QUEUE_BUS_BACK: (("address", STR),),
     QUEUE_BAD_REQUEST: (("key", STR), ("detail", STR)),
+    SERVICE_READY: (("service", STR), ("pid", INT), ("pattern", STR)),
 }
 
 # --- the store (``sbus store``, docs/store.md) --------------------------------
@@ -363,4 +374,5 @@ STORE_EVENT_FIELDS = {
     STORE_REQUEST_REFUSED: (("error", STR), ("reply", STR)),
     STORE_BROKER_LOST: (("address", STR), ("error", STR)),
     STORE_BROKER_BACK: (("address", STR),),
+    SERVICE_READY: (("service", STR), ("pid", INT), ("request_key", STR)),
 }

@@ -17,6 +17,7 @@ table uses :func:`add_log_options`.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import sys
@@ -47,6 +48,31 @@ def configure_log(args: argparse.Namespace):
     logger = log.configure(args.log_format or log.default_format(stream), args.log_level,
                            stream)
     return stream, logger
+
+
+def sd_notify(state: str) -> None:
+    """Tell systemd our state (READY=1, STOPPING=1, MAINPID=) if it asked to
+    be told (``$NOTIFY_SOCKET``, ``Type=notify``); no libsystemd needed."""
+    target = os.environ.get("NOTIFY_SOCKET")
+    if not target:
+        return
+    if target.startswith("@"):
+        target = "\0" + target[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(target)
+            s.sendall(state.encode())
+    except OSError:
+        pass  # systemd gone: nothing useful to do
+
+
+def ready(logger, service: str, **fields) -> None:
+    """A service is ready, once, when what it serves is in place (its
+    subscriptions acknowledged by the broker): one ``service_ready`` record,
+    and READY=1 for systemd. ``sbus ready`` is the waiting side."""
+    from . import logschema as schema
+    logger.info(schema.SERVICE_READY, service=service, pid=os.getpid(), **fields)
+    sd_notify("READY=1")
 
 
 class Signals:

@@ -333,6 +333,7 @@ def test_cli_writes_a_dataset_and_csv_when_asked(spark, log_file, tmp_path, caps
     assert main([str(log_file), "--out", str(out), "--show", "5", "--csv"]) == 0
     printed = capsys.readouterr().out
     assert f"{len(MALFORMED)} malformed" in printed and "== disconnect_reasons" in printed
+    assert "--log-messages" not in printed      # it has message records
     assert not spark.sparkContext._jsc.sc().isStopped(), "main() stopped a session it did not start"
     day = "date=" + T0.date().isoformat()
     for name in [t.name for t in TABLES]:
@@ -349,6 +350,28 @@ def test_cli_writes_a_dataset_and_csv_when_asked(spark, log_file, tmp_path, caps
     reasons = {r["reason"]: r["disconnects"] for r in
                spark.read.parquet(str(out / "disconnect_reasons")).collect()}
     assert reasons == dict(Counter(r["reason"] for r in of("client_disconnect")))
+
+
+@pytest.mark.spark
+def test_a_log_without_message_sampling_says_what_to_turn_on(spark, tmp_path, capsys):
+    """make run's log (no --log-messages): the per-key traffic and fan-out
+    tables are empty for want of samples, and say so (issue 38)."""
+    from sbus.analytics import sampled
+    from sbus.analytics.cli import main
+    from sbus.analytics.job import NOT_SAMPLED
+
+    log = tmp_path / "sbusd.log"
+    log.write_text("".join(json.dumps(r) + "\n" for r in RECORDS if r["event"] != "message"))
+    out = tmp_path / "out"
+    assert main([str(log), "--out", str(out), "--show", "5"]) == 0
+    printed = capsys.readouterr().out
+    for table in ("traffic_by_prefix1", "traffic_by_prefix2", "traffic_by_key", "fanout"):
+        section = printed.split(f"== {table}:")[1].split("\n== ")[0]
+        assert "(no rows)" in section and NOT_SAMPLED in section, table
+    section = printed.split("== client_traffic:")[1].split("\n== ")[0]
+    assert NOT_SAMPLED not in section       # the stats records fill it
+    assert not sampled(spark, str(out))
+    assert printed.count("--log-messages RATE") == 4
 
 
 @pytest.mark.spark

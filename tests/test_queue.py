@@ -682,3 +682,40 @@ def test_sighup_reopens_the_log_and_sigterm_stops_with_the_counts(bus, queues):
     (stop,) = q.events("queue_stop")
     assert (stop["reason"], stop["received"], stop["held"]) == ("signal", 1, 1)
     assert not any('"queue_bad_request"' in line for line in rotated.read_text().splitlines())
+
+
+def test_the_queue_says_it_is_ready_and_sbus_ready_waits_for_it(bus, tmp_path, monkeypatch):
+    """Issue 38: READY=1 (systemd's Type=notify) and one service_ready record
+    once its subscriptions are in place; ``sbus ready queue PATTERN`` returns
+    then, and gives up with a hint when no service for PATTERN runs."""
+    from support.systemd import Notify
+    r = subprocess.run([SBUS, "-a", bus.address, "ready", "queue", "jobs/", "-W", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (1, "")
+    assert r.stderr.splitlines() == [
+        "sbus ready: queue not ready within 1 s: no queue service for 'jobs/' answered "
+        "(asked on sbus/queue/state)",
+        "  is sbus queue running? start one with: sbus queue jobs/ (the pattern must be the "
+        "same, byte for byte), or wait longer with -W SECONDS"]
+
+    notify = Notify(tmp_path, abstract=True)
+    monkeypatch.setenv("NOTIFY_SOCKET", notify.env)
+    service = None
+    try:
+        waiter = subprocess.Popen([SBUS, "-a", bus.address, "ready", "queue", "jobs/", "-W",
+                                   "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        service = QueueService(tmp_path, bus.address, "jobs/")
+        out, err = waiter.communicate(timeout=90)
+        assert (waiter.returncode, out, err) == (0, b"", b"")
+        assert notify.recv(timeout=30) == ("READY=1", service.pid)
+        said = service.wait_for_event("service_ready")
+        assert (said["service"], said["pid"], said["pattern"]) == ("queue", service.pid, "jobs/")
+        assert notify.pending() is None, "once"
+        # Another pattern's service is not this one's.
+        r = subprocess.run([SBUS, "-a", bus.address, "ready", "queue", "other/", "-W", "1"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1
+    finally:
+        notify.close()
+        if service is not None:
+            service.stop()

@@ -3,6 +3,7 @@ asker processes."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import time
@@ -205,6 +206,26 @@ def test_sbus_request_and_sbus_serve(bus, tmp_path):
         assert (late.returncode, late.stdout) == (3, "")
         assert "no reply" in late.stderr
     finally:
+        serve.terminate()
+        assert serve.wait(TIMEOUT) == 0, serve.stderr.read().decode()
+
+
+def test_sbus_serve_says_ready_to_systemd_once_its_subscription_is_in_place(bus, tmp_path):
+    """Issue 38: a unit or a script need not poll sbus serve: READY=1 on
+    $NOTIFY_SOCKET, from its own pid, once the broker has its SUB."""
+    from support.systemd import Notify
+    notify = Notify(tmp_path, abstract=False)
+    serve = subprocess.Popen([str(SBUS), "serve", "-a", bus.address, PATTERN, "--", "cat"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "NOTIFY_SOCKET": notify.env})
+    try:
+        assert notify.recv(timeout=TIMEOUT) == ("READY=1", serve.pid)
+        r = subprocess.run([str(SBUS), "request", "-a", bus.address, "svc/x", "at once",
+                            "-W", "10"], capture_output=True, text=True, timeout=TIMEOUT)
+        assert (r.returncode, r.stdout) == (0, "at once\n"), r.stderr
+        assert notify.pending() is None
+    finally:
+        notify.close()
         serve.terminate()
         assert serve.wait(TIMEOUT) == 0, serve.stderr.read().decode()
 

@@ -433,3 +433,41 @@ def test_sighup_reopens_the_log_for_rotation(bus, start_store):
     assert store.proc.poll() is None
     assert not any(r.get("event") == "store_request_refused"
                    for r in map(json.loads, rotated.read_text().splitlines()))
+
+
+# ---- readiness -------------------------------------------------------------------
+
+def test_the_store_says_it_is_ready_and_sbus_ready_waits_for_it(bus, tmp_path, monkeypatch):
+    """Issue 38: no polling. READY=1 (systemd's Type=notify) and one
+    service_ready record once its subscriptions are in place; ``sbus ready
+    store`` returns then, and gives up with a hint when no store runs."""
+    from support.systemd import Notify
+    r = subprocess.run([SBUS, "-a", bus.address, "ready", "store", "-W", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (1, "")
+    assert r.stderr.splitlines() == [
+        "sbus ready: store not ready within 1 s: no answer on 'sbus/store/request'",
+        "  is sbus store running? start one: sbus store --dir DIR --record PATTERN "
+        "(docs/store.md), or wait longer with -W SECONDS"]
+
+    notify = Notify(tmp_path, abstract=False)
+    monkeypatch.setenv("NOTIFY_SOCKET", notify.env)
+    try:
+        waiter = subprocess.Popen([SBUS, "-a", bus.address, "ready", "store", "-W", "60"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        store = StoreProcess(tmp_path, bus.address, tmp_path / "log", ["sensors/"])
+        out, err = waiter.communicate(timeout=90)
+        assert (waiter.returncode, out, err) == (0, b"", b"")
+        assert notify.recv(timeout=30) == ("READY=1", store.pid)
+        (said,) = store.events("service_ready")
+        assert said["service"] == "store" and said["pid"] == store.pid
+        assert said["request_key"] == "sbus/store/request"
+        assert notify.pending() is None, "once"
+        # Ready means recording: what is published now is kept.
+        publish(bus.address, [("sensors/t", b"21.5")])
+        settle(sbus.Client(bus.address))
+        with sbus.Client(bus.address) as c:
+            assert [(m.key, m.payload) for m in last(c, "sensors/")] == [
+                (b"sensors/t", b"21.5")]
+    finally:
+        notify.close()

@@ -262,6 +262,7 @@ def test_queue_unit_is_sandboxed_like_the_broker():
     assert exec_start[:5] == ["/usr/bin/env", "sbus", "-a", "/run/sbus.socket", "queue"]
     assert exec_start[exec_start.index("--log-format") + 1] == "json"
     assert "%i" in one(svc, "EnvironmentFile")
+    assert one(svc, "Type") == "notify"     # READY=1 once its subscriptions are in place
     assert one(svc, "User") not in ("", "root")
     # Everything the broker's sandbox has, except what only a notify service needs.
     for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "PrivateDevices",
@@ -288,6 +289,7 @@ def test_store_unit():
     assert "sbusd.socket" in one(unit, "Requires")
     exec_start = one(svc, "ExecStart").split()
     assert exec_start[:5] == ["/usr/bin/env", "sbus", "-a", "/run/sbus.socket", "store"]
+    assert one(svc, "Type") == "notify"     # READY=1 once its subscriptions are in place
     assert exec_start[exec_start.index("--log-format") + 1] == "json"
     state = one(svc, "StateDirectory")
     assert exec_start[exec_start.index("--dir") + 1] == f"/var/lib/{state}", \
@@ -320,6 +322,8 @@ def test_leaf_unit_runs_a_leaf_sandboxed_like_the_broker(tmp_path):
     upstream = exec_start[exec_start.index("--upstream") + 1]
     assert own == f"/run/{one(svc, 'RuntimeDirectory')}/sbus.socket"
     assert upstream == one(read_unit("sbusd.socket")["Socket"], "ListenSequentialPacket")
+    # Without the host's bus it has nothing to be a leaf of, as every other unit.
+    assert "sbusd.socket" in one(unit["Unit"], "Requires").split()
     assert one(svc, "User") not in ("", "root")
     for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "PrivateDevices",
                 "PrivateNetwork", "MemoryDenyWriteExecute", "ProtectSystem",
@@ -455,3 +459,42 @@ def test_every_units_documentation_is_installed_by_the_readme():
                 prefix = "file:///usr/share/doc/sbus/"
                 assert link.startswith(prefix), (name, link)
                 assert INSTALLED_DOCS[link[len(prefix):]].is_file(), (name, link)
+
+
+def test_the_readme_installs_the_wheel_make_wheel_makes():
+    """The name auditwheel gives a repaired wheel (its tags in that order,
+    tools/build_wheels.py), not one that pip cannot find (issue 38)."""
+    import fnmatch
+
+    from sbus._version import __version__ as version
+    readme = (UNITS / "README.md").read_text()
+    (glob,) = re.findall(r"pip install \./(\S+\.whl)", readme)
+    made = f"pysbus-{version}-cp311-cp311-manylinux2014_x86_64.manylinux_2_17_x86_64.whl"
+    assert fnmatch.fnmatch(made, glob), (glob, made)
+    assert f"`{made}`" in readme, "the example names the file make wheel makes"
+    assert not fnmatch.fnmatch(f"pysbus-{version}.tar.gz", glob)
+
+
+def test_the_readme_has_a_section_for_every_service_unit():
+    readme = (UNITS / "README.md").read_text()
+    for unit in UNITS.glob("*.service"):
+        name = unit.name.replace("@", "")
+        assert f"cp tools/systemd/{unit.name}" in readme or f"'tools/systemd/{unit.name}'" \
+            in readme or f"tools/systemd/{unit.name} " in readme, name
+
+
+def test_service_units_are_type_notify_and_verify_clean():
+    """sbus store, sbus queue and sbus bridge send READY=1 themselves once
+    their subscriptions are in place (sbus.runner.ready; the store's and the
+    queue's tests receive it): their units wait for it."""
+    names = ("sbus-store.service", "sbus-queue@.service", "sbus-bridge.service")
+    for name in names:
+        svc = read_unit(name)["Service"]
+        assert one(svc, "Type") == "notify", name
+        assert "NotifyAccess" not in dict(svc), "the main process itself says it"
+    analyze = shutil.which("systemd-analyze")
+    if analyze:
+        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"),
+                            str(UNITS / "sbusd.service"), *(str(UNITS / n) for n in names)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr

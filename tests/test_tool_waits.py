@@ -1,7 +1,8 @@
 """Commands that wait for a service, or take a pattern, never wait in silence:
-``sbus consume`` says when no queue service answers, every command taking a
-pattern warns about other buses' wildcards as ``sbus sub`` does, and a
-replay with no store running says to start ``sbus store``. Real sbusd,
+``sbus consume`` says when no queue service answers and gives up after -W
+seconds, every command taking a pattern warns about other buses' wildcards
+as ``sbus sub`` does, and a replay with no store running says to start
+``sbus store``. Real sbusd,
 real ``sbus`` processes."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from sbus import Client
 from sbus.cli.consume import NOTICE_AFTER
+from sbus.queue.defaults import CLI_WAIT
 
 from support import SBUS, QueueService, StoreProcess
 
@@ -64,7 +66,7 @@ class Running:
 
 
 def test_consume_says_when_no_queue_service_answers_then_when_one_does(broker, tmp_path):
-    consumer = Running("-a", broker.address, "consume", "nosuchqueue/")
+    consumer = Running("-a", broker.address, "consume", "-W", "0", "nosuchqueue/")
     service = None
     try:
         started = time.monotonic()
@@ -74,6 +76,8 @@ def test_consume_says_when_no_queue_service_answers_then_when_one_does(broker, t
             "sbus: no queue service for 'nosuchqueue/' answered within 3 s (asked on "
             "sbus/queue/state); start one with: sbus queue nosuchqueue/  (the pattern must "
             "be the same, byte for byte); still waiting for it (Ctrl-C stops)\n")
+        time.sleep(CLI_WAIT - NOTICE_AFTER + 1)      # -W 0: past the default, still waiting
+        assert consumer.proc.poll() is None
         # Still waiting: the service it was told to start serves it.
         command = shlex.split(said.split("start one with: ")[1].split("  (")[0])
         assert command == ["sbus", "queue", "nosuchqueue/"]
@@ -88,6 +92,28 @@ def test_consume_says_when_no_queue_service_answers_then_when_one_does(broker, t
         consumer.stop()
         if service is not None:
             service.stop()
+
+
+def test_consume_gives_up_after_its_wait_with_a_hint(broker):
+    started = time.monotonic()
+    r = subprocess.run([SBUS, "-a", broker.address, "consume", "nosuchqueue/"],
+                       capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - started
+    assert (r.returncode, r.stdout) == (1, "")
+    assert CLI_WAIT <= took < CLI_WAIT + 10
+    assert r.stderr.splitlines() == [
+        "sbus: no queue service for 'nosuchqueue/' answered within 3 s (asked on "
+        "sbus/queue/state); start one with: sbus queue nosuchqueue/  (the pattern must "
+        "be the same, byte for byte); still waiting for it (gives up after 10 s, -W)",
+        "sbus: no queue service for 'nosuchqueue/' answered within 10 s (asked on "
+        "sbus/queue/state)",
+        "  is sbus queue running? start one with: sbus queue nosuchqueue/ (the pattern must "
+        "be the same, byte for byte), or wait longer with -W SECONDS (0: for ever)",
+    ]
+    r = subprocess.run([SBUS, "-a", broker.address, "consume", "-W", "1", "jobs/"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "answered within 1 s" in r.stderr and "still waiting" not in r.stderr
 
 
 def test_consume_is_quiet_when_its_service_answers(broker, tmp_path):

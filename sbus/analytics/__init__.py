@@ -16,6 +16,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
                       "pip install pyspark pyarrow") from exc
 
 from .job import (
+    NOT_SAMPLED,
     TABLES,
     events_of,
     line_summary,
@@ -27,6 +28,7 @@ from .job import (
     read_table,
     render,
     run,
+    sampled,
     spark_session,
 )
 from .schema import CORRUPT_COLUMN, record_schema
@@ -45,6 +47,7 @@ from .transforms import (
 )
 
 __all__ = [
+    "NOT_SAMPLED",
     "CORRUPT_COLUMN",
     "TABLES",
     "client_traffic",
@@ -65,6 +68,7 @@ __all__ = [
     "record_schema",
     "render",
     "run",
+    "sampled",
     "spark_session",
     "subscription_churn",
     "throughput",

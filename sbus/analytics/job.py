@@ -654,11 +654,29 @@ def write_csv(spark: SparkSession, out: str) -> None:
      .option("escape", '"').csv(store.path(CSV, MALFORMED)))
 
 
+# Under a message table that is empty because the log has no message records.
+NOT_SAMPLED = ("  (this log has no message records: sbusd writes them only when it samples "
+               "messages, which is off by default; start it with --log-messages RATE, 1 for "
+               "every message, 0.01 for one in a hundred; docs/logging.md)")
+
+
+def sampled(spark, out: str, days: Sequence | None = None) -> bool:
+    """Whether the dataset's ``days`` have any message record (sbusd's
+    --log-messages was on): else the per-key traffic and fan-out tables are
+    empty for want of samples, not of traffic."""
+    events = read_table(spark, out, "events", days=days)
+    return events.where(F.col("event") == logschema.MESSAGE).limit(1).count() > 0
+
+
 def _report(spark, store: Store, summary: dict, show: int, echo) -> None:
     if show and summary["days"]:
+        has_samples = sampled(spark, store.root, summary["days"])
         for t in TABLES:
             echo(f"\n== {t.name}: {t.about}")
-            echo(render(read_table(spark, store.root, t.name, days=summary["days"]), show))
+            table = read_table(spark, store.root, t.name, days=summary["days"])
+            echo(render(table, show))
+            if t.partial is MESSAGES and not has_samples:
+                echo(NOT_SAMPLED)
     read, skipped = summary["files_read"], summary["files_skipped"]
     echo(f"\n== summary\nread {len(read)} file(s), skipped {len(skipped)} already read; "
          f"{summary['lines']} lines: {summary['records']} records, "

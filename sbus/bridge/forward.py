@@ -43,7 +43,7 @@ from ..client.aio import Client as BusClient
 from ..client.protocol import MAX_MESSAGE, Message, pack_subscribe
 from ..client.reconnect import Reconnect
 from ..errors import BacklogFullError, BusClosedError, MessageRefusedError
-from ..runner import STOPPED
+from ..runner import STOPPED, ready
 from . import mapping, natsconn
 from .counters import Counters
 from .defaults import DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY, DROP_NEWEST, DROP_OLDEST
@@ -555,6 +555,8 @@ class Bridge:
                       exports=" ".join(s.exports), imports=" ".join(s.imports),
                       subject_prefix=s.subject_prefix, max_pending=s.max_pending, drop=s.drop,
                       stats_key=s.stats_key, identity=self.identity.decode())
+        # The local side is in place (_open_bus); NATS connects, and reconnects, by itself.
+        ready(self.log, "bridge", exports=" ".join(s.exports))
         tasks = [asyncio.ensure_future(t) for t in (
             self._read_local(), self._forward(), self._write_local(), self._connect_nats(),
             self._report(), *([self._read_link()] if s.private else []))]

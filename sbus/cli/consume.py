@@ -3,91 +3,76 @@
 A consumer keeps saying hello until the service for its pattern welcomes it,
 which may be never (no ``sbus queue`` runs, or one runs for another pattern).
 The consumer library waits without a word, as a program's consumer should
-(the service may start later); a person at a shell wants to be told. So,
-from a connection of its own, the command asks the service for its state
-(docs/queues.md, "State") until it answers: if none has within
-``NOTICE_AFTER`` seconds it says so on stderr, with the command that starts
-one, and keeps waiting; once one answers it says that too.
+(the service may start later); a person at a shell, or a script, wants to be
+told. So, before it consumes, the command asks the service for its state
+(docs/queues.md, "State") from a connection of its own until it answers: if
+none has within ``NOTICE_AFTER`` seconds it says so on stderr, with the
+command that starts one, and keeps waiting; after ``-W`` seconds (default
+``sbus.queue.defaults.CLI_WAIT``; 0: for ever) it gives up with exit status
+1 and the same hint.
 """
 from __future__ import annotations
 
 import argparse
 import shlex
-import threading
+import time
 from typing import BinaryIO, Callable
 
 from ..client.private import PrivateInbox
 from ..client.protocol import Message
-from ..errors import SbusError
 from ..queue import wire
 
 # Seconds without an answer from the queue service before the command says so.
 NOTICE_AFTER = 3.0
+
 # Seconds between state requests while none is answered.
 ASK_EVERY = 1.0
 
 
-class ServiceWatch:
-    """Ask the queue service for ``pattern`` its state until it answers,
-    telling ``say`` after NOTICE_AFTER seconds of silence and when it answers."""
-
-    def __init__(self, client, pattern: str, say: Callable[[str], None],
-                 notice_after: float = NOTICE_AFTER) -> None:
-        self.address = client.address
-        self.max_message = client.max_message
-        self.pattern = pattern
-        self.say = say
-        self.notice_after = notice_after
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="sbus-consume-watch", daemon=True)
-
-    def __enter__(self) -> "ServiceWatch":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join(ASK_EVERY)
-
-    def _run(self) -> None:
-        from ..client.sync import Client
-        try:
-            with Client(self.address, max_message=self.max_message) as bus:
-                inbox = PrivateInbox(bus.whoami(timeout=10.0), "queue")
-                bus.subscribe(inbox.pattern)
-                request = wire.pack_state_request(inbox.prefix, self.pattern)
-                waited, told = 0.0, False
-                while not self.stop.is_set():
-                    bus.publish(wire.STATE_KEY, request)
-                    if self._answered(bus, inbox):
-                        if told:
-                            self.say(f"the queue service for {self.pattern!r} answered; "
-                                     "taking its jobs")
-                        return
-                    waited += ASK_EVERY
-                    if not told and waited >= self.notice_after and not self.stop.is_set():
-                        told = True
-                        self.say(
-                            f"no queue service for {self.pattern!r} answered within "
-                            f"{self.notice_after:g} s (asked on {wire.STATE_KEY}); start one "
-                            f"with: sbus queue {shlex.quote(self.pattern)}  (the pattern must be "
-                            "the same, byte for byte); still waiting for it (Ctrl-C stops)")
-        except (OSError, SbusError):
-            pass    # the consumer's own connection reports a broker that went away
-
-    def _answered(self, bus, inbox: PrivateInbox) -> bool:
-        """Whether a state answer came within ASK_EVERY (or the watch was stopped)."""
-        deadline = ASK_EVERY
-        while deadline > 0 and not self.stop.is_set():
-            step = min(deadline, 0.2)
-            deadline -= step
-            try:
-                message = bus.receive(timeout=step)
-            except TimeoutError:
-                continue
-            if type(message) is Message and inbox.suffix_of(message.key) == wire.STATE.encode():
+def wait_for_service(client, pattern: str, wait: float, say: Callable[[str], None],
+                     notice_after: float = NOTICE_AFTER) -> bool:
+    """Ask the queue service for ``pattern`` its state, from a connection of
+    our own, until it answers (True) or ``wait`` seconds passed (False; 0:
+    never); tell ``say`` after ``notice_after`` seconds of silence, and when
+    it answers after that."""
+    from ..client.sync import Client
+    forever = wait == 0
+    with Client(client.address, max_message=client.max_message) as bus:
+        inbox = PrivateInbox(bus.whoami(timeout=10.0), "queue")
+        bus.subscribe(inbox.pattern)
+        request = wire.pack_state_request(inbox.prefix, pattern)
+        started, told = time.monotonic(), False
+        while True:
+            bus.publish(wire.STATE_KEY, request)
+            if answered(bus, inbox):
+                if told:
+                    say(f"the queue service for {pattern!r} answered; taking its jobs")
                 return True
-        return False
+            waited = time.monotonic() - started
+            if not forever and waited >= wait:
+                return False
+            if not told and waited >= notice_after:
+                told = True
+                until = "Ctrl-C stops" if forever else f"gives up after {wait:g} s, -W"
+                say(f"no queue service for {pattern!r} answered within {notice_after:g} s "
+                    f"(asked on {wire.STATE_KEY}); start one with: sbus queue "
+                    f"{shlex.quote(pattern)}  (the pattern must be the same, byte for byte); "
+                    f"still waiting for it ({until})")
+
+
+def answered(bus, inbox: PrivateInbox) -> bool:
+    """Whether a state answer came within ASK_EVERY."""
+    deadline = time.monotonic() + ASK_EVERY
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            message = bus.receive(timeout=left)
+        except TimeoutError:
+            return False
+        if type(message) is Message and inbox.suffix_of(message.key) == wire.STATE.encode():
+            return True
 
 
 def cmd_consume(bus, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO,
@@ -96,16 +81,21 @@ def cmd_consume(bus, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO
     render_one = renderer(args)
     if args.count == 0:
         return 0
-    with ServiceWatch(bus, args.pattern, say):
-        jobs = consume(bus, args.pattern, args.prefetch)
-        try:
-            for seen, job in enumerate(jobs, 1):
-                stdout.write(render_one(Message(job.key, job.payload)))
-                stdout.flush()
-                job.ack()
-                if seen == args.count:
-                    break
-        finally:
-            jobs.close()    # says bye: jobs prefetched and not printed go to other consumers
+    if not wait_for_service(bus, args.pattern, args.wait, say):
+        say(f"no queue service for {args.pattern!r} answered within {args.wait:g} s "
+            f"(asked on {wire.STATE_KEY})\n  is sbus queue running? start one with: sbus queue "
+            f"{shlex.quote(args.pattern)} (the pattern must be the same, byte for byte), "
+            "or wait longer with -W SECONDS (0: for ever)")
+        return 1
+    jobs = consume(bus, args.pattern, args.prefetch)
+    try:
+        for seen, job in enumerate(jobs, 1):
+            stdout.write(render_one(Message(job.key, job.payload)))
+            stdout.flush()
+            job.ack()
+            if seen == args.count:
+                break
+    finally:
+        jobs.close()    # says bye: jobs prefetched and not printed go to other consumers
     return 0
 

@@ -22,10 +22,11 @@
                                     join this bus to others through NATS
     sbus queue PATTERN [--prefetch K] [--ack-timeout S] [--max-held N]
                                     share the jobs on PATTERN among consumers
-    sbus consume [--json | -F TEMPLATE | -v | --raw] [-n N] [--prefetch K] PATTERN
+    sbus consume [--json | -F TEMPLATE | -v | --raw] [-n N] [--prefetch K] [-W S] PATTERN
                                     print the jobs of the queue on PATTERN, each
                                     acknowledged once written; says when no queue
-                                    service answers within 3 s, and waits on
+                                    service answers within 3 s, and gives up
+                                    (exit 1) after -W S (default 10; 0: never)
     sbus store --dir DIR --record PATTERN ...
                                     record messages and answer replays (docs/store.md)
     sbus replay PATTERN [--since T] [--until T] [--follow]
@@ -36,6 +37,10 @@
     sbus serve [-j N] PATTERN -- COMMAND ...
                                     answer requests on PATTERN: COMMAND gets the
                                     body on stdin, its stdout is the reply
+    sbus ready store|queue PATTERN|upstream [-W S]
+                                    wait until the store, the queue service for
+                                    PATTERN or a leaf's link serves: exit 0, or
+                                    1 with a hint after S seconds (default 10)
 
 Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
 ``/run/sbus.socket``.
@@ -56,7 +61,7 @@ from ..client.protocol import MAX_MESSAGE, Message
 from ..client.reconnect import Reconnect
 from ..client.sync import Client
 from ..errors import BusClosedError, PatternRefusedError, SbusError
-from ..queue.defaults import CLI_PREFETCH
+from ..queue.defaults import CLI_PREFETCH, CLI_WAIT
 from . import connecterrors, patterns, render
 
 # How long whoami and stats wait for the broker's reply.
@@ -378,18 +383,24 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--prefetch", type=argtypes.argtype(int, low=1),
                          default=CLI_PREFETCH, metavar="K",
                          help=f"jobs held unprinted at once (default {CLI_PREFETCH})")
+    consume.add_argument("-W", "--wait", type=argtypes.seconds, default=CLI_WAIT,
+                         metavar="SECONDS",
+                         help="give up (exit 1) if no queue service for PATTERN answers "
+                              f"within SECONDS (default {CLI_WAIT:g}; 0: wait for ever)")
     consume.set_defaults(run=cmd_consume)
 
     from ..bridge.cli import add_parser as add_bridge_parser
     from ..queue.cli import add_parser as add_queue_parser
     from ..store.cli import add_parsers as add_store_parsers
     from .access import add_parsers as add_access_parsers
+    from .ready import add_parser as add_ready_parser
     from .requests import add_parsers as add_request_parsers
     add_bridge_parser(commands, common)
     add_queue_parser(commands, common)
     add_store_parsers(commands, common)
     add_request_parsers(commands, common)
     add_access_parsers(commands, common)
+    add_ready_parser(commands, common)
     for command in commands.choices.values():
         command.set_defaults(parser=command)
     parser.command_names = list(commands.choices)

@@ -94,6 +94,7 @@ def serve_main(args: argparse.Namespace, address: str) -> int:
     from ..aio import Client
     from ..client.protocol import pack_subscribe
     from ..errors import MessageRefusedError, SbusError
+    from ..runner import sd_notify
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         args.parser.error("give the command to run after --")
@@ -117,6 +118,12 @@ def serve_main(args: argparse.Namespace, address: str) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, serving.cancel)
         try:
+            # serve() sends its SUB at its first step; a whoami answered
+            # after it means the broker has it: then systemd hears READY=1.
+            await asyncio.sleep(0)
+            if not serving.done():
+                await bus.whoami()
+                sd_notify("READY=1")
             await serving
         except asyncio.CancelledError:
             return 0

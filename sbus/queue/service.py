@@ -22,7 +22,7 @@ from ..client.private import PrivateInbox
 from ..client.protocol import MAX_MESSAGE
 from ..client.reconnect import Reconnect
 from ..errors import BacklogFullError, MessageRefusedError
-from ..runner import STOPPED
+from ..runner import STOPPED, ready
 from . import state as st
 from . import wire
 from .defaults import ACK_TIMEOUT, LEASE, MAX_HELD, PREFETCH, STATS_INTERVAL
@@ -276,6 +276,7 @@ class QueueService:
                       pattern=s.pattern, control=self.inbox.key(wire.CONTROL),
                       prefetch=s.prefetch, ack_timeout_s=s.ack_timeout, lease_s=s.lease,
                       max_held=s.max_held)
+        ready(self.log, "queue", pattern=s.pattern)     # _open() saw the SUBs in place
         tasks = [asyncio.ensure_future(t) for t in (self._read(), self._write(), self._tick())]
         stopping = asyncio.ensure_future(stop.wait())
         try:

@@ -8,7 +8,7 @@ handing it these callbacks, so nothing is assigned to it from outside.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from .. import logschema as schema
 from ..log import emit
@@ -21,11 +21,14 @@ class Service:
 
     ``make_broker(on_event=, on_message=, on_tick=, tick_interval=)`` returns
     the broker; ``log`` takes events, ``message_log`` the sampled messages,
-    and ``stream`` is the sink both write to (flushed each tick).
+    and ``stream`` is the sink both write to (flushed each tick);
+    ``also_on_tick`` (the upstream link's watcher) is called each tick too.
     """
 
-    def __init__(self, cfg, *, log, message_log, stream, make_broker: Callable):
+    def __init__(self, cfg, *, log, message_log, stream, make_broker: Callable,
+                 also_on_tick: Optional[Callable[[], None]] = None):
         self.cfg = cfg
+        self.also_on_tick = also_on_tick
         self.log = log
         self.message_log = message_log
         self.stream = stream
@@ -51,6 +54,8 @@ class Service:
 
     def on_tick(self) -> None:
         self.stream.flush()     # sampled message records since the last tick
+        if self.also_on_tick is not None:
+            self.also_on_tick()
         now = time.monotonic()
         if now >= self.next_flood:
             self.next_flood = now + FLOOD_INTERVAL

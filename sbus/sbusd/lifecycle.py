@@ -296,18 +296,3 @@ def release_stderr() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
         os.close(devnull)
-
-
-def sd_notify(state: str) -> None:
-    """Tell systemd our state (READY=1, STOPPING=1) if it asked to be told."""
-    target = os.environ.get("NOTIFY_SOCKET")
-    if not target:
-        return
-    if target.startswith("@"):
-        target = "\0" + target[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-            s.connect(target)
-            s.sendall(state.encode())
-    except OSError:
-        pass  # systemd gone: nothing useful to do

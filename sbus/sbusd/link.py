@@ -24,6 +24,9 @@ echo off.
   whoami again, resubscribes and flushes its buffer.
 * Signals: as every service (``sbus.runner``): SIGTERM and SIGINT stop it
   between two turns of its loop; it has no log file of its own to reopen.
+* Ready: once the upstream has answered a whoami sent after its first
+  subscriptions, they are in place: ``service_ready`` and, under systemd,
+  READY=1 (sbusd leaves that to the link when it has ``--upstream``).
 
 It reports to its broker over the same socketpair: ``link/identity`` (its
 credentials upstream, the nesting prefix), ``link/log`` (records for the
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import selectors
 import socket
 import sys
@@ -46,7 +50,8 @@ from .._core.batch import Inbox, Outbox
 from ..client.protocol import WHOAMI, ControlMessage, Message, pack_control, parse
 from ..client.reconnect import Reconnect
 from ..errors import AddressError, ProtocolError
-from ..runner import Runner
+from ..runner import Runner, sd_notify
+from .uplink import announce_started
 
 WHOAMI_TIMEOUT = 5.0        # seconds an upstream has to answer whoami
 # The client's policy, never giving up: 0.1 s before the first reconnect, doubling up to 5 s.
@@ -179,6 +184,8 @@ class Link:
         self.counts = {"up_msgs": 0, "down_msgs": 0, "overflow_dropped": 0,
                        "kept_local": 0, "connects": 0, "disconnects": 0}
         self.reason = ""
+        self.subscribed = False     # this connection's SUBs are in place upstream
+        self.ready_said = False
         local.setblocking(False)
         self.sel.register(local, selectors.EVENT_READ, "local")
         for pattern in self.exports:
@@ -193,6 +200,7 @@ class Link:
         state = {"state": self.state, "address": self.upstream,
                  "identity": self.prefix.decode() if self.prefix else None,
                  "patterns": len(self.refs), "held": self.held_msgs,
+                 "subscribed": self.subscribed,
                  "reason": self.reason or None, **self.counts}
         self.send_local(b"CMSG link/state\0" + json.dumps(state).encode())
 
@@ -306,6 +314,9 @@ class Link:
         self.up_out.clear()
         self.up_out.append((False, b"SUB " + OWN_PRIVATE))
         self.up_out.extend((False, b"SUB " + p) for p in self.refs)
+        # Answered after the SUBs, in order: then they are in place upstream.
+        self.up_out.append((False, pack_control(WHOAMI)))
+        self.subscribed = False
         self.up_out.extend(item for item in pending if item[0])
         self.state = "up"
         self.failures = 0
@@ -316,8 +327,22 @@ class Link:
         self.write_up()
         self.report_state()
 
+    def in_place(self) -> None:
+        """The subscriptions of this connection are in place upstream: the
+        first time, the link is ready (one service_ready record; READY=1 for
+        systemd: a leaf's unit is started once its link is)."""
+        self.subscribed = True
+        if not self.ready_said:
+            self.ready_said = True
+            self.log(schema.SERVICE_READY, service="link", pid=os.getpid(),
+                     address=self.upstream, identity=self.prefix.decode(),
+                     patterns=len(self.refs))
+            sd_notify("READY=1")
+        self.report_state()
+
     def lost(self, reason: str) -> None:
         was_up = self.state == "up"
+        self.subscribed = False
         if self.up is not None:
             self.up_paused = False
             try:
@@ -357,6 +382,8 @@ class Link:
                 self.lost(f"not an sbusd (sent {item!r:.60} before whoami)")
             return
         if type(item) is not Message:
+            if not self.subscribed and identity(item) is not None:
+                self.in_place()
             return      # the upstream's control replies; a packet too large for us
         self.counts["down_msgs"] += 1
         key = item.key
@@ -514,10 +541,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--upstream", required=True)
     ap.add_argument("--export", action="append", default=[])
     ap.add_argument("--buffer", type=int, required=True)
+    ap.add_argument("--stderr-fd", type=int, help="sbusd's stderr, ours once we run "
+                    "(until then our stderr is the pipe that tells sbusd why we did not)")
     args = ap.parse_args(argv)
     local = socket.socket(fileno=args.fd)
     with Runner() as runner:
-        return Link(local, args.upstream, args.export, args.buffer).run(runner)
+        link = Link(local, args.upstream, args.export, args.buffer)
+        announce_started(args.stderr_fd)
+        return link.run(runner)
 
 
 if __name__ == "__main__":

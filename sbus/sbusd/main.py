@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from typing import List, Optional
@@ -22,7 +21,6 @@ from .._version import __version__
 from ..errors import AddressError
 from .config import USAGE, Config, Exit, Upgrade, UsageError, parse_args
 
-LINK_EXIT_WAIT = 5.0    # seconds the upstream link has to leave after the broker
 SIGNALLED = "signalled"     # Broker.run()'s stop reason: a signal to act on between turns
 
 
@@ -195,28 +193,6 @@ def check_upstream(text: str) -> None:
         raise StartupError(f"--upstream {e}") from None
 
 
-def start_link(cfg: Config, broker):
-    """The upstream link: a child process on one end of a socketpair whose
-    other end the broker takes on as its link connection."""
-    import socket
-
-    from .upgrade import python_main
-
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    ours.setblocking(False)
-    broker.attach_link(ours.detach())
-    # Not "python -m": the directory sbusd was started in must not shadow the package.
-    argv = [*python_main("sbus.sbusd.link"), "--fd", str(theirs.fileno()),
-            "--upstream", cfg.upstream, "--buffer", str(cfg.upstream_buffer)]
-    for pattern in cfg.upstream_export:
-        argv += ["--export", pattern]
-    # stdout is how a parent learns that sbusd listens: the link must not hold it.
-    child = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL)
-    theirs.close()
-    return child
-
-
 def where_listening(cfg: Config, listener) -> str:
     """The address as a person can give it to ``sbus -a``."""
     if listener.printed_address:
@@ -246,9 +222,11 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnin
     # both on disk before SIGUSR2.
     from .._core import handover
     from .._core.broker import Broker
+    from ..runner import sd_notify
     from . import lifecycle
     from .events import Service
     from .upgrade import Predecessor, ms_since
+    from .uplink import LinkFailed, Uplink
 
     stream = logging_.ReopenableStream(cfg.log_file, logging_.fallback_stream())
     json_copy = logging_.ReopenableStream(cfg.json_log, stream) if cfg.json_log else None
@@ -257,12 +235,16 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnin
     if successor is not None:
         successor.hello()
         listener = successor.receive_listener()
+    # The link's watcher looks each tick and ends the turn; it acts between turns.
+    uplink = Uplink(cfg, log, stop_turn=lambda: service.broker.stop(SIGNALLED)) \
+        if cfg.upstream else None
     make_broker = partial(Broker, listener.sock.fileno(), cfg, allowed_uids=allowed,
                           access_mode=cfg.mode if listener.abstract else -1,
                           wakeup_fd=signals.fileno())
     service = Service(cfg, log=log, stream=stream, make_broker=make_broker,
                       message_log=logging_.message_logger(fmt, cfg.log_level, stream,
-                                                          json_copy is not None))
+                                                          json_copy is not None),
+                      also_on_tick=uplink.tick if uplink is not None else None)
     broker = service.broker
     if successor is not None:
         successor.prebuild(broker)
@@ -284,7 +266,15 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnin
                  address=listener.printed_address or cfg.address, pid=os.getpid(),
                  config=cfg.summary())
         # Before the loop reads any client: the link is told of each from the first.
-        link = start_link(cfg, broker) if cfg.upstream else None
+        if uplink is not None:
+            try:
+                uplink.start(broker)
+            except LinkFailed as e:
+                broker.close()
+                log.info(schema.BROKER_STOP, reason="upstream link",
+                         uptime_s=round(time.monotonic() - started, 3), totals=broker.totals())
+                stream.flush()
+                raise lifecycle.StartupError(f"--upstream {cfg.upstream}: {e}") from None
     else:
         log.info(schema.UPGRADE_DONE, version=__version__, old_pid=successor.meta["old_pid"],
                  old_version=successor.meta["version"], clients=broker.client_count,
@@ -292,9 +282,10 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnin
         # The broker's start time came over with its state: broker_stop's
         # uptime goes on from it, as CMSG stats's does.
         started -= broker.stats()["uptime_s"]
-        link = successor.link()
+        if uplink is not None:
+            uplink.adopt(broker, successor.link())
     upgrade = Predecessor(cfg, tenure.argv, tenure.start_dir, log, listener,
-                          link.pid if link is not None else None)
+                          lambda: uplink.pid if uplink is not None else None)
     upgrade.broker = broker
 
     # A handler runs between any two bytecodes of this thread, even inside
@@ -313,8 +304,8 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnin
     lifecycle.detach_stdio()
     if ready is not None:
         ready()
-    if successor is None:
-        lifecycle.sd_notify("READY=1")
+    if successor is None and uplink is None:
+        sd_notify("READY=1")    # a leaf's link says it, once its subscriptions are in place
     reason = "error"
     handed_over = False
     try:
@@ -329,6 +320,8 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnin
             if stops:
                 reason = signal.Signals(stops[0]).name     # an upgrade under way ends with us
                 break
+            if uplink is not None:
+                uplink.act()    # after the stops: a link a stop signal ended stays ended
             if signal.SIGHUP in noted:
                 reopen()
             if signal.SIGUSR2 in noted:
@@ -340,15 +333,10 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnin
             tenure.owned = False
         else:
             upgrade.abandon()
-            lifecycle.sd_notify("STOPPING=1")
+            sd_notify("STOPPING=1")
             broker.close()
-            if link is not None:
-                try:
-                    link.wait(LINK_EXIT_WAIT)   # it leaves once its end of the socketpair closes
-                except subprocess.TimeoutExpired:
-                    link.kill()
-                    link.wait(LINK_EXIT_WAIT)
-                log.info(schema.UPSTREAM_LINK_EXIT, returncode=link.returncode)
+            if uplink is not None:
+                uplink.stop()
             log.info(schema.BROKER_STOP, reason=reason,
                      uptime_s=round(time.monotonic() - started, 3), totals=broker.totals())
         stream.flush()

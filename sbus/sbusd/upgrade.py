@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from .. import logschema as schema
 from .._version import __version__
@@ -291,13 +291,14 @@ class Predecessor:
     act(), between two turns, where starting a process, logging, exporting
     and handing over are safe."""
 
-    def __init__(self, cfg, argv: List[str], start_dir: str, log, listener, link_pid):
+    def __init__(self, cfg, argv: List[str], start_dir: str, log, listener,
+                 link_pid: Callable[[], Optional[int]]):
         self.cfg = cfg
         self.argv = argv
         self.start_dir = start_dir
         self.log = log
         self.listener = listener
-        self.link_pid = link_pid
+        self.link_pid = link_pid    # the running link's, now: it may have been restarted
         self.broker = None
         self.attempt: Optional[Attempt] = None
 
@@ -321,7 +322,7 @@ class Predecessor:
         meta = {"old_pid": os.getpid(), "version": __version__,
                 "path": os.fsdecode(self.listener.path) if self.listener.path else None,
                 "printed_address": self.listener.printed_address,
-                "abstract": self.listener.abstract, "link_pid": self.link_pid}
+                "abstract": self.listener.abstract, "link_pid": self.link_pid()}
         try:
             self.attempt = Attempt(self.argv, self.start_dir, meta, self.listener.sock.fileno())
         except UpgradeFailed as e:
@@ -385,6 +386,14 @@ class AdoptedLink:
         poller.register(self.pidfd, select.POLLIN)
         if not poller.poll(timeout * 1000):
             raise subprocess.TimeoutExpired(["sbusd-link"], timeout)
+
+    def poll(self) -> Optional[bool]:
+        """None while it runs; True once it is gone (with no status for us)."""
+        if self.pidfd is None:
+            return True
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
+        return True if poller.poll(0) else None
 
     def kill(self) -> None:
         if self.pidfd is not None:
@@ -506,7 +515,7 @@ class Successor:
 
     def take_over(self, pidfile: Optional[str]) -> None:
         """Wait for GO; then the pidfile, systemd's main pid, DONE."""
-        from . import lifecycle
+        from ..runner import sd_notify
         packet, _ = self.channel.recv("go")
         if packet != b"GO":
             raise UpgradeFailed("go", f"expected go, got {packet[:40]!r}")
@@ -517,8 +526,8 @@ class Successor:
             except OSError as e:
                 self.figures["pidfile_error"] = f"{pidfile}: {e.strerror}"
             write_status(pidfile, result="done", pid=os.getpid(), old_pid=self.meta["old_pid"])
-        lifecycle.sd_notify(f"MAINPID={os.getpid()}")
-        lifecycle.sd_notify("READY=1")
+        sd_notify(f"MAINPID={os.getpid()}")
+        sd_notify("READY=1")
         try:
             self.channel.send(b"DONE")
         except UpgradeFailed:

@@ -21,7 +21,7 @@ from .. import logschema as schema
 from ..client.protocol import MAX_MESSAGE, Message
 from ..client.reconnect import Reconnect
 from ..client.sync import Client
-from ..runner import STOPPED
+from ..runner import STOPPED, ready
 from . import wire
 from .patterns import PatternSet, compile_pattern
 from .patterns import covers as _covers
@@ -164,6 +164,9 @@ class Store:
                   request_key=self.s.request_key.decode("utf-8", "backslashreplace"),
                   fsync=self.s.fsync, segment_bytes=self.s.segment_bytes,
                   max_bytes=self.s.max_bytes, max_age_s=self.s.max_age_s, flood=self.s.flood)
+        # connect() had whoami answered after the SUBs: both are in place.
+        ready(self.logger, "store",
+              request_key=self.s.request_key.decode("utf-8", "backslashreplace"))
         while not stopping():
             self.wait_readable(self.wait())
             asked = _take(requests, RECEIVE_BATCH)
