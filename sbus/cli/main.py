@@ -33,6 +33,9 @@
     sbus serve [-j N] PATTERN -- COMMAND ...
                                     answer requests on PATTERN: COMMAND gets the
                                     body on stdin, its stdout is the reply
+    sbus fds [--socket PATH] [--timeout S] [--max-fds-per-uid N]
+                                    hand fds to the process a !/cred/ address
+                                    names (docs/fds.md)
 
 Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
 ``/run/sbus.socket``.
@@ -361,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     consume.set_defaults(run=cmd_consume)
 
     from ..bridge.cli import add_parser as add_bridge_parser
+    from ..fdpass.cli import add_parser as add_fds_parser
     from ..queue.cli import add_parser as add_queue_parser
     from ..store.cli import add_parsers as add_store_parsers
     from .requests import add_parsers as add_request_parsers
@@ -368,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_queue_parser(commands, common)
     add_store_parsers(commands, common)
     add_request_parsers(commands, common)
+    add_fds_parser(commands, common)
     for command in commands.choices.values():
         command.set_defaults(parser=command)
     return parser
