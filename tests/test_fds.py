@@ -81,6 +81,7 @@ class FdsProcess:
             self.kill()
             raise AssertionError(f"sbus fds did not start: {self.stderr_text()}") from None
         self.socket = self.start_record["socket"]
+        self.base_fds = fd_count(self.pid)      # no connection, no offer yet
 
     @property
     def pid(self) -> int:
@@ -288,7 +289,8 @@ def test_unclaimed_fds_are_closed_after_the_timeout(bus, services):
         r, w = os.pipe()
         ticket = give(rcv.address, [r, r, r], address=bus.address)
         os.close(r)
-        assert fd_count(svc.pid) == base + 3
+        # The giver's connection may not be closed there yet: wait for it to be.
+        wait_until(lambda: fd_count(svc.pid) == base + 3, TIMEOUT, "3 fds held")
         rec = svc.wait_for_event(ls.FDS_EXPIRED)
         assert rec["count"] == 3 and rec["ticket"] == ticket[:8]
         # The service held the pipe's last read end: writing now breaks it.
@@ -521,3 +523,24 @@ def test_socket_activation_serves_the_socket_systemd_passes(bus, tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_a_kept_claim_connection_closed_for_silence_is_opened_again(bus, services):
+    svc = services(bus.address, "--timeout", "0.5")
+    with Client(bus.address) as c:
+        rcv = Receiver(c)
+        r, w = os.pipe()
+        give(rcv.address, [r], address=bus.address)
+        rcv.take(timeout=TIMEOUT).close()
+        svc.wait_for_event(ls.FDS_CLAIM)
+        wait_until(lambda: fd_count(svc.pid) == svc.base_fds, TIMEOUT,
+                   "the idle connection closed")
+        give(rcv.address, [w], address=bus.address)
+        with rcv.take(timeout=TIMEOUT) as h:
+            os.write(h.fds[0], b"again")
+        assert os.read(r, 10) == b"again"
+        os.close(r)
+        os.close(w)
+    svc.stop()
+    assert svc.events(ls.FDS_STOP)[-1]["connections_idle"] >= 1
+

@@ -150,20 +150,58 @@ def give(receiver, fds: Sequence[int], note: bytes = b"", *, path: Optional[str]
         return giver.give(receiver, fds, note)
 
 
+class Claimer:
+    """A connection to the service for claiming, kept for many claims (the
+    service closes it after --timeout of silence; it is then opened again)."""
+
+    def __init__(self, path: Optional[str] = None, *, address: Optional[str] = None,
+                 timeout: Optional[float] = TIMEOUT) -> None:
+        self.path = path or socket_path(address)
+        self.timeout = timeout
+        self.sock: Optional[socket.socket] = None
+
+    def claim(self, ticket: str) -> Handed:
+        """The fds of ``ticket``, if this process is the one they were offered to."""
+        request = wire.CLAIM + ticket.encode("ascii", "replace")
+        for attempt in (1, 2):
+            fresh = self.sock is None
+            if self.sock is None:
+                self.sock = _connect(self.path, self.timeout)
+            try:
+                self.sock.settimeout(self.timeout)
+                wire.send_fds(self.sock, request)
+                packet, fds = _answer(self.sock, self.timeout)
+                break
+            except (FdsError, OSError) as exc:
+                if isinstance(exc, FdsError) and exc.code != "closed":
+                    raise
+                self.close()
+                # A kept connection the service had closed: once more on a new one.
+                if fresh or attempt == 2:
+                    raise
+        giver, _, note = packet[len(wire.FDS):].partition(b"\0")
+        if not packet.startswith(wire.FDS):
+            wire.close_all(fds)
+            raise FdsError(wire.E_MALFORMED, f"unexpected answer {packet[:40]!r}")
+        return Handed(fds, giver.decode(), note, ticket)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def __enter__(self) -> "Claimer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def claim(ticket: str, *, path: Optional[str] = None, address: Optional[str] = None,
           timeout: Optional[float] = TIMEOUT) -> Handed:
-    """The fds of ``ticket``, if this process is the one they were offered to."""
-    sock = _connect(path or socket_path(address), timeout)
-    try:
-        wire.send_fds(sock, wire.CLAIM + ticket.encode("ascii", "replace"))
-        packet, fds = _answer(sock, timeout)
-    finally:
-        sock.close()
-    giver, _, note = packet[len(wire.FDS):].partition(b"\0")
-    if not packet.startswith(wire.FDS):
-        wire.close_all(fds)
-        raise FdsError(wire.E_MALFORMED, f"unexpected answer {packet[:40]!r}")
-    return Handed(fds, giver.decode(), note, ticket)
+    """The fds of ``ticket`` through a connection of its own."""
+    with Claimer(path, address=address, timeout=timeout) as claimer:
+        return claimer.claim(ticket)
 
 
 class Receiver:
@@ -177,6 +215,7 @@ class Receiver:
             raise FdsError(wire.E_ADDRESS, f"{self.address} is behind another broker: fds "
                            f"pass between processes of one host's broker only")
         self.path = path or socket_path(getattr(bus, "address", None))
+        self.claimer = Claimer(self.path)
         self._inbox = f"{self.address}/{wire.INBOX}/".encode()
         # What take() read that was no notification, for the caller, in order.
         self.others: List = []
@@ -194,10 +233,12 @@ class Receiver:
         count, giver, note = parsed
         return Notice(ticket.decode(), count, giver.decode(), note)
 
-    def claim(self, ticket: Union[str, Notice], timeout: Optional[float] = TIMEOUT) -> Handed:
-        if isinstance(ticket, Notice):
-            ticket = ticket.ticket
-        return claim(ticket, path=self.path, timeout=timeout)
+    def claim(self, ticket: Union[str, Notice]) -> Handed:
+        return self.claimer.claim(ticket.ticket if isinstance(ticket, Notice) else ticket)
+
+    def close(self) -> None:
+        """Close the connection to the service (not the bus client: the caller's)."""
+        self.claimer.close()
 
     def take(self, timeout: Optional[float] = None) -> Handed:
         """Wait for the next notification and claim its fds. Other messages
