@@ -9,6 +9,9 @@ Rows, for each size (medians of --repeat runs, the two rows interleaved):
 - ``memfd_N``: the giver copies the bytes into a memfd, seals it and gives it
   (``sbus.fdpass.give``); the receiver, its own process, takes it
   (``Receiver.take``) and maps it: from the first byte written to the map;
+- ``filled_N``: the same with the memfd filled and sealed before the clock
+  starts, as a producer that renders into the memfd (mmap) would have it:
+  the hand-over alone, whatever N is;
 - ``chunks_N``: the giver publishes the bytes as ``--max-message`` payloads
   (400 KiB less the key) with ``publish_many``; the receiver, subscribed with
   ``blocking/hard/block`` (nothing discarded), joins them: from the first
@@ -91,13 +94,15 @@ def spawn(mode, address, count) -> subprocess.Popen:
 
 # -- the giving side (this process) --------------------------------------------------
 
-def run_memfd(address, data) -> float:
+def run_memfd(address, data, filled=False) -> float:
     from sbus.fdpass.client import give, memfd_payload
     p = spawn("memfd", address, 0)
     try:
         receiver = p.stdout.readline().strip()
+        fd = memfd_payload(data) if filled else -1
         start = time.monotonic_ns()
-        fd = memfd_payload(data)
+        if fd < 0:
+            fd = memfd_payload(data)
         give(receiver, [fd], b"bench", address=address)
         os.close(fd)
         got = json.loads(p.stdout.readline())
@@ -174,9 +179,11 @@ def main() -> int:
             print(f"{'row':<14} {'MiB':>6} {'seconds':>9} {'MiB/s':>9}  (median of {args.repeat})")
             for mib in sizes:
                 data = os.urandom(1 << 20) * mib
-                runs = {"memfd": [], "chunks": []}
+                runs = {"memfd": [], "filled": [], "chunks": []}
                 for i in range(args.repeat):
-                    for name, run in (("memfd", run_memfd), ("chunks", run_chunks)):
+                    for name, run in (("memfd", run_memfd),
+                                      ("filled", lambda a, d: run_memfd(a, d, filled=True)),
+                                      ("chunks", run_chunks)):
                         say(f"{name}_{mib} run {i + 1}/{args.repeat}")
                         runs[name].append(run(broker.address, data))
                 for name, times in runs.items():
