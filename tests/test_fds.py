@@ -330,18 +330,21 @@ def test_refusals_of_malformed_offers(bus, services):
         for receiver, fds, code in (("!/cred/1/2", [r], wire.E_ADDRESS),
                                     ("!/cred/1/2/3/!/cred/4/5/6", [r], wire.E_ADDRESS),
                                     ("pub/lic", [r], wire.E_ADDRESS)):
-            with Giver(svc.socket) as g, pytest.raises(FdsError) as e:
-                g.sock.sendmsg([wire.OFFER + receiver.encode() + b"\0"],
-                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                 __import__("array").array("i", fds).tobytes())])
-                from sbus.fdpass.client import _answer
-                _answer(g.sock, TIMEOUT)
-            assert e.value.code == code, receiver
-        for packet in (wire.OFFER + b"!/cred/1/2/3\0", b"HELLO", wire.CLAIM + b"zz"):
+            # Past the client's own check: what a C giver could send.
             with Giver(svc.socket) as g:
-                g.sock.send(packet)
+                wire.send_fds(g.sock, wire.OFFER + receiver.encode() + b"\0", fds)
                 answer = g.sock.recv(4096)
-                assert answer.startswith(wire.ERR), packet
+            assert wire.parse_error(answer)[0] == code, receiver
+        for packet, fds, code in ((wire.OFFER + b"!/cred/1/2/3\0", [], wire.E_NOFDS),
+                                  (b"HELLO", [], wire.E_MALFORMED),
+                                  (wire.CLAIM + b"zz", [], wire.E_UNKNOWN),
+                                  (wire.CLAIM + b"0" * 32, [r], wire.E_MALFORMED),
+                                  (wire.OFFER + b"!/cred/1/2/3\0" + b"n" * 4097, [r],
+                                   wire.E_MALFORMED)):
+            with Giver(svc.socket) as g:
+                wire.send_fds(g.sock, packet, fds)
+                answer = g.sock.recv(4096)
+            assert wire.parse_error(answer)[0] == code, packet
     finally:
         os.close(r)
         os.close(w)
@@ -544,3 +547,20 @@ def test_a_kept_claim_connection_closed_for_silence_is_opened_again(bus, service
     svc.stop()
     assert svc.events(ls.FDS_STOP)[-1]["connections_idle"] >= 1
 
+
+
+def test_connections_beyond_the_limit_are_closed_at_once(bus, services):
+    svc = services(bus.address, "--max-connections", "2")
+    held = [Giver(svc.socket), Giver(svc.socket)]
+    try:
+        r, w = os.pipe()
+        with pytest.raises(FdsError) as e:
+            give("!/cred/0/0/1", [r], path=svc.socket)
+        assert e.value.code == "closed"
+        assert svc.wait_for_event(ls.FDS_REFUSED)["reason"] == "connections"
+        assert wire.TICKET_RE.fullmatch(held[0].give("!/cred/0/0/1", [w]).encode())
+        os.close(r)
+        os.close(w)
+    finally:
+        for g in held:
+            g.close()

@@ -87,13 +87,28 @@ def _connect(path: str, timeout: Optional[float]) -> socket.socket:
     return sock
 
 
+CLOSED = "closed"       # FdsError.code: the service closed the connection
+
+
+def _request(sock: socket.socket, packet: bytes, fds: Sequence[int], timeout: Optional[float]):
+    """Send one request and read the service's answer: (packet, fds)."""
+    sock.settimeout(timeout)
+    try:
+        wire.send_fds(sock, packet, fds)
+        return _answer(sock, timeout)
+    except (ConnectionResetError, BrokenPipeError) as exc:
+        raise FdsError(CLOSED, f"the service closed the connection ({exc.strerror}): "
+                       f"too many connections, or silent too long") from None
+
+
 def _answer(sock: socket.socket, timeout: Optional[float]):
     """The service's answer: (packet, fds). EOF means it refused the connection."""
     sock.settimeout(timeout)
     packet, fds, cut = wire.recv_fds(sock)
     if not packet:
         wire.close_all(fds)
-        raise FdsError("closed", "the service closed the connection (too many connections?)")
+        raise FdsError(CLOSED, "the service closed the connection: too many connections, "
+                       "or silent too long")
     if packet.startswith(wire.ERR):
         wire.close_all(fds)
         raise FdsError(*wire.parse_error(packet))
@@ -116,7 +131,8 @@ class Giver:
     def __init__(self, path: Optional[str] = None, *, address: Optional[str] = None,
                  timeout: Optional[float] = TIMEOUT) -> None:
         self.timeout = timeout
-        self.sock = _connect(path or socket_path(address), timeout)
+        self.path = path or socket_path(address)
+        self.sock: Optional[socket.socket] = _connect(self.path, timeout)
 
     def give(self, receiver, fds: Sequence[int], note: bytes = b"") -> str:
         """Offer ``fds`` (1 to 253; they stay open here too) to the process
@@ -125,16 +141,27 @@ class Giver:
             raise ValueError(f"1 to {wire.MAX_FDS} fds, not {len(fds)}")
         if len(note) > wire.MAX_NOTE:
             raise ValueError(f"a note is at most {wire.MAX_NOTE} bytes")
-        self.sock.settimeout(self.timeout)
-        wire.send_fds(self.sock, wire.OFFER + _receiver_of(receiver) + b"\0" + note, fds)
-        packet, extra = _answer(self.sock, self.timeout)
+        request = wire.OFFER + _receiver_of(receiver) + b"\0" + note
+        if self.sock is None:
+            self.sock = _connect(self.path, self.timeout)
+        try:
+            packet, extra = _request(self.sock, request, fds, self.timeout)
+        except OSError:
+            self.close()               # a late answer must not be taken for the next one
+            raise
+        except FdsError as exc:
+            if exc.code == CLOSED:
+                self.close()
+            raise
         wire.close_all(extra)
         if not packet.startswith(wire.TICKET):
             raise FdsError(wire.E_MALFORMED, f"unexpected answer {packet[:40]!r}")
         return packet[len(wire.TICKET):].decode("ascii")
 
     def close(self) -> None:
-        self.sock.close()
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
     def __enter__(self) -> "Giver":
         return self
@@ -168,12 +195,13 @@ class Claimer:
             if self.sock is None:
                 self.sock = _connect(self.path, self.timeout)
             try:
-                self.sock.settimeout(self.timeout)
-                wire.send_fds(self.sock, request)
-                packet, fds = _answer(self.sock, self.timeout)
+                packet, fds = _request(self.sock, request, (), self.timeout)
                 break
-            except (FdsError, OSError) as exc:
-                if isinstance(exc, FdsError) and exc.code != "closed":
+            except OSError:
+                self.close()           # a late answer must not be taken for the next one
+                raise
+            except FdsError as exc:
+                if exc.code != CLOSED:
                     raise
                 self.close()
                 # A kept connection the service had closed: once more on a new one.
