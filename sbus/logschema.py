@@ -380,7 +380,7 @@ FDS_BUS_BACK = "fds_bus_back"
 
 FDS_COUNTERS = ("connections_accepted", "connections_refused", "connections_idle", "accept_failed",
                 "offers", "offers_refused", "claims", "claims_refused", "claims_unsent",
-                "expired", "notifications_failed")
+                "expired", "notifications_failed", "pushed")
 _FDS_COUNTERS = tuple((name, INT) for name in FDS_COUNTERS + ("pending", "held", "connections")) \
     + (("uptime_s", FLOAT),)
 

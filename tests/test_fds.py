@@ -564,3 +564,41 @@ def test_connections_beyond_the_limit_are_closed_at_once(bus, services):
     finally:
         for g in held:
             g.close()
+
+
+def test_wait_takes_offers_without_the_bus(bus, services, c_fds):
+    """WAIT: an offer already there comes at once, a later one as it is made,
+    and a process waits for its own offers only (a C waiter is another pid)."""
+    from sbus.fdpass.client import Claimer
+    svc = services(bus.address)
+    mine = f"!/cred/{os.getegid()}/{os.geteuid()}/{os.getpid()}"
+    r, w = os.pipe()
+    try:
+        early = give(mine, [r], b"early", path=svc.socket)
+        p = subprocess.Popen([str(c_fds), "wait", svc.socket], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        other = p.stdout.readline().strip()
+        assert other.endswith(f"/{p.pid}")
+        with Claimer(svc.socket) as claimer:
+            with claimer.wait(timeout=TIMEOUT) as h:
+                assert (h.ticket, h.note, h.giver) == (early, b"early", mine)
+            with pytest.raises(socket.timeout):
+                claimer.wait(timeout=0.3)       # nothing yet; the wait stands
+            fd = memfd_payload(b"for C")
+            give(other, [fd], b"c-note", path=svc.socket)
+            os.close(fd)
+            out, err = p.communicate(timeout=TIMEOUT)
+            assert p.returncode == 0, err
+            assert out == f"{mine} c-note for C\n"
+            late = give(mine, [w], b"late", path=svc.socket)
+            with claimer.wait(timeout=TIMEOUT) as h:
+                assert (h.ticket, h.note) == (late, b"late")
+                os.write(h.fds[0], b"w")
+            assert os.read(r, 1) == b"w"
+    finally:
+        os.close(r)
+        os.close(w)
+    svc.stop()
+    stop = svc.events(ls.FDS_STOP)[-1]
+    # The late one was pushed to the standing wait; C's, if its WAIT came first.
+    assert stop["pushed"] in (1, 2) and (stop["claims"], stop["pending"]) == (3, 0)

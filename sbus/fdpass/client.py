@@ -125,6 +125,15 @@ def _receiver_of(receiver) -> bytes:
     return raw
 
 
+def _handed(packet: bytes, fds: List[int]) -> Handed:
+    parsed = wire.parse_fds(packet)
+    if parsed is None:
+        wire.close_all(fds)
+        raise FdsError(wire.E_MALFORMED, f"unexpected answer {packet[:40]!r}")
+    ticket, giver, note = parsed
+    return Handed(fds, giver, note, ticket)
+
+
 class Giver:
     """A connection to the service for offering fds, one ``give`` at a time."""
 
@@ -186,10 +195,13 @@ class Claimer:
         self.path = path or socket_path(address)
         self.timeout = timeout
         self.sock: Optional[socket.socket] = None
+        self.waiting = False
 
     def claim(self, ticket: str) -> Handed:
         """The fds of ``ticket``, if this process is the one they were offered to."""
         request = wire.CLAIM + ticket.encode("ascii", "replace")
+        if self.waiting:
+            self.close()               # a standing WAIT would take the answer
         for attempt in (1, 2):
             fresh = self.sock is None
             if self.sock is None:
@@ -207,13 +219,36 @@ class Claimer:
                 # A kept connection the service had closed: once more on a new one.
                 if fresh or attempt == 2:
                     raise
-        giver, _, note = packet[len(wire.FDS):].partition(b"\0")
-        if not packet.startswith(wire.FDS):
-            wire.close_all(fds)
-            raise FdsError(wire.E_MALFORMED, f"unexpected answer {packet[:40]!r}")
-        return Handed(fds, giver.decode(), note, ticket)
+        return _handed(packet, fds)
+
+    def wait(self, timeout: Optional[float] = None) -> Handed:
+        """The next offer for this process, as soon as the service has it
+        (an offer already waiting first): no bus, no ticket to claim, and two
+        process wake-ups fewer than a notification and a claim. TimeoutError
+        leaves the wait standing; the next ``wait`` goes on with it. Fds that
+        arrive as the connection is closed are lost, as on any socket."""
+        if self.sock is None:
+            self.sock = _connect(self.path, self.timeout)
+        try:
+            if not self.waiting:
+                self.sock.settimeout(self.timeout)
+                wire.send_fds(self.sock, wire.WAIT)
+                self.waiting = True
+            packet, fds = _answer(self.sock, timeout)
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            self.close()
+            raise FdsError(CLOSED, f"the service closed the connection ({exc.strerror})") \
+                from None
+        except socket.timeout:     # TimeoutError since 3.10; the wait stands
+            raise
+        except (OSError, FdsError):
+            self.close()
+            raise
+        self.waiting = False
+        return _handed(packet, fds)
 
     def close(self) -> None:
+        self.waiting = False
         if self.sock is not None:
             self.sock.close()
             self.sock = None

@@ -62,12 +62,13 @@ class Offer:
 
 
 class Conn:
-    __slots__ = ("sock", "peer", "idle_since")
+    __slots__ = ("sock", "peer", "idle_since", "waiting")
 
     def __init__(self, sock: socket.socket, peer: wire.Peer) -> None:
         self.sock = sock
         self.peer = peer
         self.idle_since = time.monotonic()
+        self.waiting = False        # sent WAIT: the next offer for its peer goes here
 
 
 def _systemd_socket() -> Optional[socket.socket]:
@@ -143,6 +144,7 @@ class FdService:
         self.bus = None                           # an sbus.Client once open
         self.conns: Dict[int, Conn] = {}
         self.conns_by_uid: Counter = Counter()
+        self.waiters: Dict[wire.Peer, List[Conn]] = {}   # oldest WAIT first
         self.offers: Dict[str, Offer] = {}        # in deadline order: one timeout for all
         self.held_by_uid: Counter = Counter()
         self.held = 0
@@ -272,7 +274,17 @@ class FdService:
             self.conns_by_uid[peer.uid] += 1
             self.counters["connections_accepted"] += 1
 
+    def unwait(self, conn: Conn) -> None:
+        if conn.waiting:
+            conn.waiting = False
+            queue = self.waiters.get(conn.peer, [])
+            if conn in queue:
+                queue.remove(conn)
+            if not queue:
+                self.waiters.pop(conn.peer, None)
+
     def drop(self, conn: Conn) -> None:
+        self.unwait(conn)
         fd = conn.sock.fileno()
         if self.conns.pop(fd, None) is not None:
             self.conns_by_uid[conn.peer.uid] -= 1
@@ -290,6 +302,7 @@ class FdService:
             self.drop(conn)
             return
         conn.idle_since = time.monotonic()
+        self.unwait(conn)              # anything it sends ends a wait
         if not packet and not fds:
             self.drop(conn)            # EOF: SOCK_SEQPACKET has no empty requests here
             return
@@ -302,6 +315,14 @@ class FdService:
                 fds = []               # the offer owns them now, or offer() closed them
             elif packet.startswith(wire.CLAIM) and not fds:
                 answer, claimed = self.claim(conn, packet)
+            elif packet == wire.WAIT:
+                claimed = next((o for o in self.offers.values() if o.receiver == conn.peer),
+                               None)
+                if claimed is None:
+                    conn.waiting = True
+                    self.waiters.setdefault(conn.peer, []).append(conn)
+                    return             # answered when an offer for it comes
+                answer = wire.pack_fds(claimed.ticket, claimed.giver, claimed.note)
             else:
                 answer = wire.pack_error(wire.E_MALFORMED, "neither OFFER nor CLAIM (which carries no fds)")
         finally:
@@ -347,13 +368,15 @@ class FdService:
             return wire.pack_error(*error)
         assert receiver is not None
         ticket = wire.new_ticket()
+        self.counters["offers"] += 1
+        self.emit(schema.FDS_OFFER, level="debug", giver=str(giver), receiver=str(receiver),
+                  count=len(fds), ticket=ticket[:8])
+        if self.push(receiver, ticket, giver, note, fds):
+            return wire.TICKET + ticket.encode()
         self.offers[ticket] = Offer(ticket, receiver, giver, fds, note,
                                     time.monotonic() + self.s.timeout)
         self.held += len(fds)
         self.held_by_uid[giver.uid] += len(fds)
-        self.counters["offers"] += 1
-        self.emit(schema.FDS_OFFER, level="debug", giver=str(giver), receiver=str(receiver),
-                  count=len(fds), ticket=ticket[:8])
         assert self.bus is not None
         try:
             self.bus.publish(wire.notification_key(receiver, ticket),
@@ -364,6 +387,30 @@ class FdService:
             self.emit(schema.FDS_BUS_LOST, level="warning", address=self.s.address,
                       error=str(exc))
         return wire.TICKET + ticket.encode()
+
+    def push(self, receiver: wire.Peer, ticket: str, giver: wire.Peer, note: bytes,
+             fds: List[int]) -> bool:
+        """Hand a new offer straight to a connection of its receiver that sent
+        WAIT (no ticket to claim, no notification); True if one took it."""
+        queue = self.waiters.get(receiver)
+        while queue:
+            conn = queue[0]
+            self.unwait(conn)
+            try:
+                wire.send_fds(conn.sock, wire.pack_fds(ticket, giver, note), fds,
+                              socket.MSG_DONTWAIT)
+            except OSError:
+                self.drop(conn)
+                queue = self.waiters.get(receiver)
+                continue
+            conn.idle_since = time.monotonic()
+            wire.close_all(fds)
+            self.counters["claims"] += 1
+            self.counters["pushed"] += 1
+            self.emit(schema.FDS_CLAIM, level="debug", receiver=str(receiver), count=len(fds),
+                      ticket=ticket[:8])
+            return True
+        return False
 
     def claim(self, conn: Conn, packet: bytes):
         ticket = packet[len(wire.CLAIM):]
@@ -376,7 +423,7 @@ class FdService:
                 self.emit(schema.FDS_DENIED, level="warning", peer=str(conn.peer),
                           receiver=str(offer.receiver), ticket=offer.ticket[:8])
             return wire.pack_error(wire.E_UNKNOWN, "no such ticket for this process"), None
-        return wire.FDS + str(offer.giver).encode() + b"\0" + offer.note, offer
+        return wire.pack_fds(offer.ticket, offer.giver, offer.note), offer
 
     def forget(self, offer: Offer) -> None:
         wire.close_all(offer.fds)
@@ -396,7 +443,8 @@ class FdService:
             self.emit(schema.FDS_EXPIRED, giver=str(offer.giver), receiver=str(offer.receiver),
                       count=len(offer.fds), ticket=offer.ticket[:8])
         # A connection that sent nothing for a whole timeout is given up.
-        idle = [c for c in self.conns.values() if now - c.idle_since > self.s.timeout]
+        idle = [c for c in self.conns.values()
+                if not c.waiting and now - c.idle_since > self.s.timeout]
         for conn in idle:
             self.counters["connections_idle"] += 1
             self.drop(conn)

@@ -8,7 +8,8 @@ answer per packet, with ``SCM_RIGHTS``:
     service  -> giver     ``TICKET T``  or  ``ERR CODE TEXT``
     service  -> bus       key ``!/cred/G/U/P/fds/T``,  payload ``N !/cred/g/u/p\\0NOTE``
     receiver -> service   ``CLAIM T``
-    service  -> receiver  ``FDS !/cred/g/u/p\\0NOTE``  + the fds,  or  ``ERR CODE TEXT``
+    service  -> receiver  ``FDS T !/cred/g/u/p\\0NOTE``  + the fds,  or  ``ERR CODE TEXT``
+    receiver -> service   ``WAIT``: the same answer for its next offer, when it comes
 
 ``T`` is 32 lowercase hex digits; ``!/cred/g/u/p`` in the answers is the
 giver as the service saw it (``SO_PEERCRED``). Nothing here does I/O beyond
@@ -38,6 +39,7 @@ ENV_SOCKET = "SBUS_FDS_SOCKET"
 
 OFFER = b"OFFER "
 CLAIM = b"CLAIM "
+WAIT = b"WAIT"
 TICKET = b"TICKET "
 FDS = b"FDS "
 ERR = b"ERR "
@@ -112,6 +114,21 @@ def parse_notification(payload: bytes) -> Optional[Tuple[int, bytes, bytes]]:
     if not sep or not count.isdigit() or parse_cred(giver) is None:
         return None
     return int(count), giver, note
+
+
+def pack_fds(ticket: str, giver: Peer, note: bytes) -> bytes:
+    return FDS + f"{ticket} {giver}".encode() + b"\0" + note
+
+
+def parse_fds(packet: bytes) -> Optional[Tuple[str, str, bytes]]:
+    """(ticket, giver, note) of an ``FDS`` answer, or None."""
+    if not packet.startswith(FDS):
+        return None
+    head, sep, note = packet[len(FDS):].partition(b"\0")
+    ticket, _, giver = head.partition(b" ")
+    if not sep or not TICKET_RE.fullmatch(ticket) or parse_cred(giver) is None:
+        return None
+    return ticket.decode(), giver.decode(), note
 
 
 def pack_error(code: str, text: str) -> bytes:

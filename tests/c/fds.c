@@ -6,7 +6,9 @@
  *       and prints the ticket;
  *   fds take BUS FDSOCKET
  *       prints its own !/cred/ address, waits on the bus for a notification,
- *       claims the ticket and prints "GIVER NOTE CONTENT" (the first fd's).
+ *       claims the ticket and prints "GIVER NOTE CONTENT" (the first fd's);
+ *   fds wait FDSOCKET
+ *       the same without the bus: WAIT for the next offer to this process.
  *
  * Exit 0 on success, 1 on any failure (an ERR answer's text on stderr). */
 #define _GNU_SOURCE
@@ -112,9 +114,29 @@ static int give(char **argv)
 	return 0;
 }
 
+/* The answer FDS TICKET GIVER \0 NOTE with its fds: "GIVER NOTE CONTENT". */
+static int print_fds(int sock)
+{
+	int fds[253], n;
+	ssize_t len = recv_fds(sock, fds, &n);
+	char *note;
+
+	if (len <= 0 || strncmp(buf, "FDS ", 4) || n < 1) {
+		fprintf(stderr, "%s\n", len > 0 ? buf : "no answer");
+		return 1;
+	}
+	note = buf + strlen(buf) + 1;
+	printf("%s %.*s ", buf + 4 + 33, (int)(buf + len - note), note);
+	len = pread(fds[0], buf, MAX, 0);
+	if (len < 0)
+		return 1;
+	printf("%.*s\n", (int)len, buf);
+	return 0;
+}
+
 static int take(char **argv)
 {
-	char creds[256], inbox[300], claim[64], *ticket, *note;
+	char creds[256], inbox[300], claim[64], *ticket;
 	int bus = connect_to(argv[0]), sock, fds[253], n;
 	size_t inbox_len;
 	ssize_t len;
@@ -144,19 +166,18 @@ static int take(char **argv)
 	snprintf(claim, sizeof(claim), "CLAIM %.32s", ticket);
 	sock = connect_to(argv[1]);
 	send_fds(sock, claim, strlen(claim), NULL, 0);
-	len = recv_fds(sock, fds, &n);
-	if (len <= 0 || strncmp(buf, "FDS ", 4) || n < 1) {
-		fprintf(stderr, "%s\n", len > 0 ? buf : "no answer");
-		return 1;
-	}
-	/* FDS GIVER \0 NOTE */
-	note = buf + strlen(buf) + 1;
-	printf("%s %.*s ", buf + 4, (int)(buf + len - note), note);
-	len = pread(fds[0], buf, MAX, 0);
-	if (len < 0)
-		return 1;
-	printf("%.*s\n", (int)len, buf);
-	return 0;
+	return print_fds(sock);
+}
+
+/* The bus-less way: WAIT for the next offer to this very process. */
+static int wait_offer(char **argv)
+{
+	int sock = connect_to(argv[0]);
+
+	printf("!/cred/%ld/%ld/%ld\n", (long)getegid(), (long)geteuid(), (long)getpid());
+	fflush(stdout);
+	send_fds(sock, "WAIT", 4, NULL, 0);
+	return print_fds(sock);
 }
 
 int main(int argc, char *argv[])
@@ -165,6 +186,8 @@ int main(int argc, char *argv[])
 		return give(argv + 2);
 	if (argc == 4 && !strcmp(argv[1], "take"))
 		return take(argv + 2);
-	fprintf(stderr, "usage: fds give FDSOCKET RECEIVER NOTE TEXT | fds take BUS FDSOCKET\n");
+	if (argc == 3 && !strcmp(argv[1], "wait"))
+		return wait_offer(argv + 2);
+	fprintf(stderr, "usage: fds give FDSOCKET RECEIVER NOTE TEXT | fds take BUS FDSOCKET | fds wait FDSOCKET\n");
 	return 2;
 }
