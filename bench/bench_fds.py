@@ -17,7 +17,10 @@ Rows, for each size (medians of --repeat runs, the two rows interleaved):
   ``blocking/hard/block`` (nothing discarded), joins them: from the first
   publish to the last byte joined;
 - ``handover``: one fd, ``Giver.give`` to ``Receiver.take`` returning in the
-  other process, one at a time, --latency times: p50 and p99 in microseconds.
+  other process (notification on the bus, then a claim), one at a time,
+  --latency times: p50 and p99 in microseconds;
+- ``handover_wait``: the same with ``Claimer.wait`` (WAIT: the service pushes
+  the fds to the waiting receiver, no bus).
 
 Times cross processes through CLOCK_MONOTONIC (one clock for the machine).
 Prints a table on stdout and progress on stderr; nothing asserts on speed.
@@ -69,6 +72,13 @@ def worker(mode: str, address: str, count: int) -> int:
     receiver = Receiver(bus)
     out.write(receiver.address + "\n")
     out.flush()
+    if mode == "wait":
+        for _ in range(count):
+            with receiver.claimer.wait(timeout=TIMEOUT) as h:
+                done = time.monotonic_ns()
+            out.write(json.dumps({"us": (done - int(h.note)) / 1000}) + "\n")
+            out.flush()
+        return 0
     if mode == "memfd":
         with receiver.take(timeout=TIMEOUT) as h:
             fd = h.fds[0]
@@ -128,9 +138,9 @@ def run_chunks(address, data) -> float:
         end_process(p)
 
 
-def run_handover(address, count) -> list:
+def run_handover(address, count, mode="handover") -> list:
     from sbus.fdpass.client import Giver
-    p = spawn("handover", address, count)
+    p = spawn(mode, address, count)
     times = []
     r, w = os.pipe()
     try:
@@ -191,10 +201,13 @@ def main() -> int:
                     print(f"{name + '_' + str(mib):<14} {mib:>6} {t:>9.4f} {mib / t:>9.0f}",
                           flush=True)
                 del data
-            say(f"handover: {args.latency} one at a time")
-            us = sorted(run_handover(broker.address, args.latency))
-            print(f"{'handover':<14} p50 {us[len(us) // 2]:.0f} us, "
-                  f"p99 {us[int(len(us) * 0.99)]:.0f} us ({len(us)} hand-overs)")
+            for mode in ("handover", "wait"):
+                say(f"{mode}: {args.latency} one at a time")
+                us = sorted(run_handover(broker.address, args.latency, mode))
+                name = "handover" if mode == "handover" else "handover_wait"
+                print(f"{name:<14} p50 {us[len(us) // 2]:.0f} us, "
+                      f"p99 {us[int(len(us) * 0.99)]:.0f} us ({len(us)} hand-overs)",
+                      flush=True)
         finally:
             end_process(service)
             broker.stop()
