@@ -351,8 +351,9 @@ def test_refusals_of_malformed_offers(bus, services):
 
 
 def test_churn_leaves_no_fd_in_the_service(bus, services):
-    """Offers claimed, offers expired, connections dropped at every step, and
-    garbage: afterwards the service's fd table is what it was."""
+    """Offers claimed, offers expired, offers pushed to waiters that are gone,
+    connections dropped at every step, and garbage: afterwards the service's
+    fd table is what it was."""
     svc = services(bus.address, "--timeout", "1")
     time.sleep(0.2)
     base = fd_count(svc.pid)
@@ -360,9 +361,19 @@ def test_churn_leaves_no_fd_in_the_service(bus, services):
     with Client(bus.address) as c:
         rcv = Receiver(c)
         claimed = 0
+        mine = f"!/cred/{os.getegid()}/{os.geteuid()}/{os.getpid()}"
         for i in range(60):
             n = 1 + i % 7
             with Giver(svc.socket) as g:
+                # A waiter of this process that is gone, or going, as an offer
+                # comes (closed before the ticket below, which it cannot take).
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                s.connect(svc.socket)
+                s.send(wire.WAIT)
+                if i % 2:
+                    s.close()
+                g.give(mine, [w])
+                s.close()
                 ticket = g.give(rcv.address, [r] * n)
             kind = i % 5
             if kind == 0:
@@ -395,7 +406,7 @@ def test_churn_leaves_no_fd_in_the_service(bus, services):
     assert svc.stop() == 0
     stop = svc.events(ls.FDS_STOP)[-1]
     assert stop["held"] == 0 and stop["pending"] == 0
-    assert (stop["offers"], stop["offers_refused"]) == (60 + 12, 0)
+    assert (stop["offers"], stop["offers_refused"]) == (60 + 60 + 12, 0)
     assert stop["claims"] >= claimed and stop["expired"] >= 1
     assert stop["claims"] + stop["expired"] == stop["offers"]
 
