@@ -5,6 +5,6 @@ its ``!/cred/GID/UID/PID`` address (docs/fds.md).
 ``service`` the process, ``cli`` its options, ``client`` the calls of both
 sides: ``give`` and ``Receiver``.
 """
-from .client import FdsError, Giver, Handed, Receiver, claim, give
+from .client import Claimer, FdsError, Giver, Handed, Receiver, claim, give
 
-__all__ = ["FdsError", "Giver", "Handed", "Receiver", "claim", "give"]
+__all__ = ["Claimer", "FdsError", "Giver", "Handed", "Receiver", "claim", "give"]
