@@ -376,3 +376,35 @@ STORE_EVENT_FIELDS = {
     STORE_BROKER_BACK: (("address", STR),),
     SERVICE_READY: (("service", STR), ("pid", INT), ("request_key", STR)),
 }
+
+# --- the fd hand-over service (``sbus fds``, docs/fds.md) ---------------------
+# A separate process with its own records, as the store's: the common fields
+# plus those below. Tickets are logged by their first 8 hex digits only.
+FDS_START = "fds_start"
+FDS_STOP = "fds_stop"
+FDS_OFFER = "fds_offer"          # (debug) fds taken in, a ticket issued
+FDS_CLAIM = "fds_claim"          # (debug) fds passed to their receiver
+FDS_EXPIRED = "fds_expired"      # nobody claimed them within --timeout: closed
+FDS_REFUSED = "fds_refused"      # an OFFER or a connection refused (reason: the ERR code)
+FDS_DENIED = "fds_denied"        # a CLAIM of a real ticket by another process
+FDS_BUS_LOST = "fds_bus_lost"    # a notification could not be published
+FDS_BUS_BACK = "fds_bus_back"
+
+FDS_COUNTERS = ("connections_accepted", "connections_refused", "connections_idle", "accept_failed",
+                "offers", "offers_refused", "claims", "claims_refused", "claims_unsent",
+                "expired", "notifications_failed", "pushed")
+_FDS_COUNTERS = tuple((name, INT) for name in FDS_COUNTERS + ("pending", "held", "connections")) \
+    + (("uptime_s", FLOAT),)
+
+FDS_EVENT_FIELDS = {
+    FDS_START: (("version", STR), ("address", STR), ("socket", STR), ("timeout_s", FLOAT),
+                ("max_fds_per_uid", INT), ("max_fds", INT), ("max_connections", INT)),
+    FDS_STOP: (("reason", STR),) + _FDS_COUNTERS,
+    FDS_OFFER: (("giver", STR), ("receiver", STR), ("count", INT), ("ticket", STR)),
+    FDS_CLAIM: (("receiver", STR), ("count", INT), ("ticket", STR)),
+    FDS_EXPIRED: (("giver", STR), ("receiver", STR), ("count", INT), ("ticket", STR)),
+    FDS_REFUSED: (("reason", STR), ("peer", STR), ("detail", STR)),
+    FDS_DENIED: (("peer", STR), ("receiver", STR), ("ticket", STR)),
+    FDS_BUS_LOST: (("address", STR), ("error", STR)),
+    FDS_BUS_BACK: (("address", STR),),
+}

@@ -309,6 +309,35 @@ def test_store_unit():
         assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_fds_units():
+    """sbus-fds.socket makes the socket clients look for beside the bus socket,
+    world-usable; sbus-fds.service serves it, sandboxed as the store."""
+    sock = read_unit("sbus-fds.socket")["Socket"]
+    bus = one(read_unit("sbusd.socket")["Socket"], "ListenSequentialPacket")
+    assert one(sock, "ListenSequentialPacket") == bus + ".fds"
+    assert one(sock, "SocketMode") == "0666"
+    svc = read_unit("sbus-fds.service")["Service"]
+    unit = read_unit("sbus-fds.service")["Unit"]
+    assert "sbusd.socket" in one(unit, "Requires") and "sbus-fds.socket" in one(unit, "Requires")
+    exec_start = one(svc, "ExecStart").split()
+    assert exec_start[:5] == ["/usr/bin/env", "sbus", "-a", bus, "fds"]
+    assert "--socket" not in exec_start, "the socket comes from systemd (fd 3)"
+    assert exec_start[exec_start.index("--log-format") + 1] == "json"
+    assert one(svc, "User") not in ("", "root")
+    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "PrivateDevices",
+                "PrivateNetwork", "MemoryDenyWriteExecute"):
+        assert one(svc, key) == "yes", key
+    assert one(svc, "ProtectSystem") == "strict"
+    assert one(svc, "RestrictAddressFamilies") == "AF_UNIX"
+    assert values(svc, "SystemCallFilter")[0] == "@system-service"
+    analyze = shutil.which("systemd-analyze")
+    if analyze:
+        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"),
+                            str(UNITS / "sbus-fds.socket"), str(UNITS / "sbus-fds.service")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_leaf_unit_runs_a_leaf_sandboxed_like_the_broker(tmp_path):
     unit = read_unit("sbusd-leaf.service")
     svc, broker = unit["Service"], read_unit("sbusd.service")["Service"]

@@ -41,6 +41,9 @@
                                     wait until the store, the queue service for
                                     PATTERN or a leaf's link serves: exit 0, or
                                     1 with a hint after S seconds (default 10)
+    sbus fds [--socket PATH] [--timeout S] [--max-fds-per-uid N]
+                                    hand fds to the process a !/cred/ address
+                                    names (docs/fds.md)
 
 Every command takes ``-a ADDRESS``; the default is ``$SBUS_ADDRESS``, else
 ``/run/sbus.socket``.
@@ -390,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     consume.set_defaults(run=cmd_consume)
 
     from ..bridge.cli import add_parser as add_bridge_parser
+    from ..fdpass.cli import add_parser as add_fds_parser
     from ..queue.cli import add_parser as add_queue_parser
     from ..store.cli import add_parsers as add_store_parsers
     from .access import add_parsers as add_access_parsers
@@ -401,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_request_parsers(commands, common)
     add_access_parsers(commands, common)
     add_ready_parser(commands, common)
+    add_fds_parser(commands, common)
     for command in commands.choices.values():
         command.set_defaults(parser=command)
     parser.command_names = list(commands.choices)

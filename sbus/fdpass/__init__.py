@@ -1,0 +1,10 @@
+"""``sbus fds``: file descriptors handed from one process to another named by
+its ``!/cred/GID/UID/PID`` address (docs/fds.md).
+
+``wire`` is the convention (packets, keys, the default socket path),
+``service`` the process, ``cli`` its options, ``client`` the calls of both
+sides: ``give`` and ``Receiver``.
+"""
+from .client import Claimer, FdsError, Giver, Handed, Receiver, claim, give
+
+__all__ = ["Claimer", "FdsError", "Giver", "Handed", "Receiver", "claim", "give"]
