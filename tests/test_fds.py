@@ -81,6 +81,9 @@ class FdsProcess:
             self.kill()
             raise AssertionError(f"sbus fds did not start: {self.stderr_text()}") from None
         self.socket = self.start_record["socket"]
+        # Listening and on the bus: the one readiness record every service writes.
+        ready = self.wait_for_event(ls.SERVICE_READY, TIMEOUT)
+        assert (ready["service"], ready["socket"]) == ("fds", self.socket), ready
         self.base_fds = fd_count(self.pid)      # no connection, no offer yet
 
     @property

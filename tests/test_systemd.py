@@ -248,7 +248,7 @@ def test_unit_files():
     assert "PrivateUsers" not in dict(svc), "PrivateUsers= hides the clients' real uids"
     analyze = shutil.which("systemd-analyze")
     if analyze:
-        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"),
+        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"), str(UNITS / "sbus-fds.socket"),
                             str(UNITS / "sbusd.service")], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -275,7 +275,7 @@ def test_queue_unit_is_sandboxed_like_the_broker():
     assert "PrivateUsers" not in dict(svc), "PrivateUsers= would change its !/cred/ key"
     analyze = shutil.which("systemd-analyze")
     if analyze:
-        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"),
+        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"), str(UNITS / "sbus-fds.socket"),
                             str(UNITS / "sbusd.service"), str(UNITS / "sbus-queue@.service")],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -303,7 +303,7 @@ def test_store_unit():
     assert values(svc, "SystemCallFilter")[0] == "@system-service"
     analyze = shutil.which("systemd-analyze")
     if analyze:
-        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"),
+        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"), str(UNITS / "sbus-fds.socket"),
                             str(UNITS / "sbus-store.service")], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -332,7 +332,7 @@ def test_fds_units():
     assert values(svc, "SystemCallFilter")[0] == "@system-service"
     analyze = shutil.which("systemd-analyze")
     if analyze:
-        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"),
+        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"), str(UNITS / "sbus-fds.socket"),
                             str(UNITS / "sbus-fds.socket"), str(UNITS / "sbus-fds.service")],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -379,7 +379,7 @@ def test_leaf_unit_runs_a_leaf_sandboxed_like_the_broker(tmp_path):
         host.stop()
     analyze = shutil.which("systemd-analyze")
     if analyze:
-        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"),
+        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"), str(UNITS / "sbus-fds.socket"),
                             str(UNITS / "sbusd.service"), str(UNITS / "sbusd-leaf.service")],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -513,17 +513,17 @@ def test_the_readme_has_a_section_for_every_service_unit():
 
 
 def test_service_units_are_type_notify_and_verify_clean():
-    """sbus store, sbus queue and sbus bridge send READY=1 themselves once
+    """sbus store, sbus queue, sbus bridge and sbus fds send READY=1 themselves once
     their subscriptions are in place (sbus.runner.ready; the store's and the
     queue's tests receive it): their units wait for it."""
-    names = ("sbus-store.service", "sbus-queue@.service", "sbus-bridge.service")
+    names = ("sbus-store.service", "sbus-queue@.service", "sbus-bridge.service", "sbus-fds.service")
     for name in names:
         svc = read_unit(name)["Service"]
         assert one(svc, "Type") == "notify", name
         assert "NotifyAccess" not in dict(svc), "the main process itself says it"
     analyze = shutil.which("systemd-analyze")
     if analyze:
-        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"),
+        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"), str(UNITS / "sbus-fds.socket"),
                             str(UNITS / "sbusd.service"), *(str(UNITS / n) for n in names)],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional
 from .. import __version__
 from .. import logschema as schema
 from ..errors import SbusError
-from ..runner import STOPPED
+from ..runner import STOPPED, ready
 from . import wire
 from .defaults import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_UID, MAX_FDS_PER_UID, TIMEOUT
 
@@ -183,6 +183,8 @@ class FdService:
                   socket=self.s.socket_path, timeout_s=self.s.timeout,
                   max_fds_per_uid=self.s.max_fds_per_uid, max_fds=self.max_fds,
                   max_connections=self.s.max_connections)
+        # Listening and on the bus (whoami answered): offers and claims work.
+        ready(self.log, "fds", socket=self.s.socket_path)
 
     def stop(self, reason: str) -> None:
         stats = self.stats()       # what it held when told to stop: all closed below
