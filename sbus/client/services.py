@@ -26,10 +26,6 @@ class ServiceMethods:
         """The last recorded message of each key: :func:`sbus.client.store.last`."""
         return _store.last(self, pattern, **options)
 
-    def request(self, key: Text, payload: Text = b"", timeout: float = _requests.REQUEST_TIMEOUT) -> bytes:
-        """The reply to a request on ``key``: :func:`sbus.client.requests.ask`."""
-        return _requests.ask(self, key, payload, timeout)
-
     def serve(self, pattern: Text, handler: Callable[..., Any], count: Optional[int] = None) -> int:
         """Answer the requests on ``pattern``: :func:`sbus.client.requests.serve`."""
         return _requests.serve(self, pattern, handler, count)
@@ -48,10 +44,6 @@ class AsyncServiceMethods:
     async def last(self, pattern: Text, **options: Any) -> List[Message]:
         """The last recorded message of each key: :func:`sbus.client.store.alast`."""
         return await _store.alast(self, pattern, **options)
-
-    async def request(self, key: Text, payload: Text = b"", timeout: float = _requests.REQUEST_TIMEOUT) -> bytes:
-        """The reply to a request on ``key``; many may be in flight: :func:`sbus.client.requests.ask_async`."""
-        return await _requests.ask_async(self, key, payload, timeout)
 
     async def serve(self, pattern: Text, handler: Callable[..., Any],
                     concurrency: int = _requests.CONCURRENCY) -> None:
