@@ -301,6 +301,21 @@ class Client(Driver, AsyncServiceMethods):
         conn.check_open()
         await self._run(conn.send_now(_pack_publish(key, payload, self.max_message), flags))
 
+    def publish_nowait(self, key: Text, payload: Text = b"", flags: int = 0) -> None:
+        """Publish without waiting, for code that cannot await (a finalizer):
+        sent at once if the socket takes it, else packed to go with the next
+        flush (the flush timer's, flush(), leaving ``async with``, close())."""
+        conn = self._conn
+        conn.check_open()
+        if conn.live and not len(self._out) and not self._send_lock.locked():
+            try:
+                return _send_publish(self._fd, key, payload, flags, self.max_message)
+            except BlockingIOError:
+                pass
+        if not conn.pack(_pack_publish(key, payload, self.max_message), flags):
+            raise BlockingIOError(errno.EAGAIN, "the outbox is full: await flush() first")
+        self._arm_timer()
+
     async def publish_packed(self, box: Outbox, flags: int = 0) -> int:
         """Send the packets of ``box``, an Outbox packed elsewhere (by
         sbus._core.natswire, straight from NATS frames), in order and as

@@ -9,7 +9,7 @@ asyncio one.
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable, Iterator, List, Optional
+from typing import Any, Callable, List, Optional
 
 from . import consume as _consume
 from . import requests as _requests
@@ -30,9 +30,9 @@ class ServiceMethods:
         """Answer the requests on ``pattern``: :func:`sbus.client.requests.serve`."""
         return _requests.serve(self, pattern, handler, count)
 
-    def consume(self, pattern: str, prefetch: int = _consume.PREFETCH) -> Iterator[_consume.Job]:
-        """The jobs of ``sbus queue`` on ``pattern``: :func:`sbus.client.consume.consume`."""
-        return _consume.consume(self, pattern, prefetch)
+    def consume(self, pattern: str, prefetch: int = _consume.PREFETCH) -> _consume.Consumer:
+        """``for`` the jobs of ``sbus queue`` on ``pattern``: :func:`sbus.client.consume.consume`."""
+        return _consume.Consumer(self, pattern, prefetch)
 
 
 class AsyncServiceMethods:
@@ -50,6 +50,6 @@ class AsyncServiceMethods:
         """Answer the requests on ``pattern``: :func:`sbus.client.requests.serve_async`."""
         await _requests.serve_async(self, pattern, handler, concurrency)
 
-    def consume(self, pattern: str, prefetch: int = _consume.PREFETCH) -> AsyncIterator[_consume.Job]:
-        """``async for`` the jobs of ``sbus queue``: :func:`sbus.client.consume.consume_async`."""
-        return _consume.consume_async(self, pattern, prefetch)
+    def consume(self, pattern: str, prefetch: int = _consume.PREFETCH) -> _consume.Consumer:
+        """``async for`` the jobs of ``sbus queue``: :func:`sbus.client.consume.consume`."""
+        return _consume.Consumer(self, pattern, prefetch)
