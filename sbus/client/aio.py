@@ -8,27 +8,20 @@
         async for message in bus:
             ...
 
-A driver over :class:`sbus.client.connection.Connection`, which holds the
-protocol state and plans what to send, keep, wait for or raise; this module
-does the syscalls on the event loop and awaits where a plan waits. A
-reconnect runs in a background task. A send that finds the socket full waits
-for ``add_writer`` readiness (back-pressure), and senders go out in the
-order they called (the send lock). Packets are read with recvmmsg(2) until
-the socket is empty, by an ``add_reader`` callback only while someone waits
-for one, into a queue that receivers take from after they wake, so
-cancelling a receiver never loses a message; a receiver that finds the queue
-empty first reads the socket directly, so a busy consumer needs no future
-per message.
-
-``buffered=True`` packs published messages (and the packets sent between
-them, in order) into the compiled outbox and sends them with one sendmmsg(2)
-when it is full, before a query, on :meth:`Client.flush` and :meth:`close`,
-and at the latest ``flush_delay`` seconds (default 2 ms) after the first of
-them was packed, once the loop gets to run.
+A driver over :class:`sbus.client.connection.Connection` (the protocol
+state and its plans): it makes the syscalls on the event loop and awaits
+where a plan waits; a reconnect runs in a background task. A full socket
+makes a sender wait for ``add_writer`` readiness; senders go out in the
+order they called (the send lock). An ``add_reader`` callback reads with
+recvmmsg(2) until the socket is empty, only while someone waits, into the
+queue receivers take from (so cancelling one loses nothing). Buffered mode
+also sends ``flush_delay`` seconds after the first packed message. See
+docs/clients.md.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import socket
 import time
@@ -46,8 +39,7 @@ from .protocol import MAX_MESSAGE, ControlMessage, Credentials, Message, Text
 from .reconnect import Reconnect
 from .services import AsyncServiceMethods
 
-__all__ = ["Client", "ControlMessage", "Credentials", "Message", "Reconnect", "connect",
-           "FLUSH_DELAY"]
+__all__ = ["Client", "ControlMessage", "Credentials", "Message", "Reconnect", "connect", "FLUSH_DELAY"]
 
 FLUSH_DELAY = 0.002
 """Seconds a buffered client holds a packed message before sending it on its own."""
@@ -63,11 +55,8 @@ class Client(Driver, AsyncServiceMethods):
     """An asyncio connection to an sbus broker; create it inside a running loop.
 
     The arguments are those of :class:`sbus.Client`, and ``flush_delay``
-    for the buffered mode. Connecting a unix socket does not wait for the
-    broker, so the constructor is synchronous. With ``reconnect``, a lost
-    connection is restored by a background task while publishers fill the
-    backlog, receivers wait and queries are asked again of the new broker.
-    The methods of :class:`sbus.Client` that talk to the broker are awaited here.
+    for the buffered mode; the constructor does not wait (a unix socket
+    connects at once). The methods that talk to the broker are awaited.
     """
 
     _NAME = "sbus.aio.Client"
@@ -98,11 +87,9 @@ class Client(Driver, AsyncServiceMethods):
         return self._fd
 
     def close(self) -> None:
-        """Close the connection; waiting senders, receivers and queries get BusClosedError.
-
-        Buffered packets are sent if the socket takes them at once; ``await
-        flush()`` first (or leave an ``async with`` block) to wait for the rest.
-        """
+        """Close; waiting senders, receivers and queries get BusClosedError.
+        Buffered packets are sent if the socket takes them at once (``await
+        flush()`` first, or leave ``async with``, to wait for the rest)."""
         conn = self._conn
         if conn.closed:
             return
@@ -124,36 +111,29 @@ class Client(Driver, AsyncServiceMethods):
         waiters += self._receivers
         self._receivers.clear()
         for fut in waiters:
-            if fut is not None and not fut.done():
-                fut.set_exception(exc)
+            c.settle(fut, error=exc)
 
-    def _detach(self) -> None:
+    def _unwatch(self) -> None:
         self._stop_reading()
         if self._write_waiter is not None:
             self._loop.remove_writer(self._fd)
             _wake(self._write_waiter)   # its sender finds the socket gone
             self._write_waiter = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-        self._fd = -1
-        self._conn.up = self._conn.live = False
 
     async def __aenter__(self) -> "Client":
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
         if not self._conn.closed and len(self._out):
-            try:
+            with contextlib.suppress(SbusError):
                 await self.flush()
-            except SbusError:
-                pass
         self.close()
 
     # -- running the connection's plans: the syscalls, awaited -----------------------
 
     async def _run(self, plan: Any) -> Any:
         value = error = None
+        locked = False
         try:
             while True:
                 try:
@@ -163,9 +143,12 @@ class Client(Driver, AsyncServiceMethods):
                 value = error = None
                 try:
                     value = await self._act(action)
+                    locked = action[0] == c.LOCK or (locked and action[0] != c.UNLOCK)
                 except BaseException as exc:    # the plan decides what it means
                     error = exc
         finally:
+            if locked:      # the plan raised while it held the send lock
+                self._send_lock.release()
             if self._reading:   # a query abandoned on the way out no longer needs it
                 self._update_reading()
 
@@ -176,9 +159,7 @@ class Client(Driver, AsyncServiceMethods):
                 try:
                     if op == c.SEND:
                         return action[1].send(self._fd, action[2])
-                    if self._sock is None:
-                        raise OSError(errno.EBADF, "disconnected")
-                    return self._sock.send(action[1], action[2] | socket.MSG_NOSIGNAL)
+                    return self._send_one(action[1], action[2])
                 except BlockingIOError:
                     await self._writable()
         elif op == c.WAIT:
@@ -195,31 +176,19 @@ class Client(Driver, AsyncServiceMethods):
         elif op == c.UNLOCK:
             self._send_lock.release()
         elif op == c.ARM:
-            if self._flush_timer is None:
-                self._arm_timer()
+            self._arm_timer()
         elif op == c.SLEEP:
             await asyncio.sleep(action[1])
-        elif op == c.CONNECT:
-            self._connect()
-        elif op == c.DETACH:
-            self._detach()
-        elif op == c.LOST:
-            self._lost(action[1])
         elif op == c.DELIVER:
             if self._conn.requests or self._receivers:
                 self._start_reading()
             async with self._send_lock:
                 await self._run(self._conn.deliver())
-        elif op == c.SHUT:
-            self._shut(action[1])
+        elif op != c.RECONNECT:
+            self._act_now(action)
         return False    # RECONNECT: the background task does
 
-    def _lost(self, exc: BaseException) -> None:
-        """The broker went away: keep what was not sent, reconnect in the background."""
-        if self._sock is None or not self._conn.lost(exc):
-            return
-        self._detach()
-        self._conn.lose(exc)
+    def _reconnect_later(self) -> None:
         if self._reconnecting is None:
             self._reconnecting = self._loop.create_task(self._reconnect())
             self._reconnecting.add_done_callback(_retrieve)
@@ -258,20 +227,10 @@ class Client(Driver, AsyncServiceMethods):
 
     def _on_timer(self) -> None:
         self._flush_timer = None
-        if not len(self._out):
-            return
-        if self._send_lock.locked():
-            # The holder may never send what was packed meanwhile (a query's
-            # request, publish_packed's own box): look again later.
+        if self._send_lock.locked():    # its holder may not send what was packed meanwhile
             self._arm_timer()
-            return
-        self._loop.create_task(self._flush_quietly()).add_done_callback(_retrieve)
-
-    async def _flush_quietly(self) -> None:
-        try:    # an error here is raised again by the next call that sends
-            await self.flush()
-        except SbusError:
-            pass
+        elif len(self._out):    # an error is raised again by the next call that sends
+            self._loop.create_task(self.flush()).add_done_callback(_retrieve)
 
     async def flush(self) -> None:
         """Send what the buffered mode packed, waiting while the socket is full."""
@@ -317,13 +276,8 @@ class Client(Driver, AsyncServiceMethods):
         self._arm_timer()
 
     async def publish_packed(self, box: Outbox, flags: int = 0) -> int:
-        """Send the packets of ``box``, an Outbox packed elsewhere (by
-        sbus._core.natswire, straight from NATS frames), in order and as
-        :meth:`publish_many` sends its own: waiting while the socket is
-        full; kept for the new connection when the broker is away (with
-        ``reconnect``; BacklogFullError, as for publish_many, for what does
-        not fit). Returns how many were sent or kept; the box is empty
-        afterwards."""
+        """Send ``box``, an Outbox packed elsewhere (sbus._core.natswire), as
+        :meth:`publish_many` sends its own; how many were sent or kept."""
         self._cancel_timer()
         return await self._run(self._conn.publish_packed(box, flags))
 
@@ -355,15 +309,10 @@ class Client(Driver, AsyncServiceMethods):
         return _take(inbox, max)
 
     async def receive_into(self, sink: Sink, max: int = 64) -> List[Received]:
-        """As :meth:`receive_many`, but the messages go to ``sink``, a C
-        consumer (sbus._core.batch.Sink, such as the bridge's
-        natswire.Exporter), with no Python object made for each. Waits for
-        at least one packet and takes at most ``max``; returns the control
-        messages among them (usually none). Like a stream's read, it returns
-        without yielding to the event loop when packets are there already: a
-        loop of it that feeds another task must yield itself. Messages
-        already read as objects (by receive(), or queued behind a control
-        message) reach it by ``sink.add()``, in order."""
+        """As :meth:`receive_many`, but plain messages go to ``sink`` (a C
+        :class:`sbus._core.batch.Sink`), queued ones by ``sink.add()``, in
+        order; returns the control messages. It does not yield to the loop
+        when packets are there already (see docs/clients.md)."""
         while True:
             if self._inbox:
                 items = await self.receive_many(max)
@@ -388,14 +337,12 @@ class Client(Driver, AsyncServiceMethods):
             yield batch
 
     def __aiter__(self) -> AsyncIterator[Received]:
-        """``async for``: a queued message is returned without a coroutine or
-        future (see :class:`sbus._core.batch.AsyncMessages`); the rest goes
-        through :meth:`__anext__`."""
+        """``async for``: a queued message comes without a coroutine or future
+        (:class:`sbus._core.batch.AsyncMessages`), the rest by :meth:`__anext__`."""
         return AsyncMessages(self._inbox, Message, self.__anext__)
 
     async def __anext__(self) -> Received:
-        """The next message, as :meth:`receive` returns it; StopAsyncIteration
-        once the broker has closed the connection."""
+        """:meth:`receive`; StopAsyncIteration once the broker has closed the connection."""
         inbox = self._inbox
         if inbox and type(inbox[0]) is Message:
             return inbox.popleft()
@@ -432,31 +379,26 @@ class Client(Driver, AsyncServiceMethods):
         if not self._receivers and not self._conn.querying():
             self._stop_reading()
 
-    def _wake(self) -> None:
-        """The connection ended: receivers look again, and find it so."""
-        self._stop_reading()
+    def _wake(self, stop: bool = True) -> None:
+        """Receivers look again: something came, or (``stop`` reading) the
+        connection ended, or only receive_into waits (it reads for itself)."""
+        if stop:
+            self._stop_reading()
         for fut in self._receivers:
             _wake(fut)
 
     def _on_readable(self) -> None:
         if self._sink_waiters == len(self._receivers) > 0 and not self._conn.querying():
-            # Only receive_into waits: it reads into its sink itself.
-            for fut in self._receivers:
-                _wake(fut)
-            self._stop_reading()
-            return
+            return self._wake()
         self._read_until_empty()
         if self._inbox:
-            for fut in self._receivers:
-                _wake(fut)
+            self._wake(False)
         self._update_reading()
 
     def _read_until_empty(self, limit: int = 64, sink: Optional[Sink] = None) -> int:
-        """recvmmsg until EAGAIN (or the queue is long), each batch triaged by
-        the connection. With a ``sink``, plain messages go to it until
-        something is queued (so nothing overtakes what is) or ``limit`` went
-        to it, so its owner acts on each batch before the next is read;
-        returns how many it took."""
+        """recvmmsg until EAGAIN (or the queue is long), each batch triaged.
+        With a ``sink``, plain messages go to it until something is queued or
+        ``limit`` went to it; returns how many it took."""
         conn, inbox = self._conn, self._inbox
         taken = 0
         most = _INBOX_HIGH if sink is None else limit
@@ -489,8 +431,7 @@ for _name in Driver.PLANNED:
 
 
 def _wake(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
+    c.settle(fut)
 
 
 def _retrieve(task: "asyncio.Task") -> None:

@@ -63,7 +63,7 @@ from .protocol import (
 )
 from .reconnect import Reconnect
 
-__all__ = ["Connection", "GONE", "Request", "Waiter"]
+__all__ = ["Connection", "GONE", "Request", "Waiter", "settle"]
 
 # send(2)/recv(2) errors that mean the broker is gone (EBADF: the client
 # already knows, and keeps fd -1 until it reconnects).
@@ -80,7 +80,8 @@ LOST = 6        # (LOST, exc): the broker went away: detach, lose(), reconnect a
 RECONNECT = 7   # (RECONNECT, wait, deadline): blocking: reconnecting(); asyncio: False (its task does)
 DELIVER = 8     # (DELIVER,): run deliver() (asyncio: holding the send lock)
 SHUT = 9        # (SHUT, error): close the client; later calls raise ``error``
-LOCK = 10       # (LOCK,), (UNLOCK,): asyncio: hold the send lock (the outbox is shared)
+LOCK = 10       # (LOCK,), (UNLOCK,): asyncio: hold the send lock (the outbox is shared);
+                # a plan that raises in between leaves the unlocking to its runner
 UNLOCK = 11
 ARM = 12        # (ARM,): asyncio: start the buffered mode's flush timer
 
@@ -119,7 +120,7 @@ class Request:
         self.key, self.packet, self.waiter = key, packet, waiter
 
 
-def _settle(waiter: Any, result: Any = None, error: Optional[BaseException] = None) -> None:
+def settle(waiter: Any, result: Any = None, error: Optional[BaseException] = None) -> None:
     if waiter is not None and not waiter.done():
         if error is None:
             waiter.set_result(result)
@@ -302,7 +303,7 @@ class Connection:
                 if request is None:
                     inbox.append(item)
                 else:
-                    _settle(request.waiter, item.payload)
+                    settle(request.waiter, item.payload)
             elif kind is BusClosedError:
                 if self.policy is not None and not self.closed:
                     return item
@@ -319,7 +320,7 @@ class Connection:
         self.eof = True
         requests, self.requests = self.requests, collections.deque()
         for request in requests:
-            _settle(request.waiter, error=exc)
+            settle(request.waiter, error=exc)
         if self.wake is not None:
             self.wake()
 
@@ -369,7 +370,7 @@ class Connection:
         if self.policy is None:
             raise self.gone() from exc
         if self.restoring is not None:
-            _settle(self.restoring, error=BusClosedError(f"the new connection failed: {exc}"))
+            settle(self.restoring, error=BusClosedError(f"the new connection failed: {exc}"))
             return False
         return self.up
 
@@ -572,10 +573,8 @@ class Connection:
         for it if ``reconnect`` is true) and sends the backlog."""
         if len(self.out):
             yield (LOCK,)
-            try:
-                yield from self.send_out(self.out, self.out_flags)
-            finally:
-                yield (UNLOCK,)
+            yield from self.send_out(self.out, self.out_flags)
+            yield (UNLOCK,)
         elif self.closed:
             raise self.gone()
         if reconnect is not None and not self.up and self.policy is not None:
@@ -603,12 +602,12 @@ class Connection:
                     raise
                 yield from self.send_out(out, flags, packed - len(out))
                 if out.exhausted:
-                    return packed
+                    break
         except BlockingIOError:
             out.clear()     # a full socket under MSG_DONTWAIT: ``sent`` says how far it got
             raise
-        finally:
-            yield (UNLOCK,)
+        yield (UNLOCK,)
+        return packed
 
     def publish_packed(self, box: Outbox, flags: int) -> Plan:
         """Send an Outbox packed elsewhere, as publish_many sends its own."""
@@ -617,13 +616,11 @@ class Connection:
             raise self.gone()
         count = len(box)
         yield (LOCK,)
-        try:
-            if len(self.out):
-                yield from self.send_out(self.out, self.out_flags)
-            self.out_flags = flags
-            yield from self.send_out(box, flags)
-        finally:
-            yield (UNLOCK,)
+        if len(self.out):
+            yield from self.send_out(self.out, self.out_flags)
+        self.out_flags = flags
+        yield from self.send_out(box, flags)
+        yield (UNLOCK,)
         return count
 
     def failed_send(self, exc: OSError, packet: Optional[bytes]) -> Plan:
@@ -649,20 +646,18 @@ class Connection:
             yield (RECONNECT, False, None)
             return
         yield (LOCK,)
-        try:
-            if len(self.out):
-                yield from self.send_out(self.out, self.out_flags)
-            if not self.live:
-                self.keep(packet)
-                return
+        if len(self.out):
+            yield from self.send_out(self.out, self.out_flags)
+        if not self.live:
+            self.keep(packet)
+        else:
             try:
                 yield (SEND_ONE, packet, flags)
             except BlockingIOError:
                 raise
             except OSError as exc:
                 yield from self.failed_send(exc, packet)
-        finally:
-            yield (UNLOCK,)
+        yield (UNLOCK,)
 
     def send_packet(self, packet: bytes, flags: int) -> Plan:
         """A raw packet: checked and noted, then sent (buffered: packed behind the rest)."""
@@ -722,19 +717,17 @@ class Connection:
                 raise self.gone()
             return
         yield (LOCK,)
-        try:
-            if len(self.out):
-                yield from self.send_out(self.out, self.out_flags)
-            if self.live:
-                try:
-                    yield (SEND_ONE, packet, flags)
-                except BlockingIOError:
-                    raise
-                except OSError as exc:
-                    self.send_failed(exc, None)
-                    yield (LOST, exc)
-        finally:
-            yield (UNLOCK,)
+        if len(self.out):
+            yield from self.send_out(self.out, self.out_flags)
+        if self.live:
+            try:
+                yield (SEND_ONE, packet, flags)
+            except BlockingIOError:
+                raise
+            except OSError as exc:
+                self.send_failed(exc, None)
+                yield (LOST, exc)
+        yield (UNLOCK,)
 
     def request(self, key: Text, payload: Text, timeout: float) -> Plan:
         """A request to another client (docs/requests.md): the reply's body.

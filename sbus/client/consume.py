@@ -24,9 +24,9 @@ the client's public methods only (:class:`sbus.client.services.BusClient`):
   ``publish_nowait``). Where something else keeps the consumer alive, close
   it, or ``async with contextlib.aclosing(bus.consume(...)) as jobs``.
 
-The plan (:func:`_consuming`: the steps and what they decide) and the
-renewer's (:func:`_renewing`) are written once; the two clients differ only
-in how they wait. The consumer owns the client's receiving while it runs:
+The plan (:func:`_consuming`: the steps and what they decide,
+:mod:`sbus.client.steps`) and the renewer's (:func:`_renewing`) are written
+once; the two clients differ only in how they wait. The consumer owns the client's receiving while it runs:
 messages that are not for its inbox are skipped, so give it a client of its
 own. A blocking client's renewer is a thread with a connection of its own (the
 client is not shared between threads), so a job may take longer than a
@@ -39,14 +39,18 @@ import asyncio
 import inspect
 import threading
 import time
-from typing import Any, Callable, Generator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Generator, List, Optional, Tuple
 
 from .._core.jobs import Acks, Job, jobs_from
 from ..errors import SbusError
 from ..queue import wire
 from ..queue.defaults import PREFETCH, RENEWALS_PER_LEASE
 from .private import PrivateInbox
+
+if TYPE_CHECKING:   # the contract; services.py imports this module
+    from .services import BusClient
 from .protocol import ControlMessage
+from .steps import ITEM, Plan, Run, Steps
 
 __all__ = ["Consumer", "consume", "consume_async"]
 
@@ -64,8 +68,8 @@ REPLY_TIMEOUT = 10.0
 BYE_CONFIRM = 2.0
 
 Packet = Tuple[str, bytes]     # (key, payload) to publish
-# What a plan yields: (method, timeout, *args), a client call; (JOB, job); (NAP, seconds).
-JOB, NAP, RENEW = "job", "nap", "renew"
+# What the plans yield besides client calls and (ITEM, job) (see .steps).
+NAP, RENEW = "nap", "renew"
 
 
 class _Done:
@@ -84,7 +88,7 @@ class _Session:
     reference and leaves at once): the inbox, the hello, the current token
     and control key, the held acks."""
 
-    def __init__(self, client: Any, pattern: str, prefetch: int, awaited: bool) -> None:
+    def __init__(self, client: BusClient, pattern: str, prefetch: int, awaited: bool) -> None:
         if prefetch < 1:
             raise ValueError("prefetch must be 1 or more")
         self.client, self.pattern, self.prefetch = client, pattern, prefetch
@@ -194,7 +198,7 @@ def _consuming(s: _Session) -> Generator[Tuple[Any, ...], Any, None]:
             renewing = True
             yield (RENEW,)
         for job in jobs:
-            yield (JOB, job)
+            yield (ITEM, job)
 
 
 def _renewing(s: _Session) -> Generator[Tuple[Any, ...], Any, None]:
@@ -224,46 +228,35 @@ def _renewing(s: _Session) -> Generator[Tuple[Any, ...], Any, None]:
         yield (NAP, max(0.0, min(next_hello, until) - now))
 
 
-class Consumer:
+def _saying_bye(s: _Session) -> Plan:
+    """Leaving: the held acks and the bye, then a whoami whose answer says the
+    broker has read them (a client that closes with deliveries unread could
+    otherwise lose what it sent last)."""
+    for packet in s.leaving():
+        yield ("publish", None, *packet)
+    if s.inbox is not None:
+        yield ("unsubscribe", None, s.inbox.pattern)
+        yield ("whoami", BYE_CONFIRM)
+
+
+class Consumer(Steps):
     """The jobs of ``sbus queue`` on a pattern, as they come, forever: ``for``
     over a blocking client, ``async for`` over an asyncio one; see the module
     docstring. ``close()`` (blocking) or ``await aclose()`` says goodbye."""
 
-    def __init__(self, client: Any, pattern: str, prefetch: int = PREFETCH) -> None:
+    def __init__(self, client: BusClient, pattern: str, prefetch: int = PREFETCH) -> None:
         awaited = inspect.iscoroutinefunction(client.receive_many)
         self._s = _Session(client, pattern, prefetch, awaited)
+        self._client = client
         self._plan = _consuming(self._s)
         self._renewer: Any = None
         self._left = False
 
-    def _next_call(self, value: Any, error: Optional[BaseException]) -> Tuple[Any, ...]:
-        """Run the plan to its next client call, or to a job: (JOB, job). An
-        error the plan does not handle ends it (StopIteration after it)."""
-        while True:
-            action = self._plan.send(value) if error is None else self._plan.throw(error)
-            value = error = None
-            if action[0] is not RENEW:
-                return action
-            self._renewer = (_renew_task if self._s.awaited else _renew_thread)(self._s)
-
-    # -- the blocking client ---------------------------------------------------------
-
-    def __iter__(self) -> "Consumer":
-        return self
-
-    def __next__(self) -> Job:
-        value = error = None
-        client = self._s.client
-        while True:
-            action = self._next_call(value, error)
-            if action[0] is JOB:
-                return action[1]
-            value = error = None
-            try:
-                timeout = {} if action[1] is None else {"timeout": action[1]}
-                value = getattr(client, action[0])(*action[2:], **timeout)
-            except BaseException as exc:    # the plan decides what it means
-                error = exc
+    def _special(self, action: Tuple[Any, ...]) -> bool:
+        if action[0] is not RENEW:
+            return False
+        self._renewer = (_renew_task if self._s.awaited else _renew_thread)(self._s)
+        return True
 
     def close(self) -> None:
         """Say goodbye, and wait for the broker to have read it."""
@@ -273,11 +266,8 @@ class Consumer:
         if self._renewer is not None:
             self._renewer.join(RENEWER_JOIN)
         try:
-            for packet in s.leaving():
-                s.client.publish(*packet)
-            if s.inbox is not None:
-                s.client.unsubscribe(s.inbox.pattern)
-                s.client.whoami(timeout=BYE_CONFIRM)
+            for _ in Run(s.client, _saying_bye(s)):
+                pass
         except (OSError, SbusError):
             pass    # the connection may be what ended the loop (TimeoutError is an OSError)
 
@@ -289,38 +279,14 @@ class Consumer:
         s.wake()
         return s
 
-    # -- the asyncio client ----------------------------------------------------------
-
-    def __aiter__(self) -> "Consumer":
-        return self
-
-    async def __anext__(self) -> Job:
-        value = error = None
-        client = self._s.client
-        while True:
-            try:
-                action = self._next_call(value, error)
-            except StopIteration:
-                raise StopAsyncIteration from None
-            if action[0] is JOB:
-                return action[1]
-            value = error = None
-            try:
-                value = await asyncio.wait_for(getattr(client, action[0])(*action[2:]), action[1])
-            except BaseException as exc:    # the plan decides what it means
-                error = exc
-
     async def aclose(self) -> None:
         """Say goodbye, and wait for the broker to have read it."""
         if self._left:
             return
         s = self._leave()
         try:
-            for packet in s.leaving():
-                await s.client.publish(*packet)
-            if s.inbox is not None:
-                await s.client.unsubscribe(s.inbox.pattern)
-                await asyncio.wait_for(s.client.whoami(), BYE_CONFIRM)
+            async for _ in Run(s.client, _saying_bye(s)):
+                pass
         except (OSError, SbusError):
             pass    # the connection may be what ended the loop
 
@@ -400,7 +366,7 @@ def _renew_task(s: _Session) -> "asyncio.Task":
     return asyncio.ensure_future(run())
 
 
-def consume(client: Any, pattern: str, prefetch: int = PREFETCH) -> Consumer:
+def consume(client: BusClient, pattern: str, prefetch: int = PREFETCH) -> Consumer:
     """Jobs of the ``sbus queue`` service for ``pattern``: a :class:`Consumer`."""
     return Consumer(client, pattern, prefetch)
 

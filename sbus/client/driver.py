@@ -29,6 +29,7 @@ from ..errors import (
     ConnectError,
     NoBrokerError,
 )
+from . import connection as c
 from .connection import Connection
 from .protocol import Text, pack_control, pack_subscribe, pack_unsubscribe
 from .requests import REQUEST_TIMEOUT
@@ -169,6 +170,48 @@ class Driver:
         conn.up = True
 
     def _run(self, plan: Any) -> Any:
+        raise NotImplementedError
+
+    def _act_now(self, action: tuple) -> None:
+        """The actions both drivers take alike: none of them waits."""
+        op = action[0]
+        if op == c.CONNECT:
+            self._connect()
+        elif op == c.DETACH:
+            self._detach()
+        elif op == c.LOST:
+            self._lost(action[1])
+        elif op == c.SHUT:
+            self._shut(action[1])
+
+    def _send_one(self, packet: bytes, flags: int) -> int:
+        if self._sock is None:
+            raise OSError(errno.EBADF, "disconnected")
+        return self._sock.send(packet, flags | socket.MSG_NOSIGNAL)
+
+    def _lost(self, exc: BaseException) -> None:
+        """The broker went away: keep what was not sent, and reconnect (the
+        blocking driver in the call that needs the broker, the asyncio one in
+        a task)."""
+        if self._sock is not None and self._conn.lost(exc):
+            self._detach()
+            self._conn.lose(exc)
+            self._reconnect_later()
+
+    def _reconnect_later(self) -> None:
+        pass
+
+    def _detach(self) -> None:
+        self._unwatch()
+        sock, self._sock, self._fd = self._sock, None, -1
+        self._conn.up = self._conn.live = False
+        if sock is not None:
+            sock.close()
+
+    def _unwatch(self) -> None:
+        pass
+
+    def _shut(self, error: Any) -> None:
         raise NotImplementedError
 
     @property

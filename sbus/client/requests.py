@@ -29,12 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any, Awaitable, Callable, Dict, List, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Dict, List, NamedTuple, Optional, Union
 
 from .._core.batch import check_publish_key
-from ..errors import HandlerError, MessageRefusedError, RequestTimeoutError
-from .private import PrivateInbox, is_private, local_form
+from ..errors import BusClosedError, HandlerError, MessageRefusedError, RequestTimeoutError
+from .private import PrivateInbox, is_private
+
+if TYPE_CHECKING:   # the contract; services.py imports this module
+    from .services import BusClient
 from .protocol import Credentials, Message, Text, encode
+from .steps import ITEM, Plan, Run
 
 __all__ = ["CONCURRENCY", "REQUEST_TIMEOUT", "IncomingRequest", "Replies", "pack_reply",
            "pack_request", "parse_reply", "parse_request", "serve", "serve_async"]
@@ -122,15 +126,15 @@ class Replies:
         self.inbox = PrivateInbox(credentials, KIND)
         # Replies are addressed to the inbox as whoami says (nested behind a
         # leaf or a private bridge) and arrive in the local form.
-        self._reply_prefix = self.inbox.prefix.encode()
-        self._prefix = local_form(self._reply_prefix)
+        self._reply_prefix = self.inbox.key(b"")
+        self._prefix = self.inbox.local
 
     def expect(self, waiter: Any) -> bytes:
         """A new correlation id, its reply awaited by ``waiter``; returns the reply key."""
         self._next += 1
         correlation = b"%d" % self._next
         self.waiting[correlation] = waiter
-        return self._reply_prefix + correlation
+        return self.inbox.key(correlation)
 
     def forget(self, reply_key: bytes) -> None:
         self.waiting.pop(reply_key[len(self._reply_prefix):], None)
@@ -160,63 +164,48 @@ def timed_out(key: Text, timeout: float) -> RequestTimeoutError:
     return RequestTimeoutError(f"no reply to a request on {key!r} within {timeout:g} s")
 
 
-# -- answering: the blocking client ---------------------------------------------------
+def _serving(pattern: Text, count: Optional[int]) -> Plan:
+    """A server's plan (see .steps): the requests on ``pattern``, one at a
+    time, until the broker closes the connection or ``count`` were handed out."""
+    yield ("subscribe", None, pattern)
+    handed = 0
+    while handed != count:
+        try:
+            message = yield ("receive", None)
+        except BusClosedError:
+            return
+        request = parse_request(message) if type(message) is Message else None
+        if request is not None:
+            handed += 1
+            yield (ITEM, request)
 
-def _answer(handler: Callable[[IncomingRequest], Reply], request: IncomingRequest) -> bytes:
-    try:
-        return pack_reply(handler(request))
-    except Exception as exc:    # the asker raises it; the server goes on
-        return pack_error(exc)
 
-
-def _reply(client, request: IncomingRequest, packed: bytes) -> None:
+def _replying(request: IncomingRequest, packed: bytes) -> Plan:
     """Publish a reply; one the broker would refuse (too large) becomes an error reply."""
     try:
-        client.publish(request.reply_to, packed)
+        yield ("publish", None, request.reply_to, packed)
     except MessageRefusedError as exc:
-        client.publish(request.reply_to, pack_error(exc))
+        yield ("publish", None, request.reply_to, pack_error(exc))
 
 
-def serve(client, pattern: Text, handler: Callable[[IncomingRequest], Reply],
+def serve(client: BusClient, pattern: Text, handler: Callable[[IncomingRequest], Reply],
           count: Optional[int] = None) -> int:
     """:meth:`sbus.client.sync.Client.serve`: answer the requests on
     ``pattern`` one at a time, until the broker closes the connection or
     ``count`` were answered; returns how many were."""
-    client.subscribe(pattern)
     answered = 0
-    if count == 0:
-        return 0
-    for message in client:
-        request = parse_request(message) if type(message) is Message else None
-        if request is None:
-            continue
-        _reply(client, request, _answer(handler, request))
+    for request in Run(client, _serving(pattern, count)):
+        try:
+            packed = pack_reply(handler(request))
+        except Exception as exc:    # the asker raises it; the server goes on
+            packed = pack_error(exc)
+        for _ in Run(client, _replying(request, packed)):
+            pass
         answered += 1
-        if answered == count:
-            break
     return answered
 
 
-# -- answering: the asyncio client -----------------------------------------------------
-
-async def _reply_async(client, request: IncomingRequest, packed: bytes) -> None:
-    try:
-        await client.publish(request.reply_to, packed)
-    except MessageRefusedError as exc:
-        await client.publish(request.reply_to, pack_error(exc))
-
-
-async def _answer_async(handler, request: IncomingRequest) -> bytes:
-    try:
-        result = handler(request)
-        if inspect.isawaitable(result):
-            result = await result
-        return pack_reply(result)
-    except Exception as exc:    # the asker raises it; the server goes on
-        return pack_error(exc)
-
-
-async def serve_async(client, pattern: Text,
+async def serve_async(client: BusClient, pattern: Text,
                       handler: Callable[[IncomingRequest], Union[Reply, Awaitable[Reply]]],
                       concurrency: int = CONCURRENCY) -> None:
     """:meth:`sbus.client.aio.Client.serve`: answer the requests on
@@ -225,7 +214,6 @@ async def serve_async(client, pattern: Text,
     free slot). A plain function is called inline."""
     if concurrency < 1:
         raise ValueError("concurrency must be 1 or more")
-    await client.subscribe(pattern)
     is_async = (inspect.iscoroutinefunction(handler)
                 or inspect.iscoroutinefunction(type(handler).__call__))
     slots = asyncio.Semaphore(concurrency)
@@ -233,23 +221,26 @@ async def serve_async(client, pattern: Text,
 
     async def one(request: IncomingRequest) -> None:
         try:
-            await _reply_async(client, request, await _answer_async(handler, request))
+            try:
+                result = handler(request)
+                packed = pack_reply(await result if inspect.isawaitable(result) else result)
+            except Exception as exc:    # the asker raises it; the server goes on
+                packed = pack_error(exc)
+            async for _ in Run(client, _replying(request, packed)):
+                pass
         finally:
-            slots.release()
+            if is_async:
+                slots.release()
 
     try:
-        async for batch in client.batches():
-            for message in batch:
-                request = parse_request(message) if type(message) is Message else None
-                if request is None:
-                    continue
-                if not is_async:
-                    await _reply_async(client, request, await _answer_async(handler, request))
-                    continue
-                await slots.acquire()
-                task = asyncio.ensure_future(one(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
+        async for request in Run(client, _serving(pattern, None)):
+            if not is_async:
+                await one(request)
+                continue
+            await slots.acquire()
+            task = asyncio.ensure_future(one(request))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
     finally:
         for task in tasks:
             task.cancel()

@@ -1,20 +1,14 @@
 """A blocking sbus client: one connected ``SOCK_SEQPACKET`` socket, one packet per message.
 
-A driver over :class:`sbus.client.connection.Connection`, which holds the
-protocol state and plans what to send, keep, wait for or raise; this module
-makes the blocking syscalls and runs the plans, reconnecting inside the call
-that needs the broker. Batches go through :mod:`sbus._core.batch`
-(sendmmsg/recvmmsg). Every call takes the send(2)/recv(2) flags and passes
-them to the kernel, so ``MSG_DONTWAIT``, ``MSG_PEEK`` and friends behave as
-they do on a bare socket; :meth:`Client.fileno` makes the client usable with
-select, poll, epoll, :mod:`selectors` and asyncio.
-
-Keys, patterns and payloads may be ``str`` (encoded as UTF-8, with lone
-surrogates from ``surrogateescape`` mapped back to their bytes) or bytes-like.
+A driver over :class:`sbus.client.connection.Connection` (the protocol
+state and its plans): it makes the blocking syscalls, reconnecting inside the
+call that needs the broker. Calls pass their send(2)/recv(2) flags to the
+kernel (``MSG_DONTWAIT``, ``MSG_PEEK``...); :meth:`Client.fileno` serves
+select, poll and epoll. Keys, patterns and payloads may be ``str`` (UTF-8,
+surrogateescape) or bytes-like. See docs/clients.md.
 """
 from __future__ import annotations
 
-import errno
 import socket
 import time
 from typing import Any, Iterator, List, Optional, Union
@@ -43,17 +37,13 @@ class Client(Driver, ServiceMethods):
     ``/dev/fd/N``, which adopts descriptor N); None means ``$SBUS_ADDRESS``,
     else ``/run/sbus.socket``. ``max_message`` must match the broker's limit.
 
-    ``buffered=True`` packs published messages (and the SUB/UNSUB/CMSG
-    packets sent between them, to keep their order) into a C buffer sent
-    with one sendmmsg(2) when it is full, on :meth:`flush`, before
-    :meth:`query`, :meth:`receive` or iteration, and on :meth:`close`.
-    ``reconnect=True`` (or an :class:`~sbus.client.reconnect.Reconnect` policy)
-    rides out a broker restart; see :mod:`sbus.client.reconnect`.
-
-    Messages received while :meth:`query` or :meth:`whoami` wait for their
-    reply, and the rest of a batch iteration read, are queued for
-    :meth:`receive`; ``pending`` counts them. A poller watching
-    :meth:`fileno` does not see that queue, so drain it first.
+    ``buffered=True`` packs published messages (and the packets sent between
+    them) into a C buffer sent with one sendmmsg(2) when it is full, on
+    :meth:`flush`, before a query, :meth:`receive` or iteration, and on
+    :meth:`close`. ``reconnect=True`` (or a :class:`~sbus.client.reconnect.Reconnect`)
+    rides out a broker restart. Messages read ahead (while a query waits, or
+    by a batch) are queued for :meth:`receive`; ``pending`` counts them: a
+    poller watching :meth:`fileno` does not see them, so drain it first.
     """
 
     def __init__(self, address: Optional[str] = None, *, max_message: int = MAX_MESSAGE,
@@ -78,25 +68,19 @@ class Client(Driver, ServiceMethods):
         return self._sock   # type: ignore[return-value]
 
     def close(self) -> None:
-        """Send what is buffered, then close; idempotent. Later calls raise BusClosedError.
-
-        A reconnecting client makes one attempt to deliver its backlog and
-        drops what it cannot deliver at once (call :meth:`flush` first to wait).
-        """
+        """Send what is buffered, then close; later calls raise BusClosedError. A
+        reconnecting client makes one attempt to deliver its backlog (flush() waits)."""
         if self._conn.closed:
             return
         try:
             if len(self._out) or self.backlog:
                 self._run(self._conn.flush(reconnect=False))
         finally:
-            self._conn.shut()
-            self._detach()
+            self._shut(None)
 
-    def _detach(self) -> None:
-        sock, self._sock, self._fd = self._sock, None, -1
-        self._conn.up = self._conn.live = False
-        if sock is not None:
-            sock.close()
+    def _shut(self, error: Any) -> None:
+        self._conn.shut()
+        self._detach()
 
     def __enter__(self) -> "Client":
         return self
@@ -124,9 +108,7 @@ class Client(Driver, ServiceMethods):
         if op == c.SEND:
             return action[1].send(self._fd, action[2])
         if op == c.SEND_ONE:
-            if self._sock is None:
-                raise OSError(errno.EBADF, "disconnected")
-            return self._sock.send(action[1], action[2] | socket.MSG_NOSIGNAL)
+            return self._send_one(action[1], action[2])
         if op == c.WAIT:
             waiter, deadline = action[1], action[2]
             while not waiter.done():
@@ -134,25 +116,13 @@ class Client(Driver, ServiceMethods):
                 self._inbox.extend(batch)
         elif op == c.SLEEP:
             time.sleep(action[1])
-        elif op == c.CONNECT:
-            self._connect()
-        elif op == c.DETACH:
-            self._detach()
-        elif op == c.LOST:
-            self._lost(action[1])
         elif op == c.RECONNECT:
             return self._run(self._conn.reconnecting(action[1], action[2]))
         elif op == c.DELIVER:
             self._run(self._conn.deliver())
-        elif op == c.SHUT:
-            self._conn.shut()
-            self._detach()
+        else:
+            self._act_now(action)
         return None
-
-    def _lost(self, exc: BaseException) -> None:
-        if self._conn.lost(exc):
-            self._detach()
-            self._conn.lose(exc)
 
     # -- sending -------------------------------------------------------------------
 
@@ -180,13 +150,10 @@ class Client(Driver, ServiceMethods):
     # -- receiving -----------------------------------------------------------------
 
     def receive(self, flags: int = 0, *, timeout: Optional[float] = None) -> Received:
-        """The next message, from the client's queue or else recv(2) with ``flags``.
-
-        ``MSG_PEEK`` leaves the message to be received again; ``MSG_DONTWAIT``
-        raises BlockingIOError if none is ready. ``timeout`` (seconds) raises
-        TimeoutError. BusClosedError means the broker closed the connection;
-        MessageTooLargeError means an oversized packet was received and dropped.
-        """
+        """The next message, from the client's queue or else recv(2) with
+        ``flags`` (MSG_PEEK, MSG_DONTWAIT...). TimeoutError past ``timeout``
+        seconds; BusClosedError once the broker closed the connection;
+        MessageTooLargeError for an oversized packet (dropped)."""
         inbox = self._inbox
         if not inbox:
             if len(self._out):
@@ -219,12 +186,8 @@ class Client(Driver, ServiceMethods):
     def receive_many(self, max: int = 64, *, timeout: Optional[float] = None,
                      flags: int = 0) -> List[Received]:
         """Up to ``max`` messages: the queued ones, else what one recvmmsg(2)
-        takes (waiting for the first, as :meth:`receive` does).
-
-        An oversized or malformed packet in the batch ends the list; its
-        error is raised by the next call. ``flags`` as for recv(2), except
-        that MSG_PEEK is not supported here.
-        """
+        takes (waiting for the first). A bad packet ends the list; its error
+        is raised by the next call. ``flags`` as for recv(2), but no MSG_PEEK."""
         if flags & socket.MSG_PEEK:
             raise ValueError("receive_many does not peek; use receive(MSG_PEEK)")
         inbox = self._inbox
@@ -250,10 +213,8 @@ class Client(Driver, ServiceMethods):
                 return
 
     def __iter__(self) -> Iterator[Received]:
-        """Receive messages until the broker closes the connection, reading
-        them in batches (a message read and not yet yielded stays queued).
-        The iterator (:class:`sbus._core.batch.Messages`) takes them from the
-        queue in C; a queued error is raised in its turn."""
+        """Messages until the broker closes the connection, read in batches
+        into the queue, taken from it in C (:class:`sbus._core.batch.Messages`)."""
         return Messages(self._inbox, self._refill)
 
     def _refill(self) -> bool:
@@ -268,10 +229,9 @@ class Client(Driver, ServiceMethods):
 
     def _read(self, limit: int, flags: int, deadline: Optional[float],
               raw: bool = False) -> List[Any]:
-        """What one recvmmsg returns when it is plain messages; else (and
-        after a reconnect) it is triaged into the queue and the list is empty.
-        A lost connection raises BusClosedError, or with a reconnect policy is
-        restored first; the deadline (monotonic) covers the reconnecting too."""
+        """What one recvmmsg returns if it is plain messages; else (and after a
+        reconnect) it is triaged into the queue and the list is empty. The
+        deadline (monotonic) covers reconnecting too."""
         conn = self._conn
         if self._sock is None:
             conn.check_open()

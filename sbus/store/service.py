@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import logschema as schema
-from ..client.protocol import Message
+from ..client.protocol import MAX_MESSAGE, Message
 from ..client.reconnect import Reconnect
 from ..client.sync import Client
 from . import wire
@@ -46,7 +46,7 @@ class Settings:
     max_age_s: Optional[float] = None
     request_key: bytes = wire.REQUEST_KEY
     stats_interval: float = 10.0
-    max_message: int = 409600
+    max_message: int = MAX_MESSAGE
     flood: str = "discard"      # or "block": the broker's hard mode for the data connection
 
 
