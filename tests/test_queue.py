@@ -275,7 +275,7 @@ def test_the_asyncio_consumer(bus, queues):
         async with AsyncClient(bus.address) as c:
             got = []
             publish(bus.address, jobs(3))
-            async for job in c.consume(PATTERN, prefetch=2):     # consume_async(c, ...)
+            async for job in c.consume(PATTERN, prefetch=2):     # consume(c, ...): a Consumer
                 got.append(job.payload)
                 await job.ack()
                 if len(got) == 3:

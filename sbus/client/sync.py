@@ -28,6 +28,7 @@ from .services import ServiceMethods
 __all__ = ["Client"]
 
 Received = Union[Message, ControlMessage]
+_PEEK = int(socket.MSG_PEEK)    # a plain int: an IntFlag's & is Python code, per call
 
 
 class Client(Driver, ServiceMethods):
@@ -160,14 +161,14 @@ class Client(Driver, ServiceMethods):
                 self.flush()
             deadline = None if timeout is None else time.monotonic() + timeout
             while not inbox:
-                if flags & socket.MSG_PEEK:
+                if flags & _PEEK:
                     return self._peek(flags, deadline)
                 batch = self._read(1, flags, deadline)
                 if batch:
                     return batch[0]
         elif self._conn.closed:
             raise self._conn.gone()
-        item = inbox[0] if flags & socket.MSG_PEEK else inbox.popleft()
+        item = inbox[0] if flags & _PEEK else inbox.popleft()
         if isinstance(item, BaseException):
             raise item
         return item
@@ -188,7 +189,7 @@ class Client(Driver, ServiceMethods):
         """Up to ``max`` messages: the queued ones, else what one recvmmsg(2)
         takes (waiting for the first). A bad packet ends the list; its error
         is raised by the next call. ``flags`` as for recv(2), but no MSG_PEEK."""
-        if flags & socket.MSG_PEEK:
+        if flags & _PEEK:
             raise ValueError("receive_many does not peek; use receive(MSG_PEEK)")
         inbox = self._inbox
         if not inbox:
