@@ -38,14 +38,12 @@ class Client(Driver, ServiceMethods):
     ``/dev/fd/N``, which adopts descriptor N); None means ``$SBUS_ADDRESS``,
     else ``/run/sbus.socket``. ``max_message`` must match the broker's limit.
 
-    ``buffered=True`` packs published messages (and the packets sent between
-    them) into a C buffer sent with one sendmmsg(2) when it is full, on
-    :meth:`flush`, before a query, :meth:`receive` or iteration, and on
-    :meth:`close`. ``reconnect=True`` (or a :class:`~sbus.client.reconnect.Reconnect`)
-    rides out a broker restart. Messages read ahead (while a query waits, or
-    by a batch) are queued for :meth:`receive`; ``pending`` counts them: a
-    poller watching :meth:`fileno` does not see them, so drain it first.
-    """
+    ``buffered=True`` packs published messages (and the packets between them)
+    to send with one sendmmsg(2) when full, on :meth:`flush`, before a query,
+    a receive or iteration, and on :meth:`close`. ``reconnect=True`` (or a
+    :class:`~sbus.client.reconnect.Reconnect`) rides out a broker restart.
+    Messages read ahead are queued for :meth:`receive`; ``pending`` counts
+    them (a poller watching :meth:`fileno` does not see them: drain it first)."""
 
     def __init__(self, address: Optional[str] = None, *, max_message: int = MAX_MESSAGE,
                  buffered: bool = False, reconnect: Union[None, bool, Reconnect] = None) -> None:
