@@ -275,7 +275,7 @@ def test_the_asyncio_consumer(bus, queues):
         async with AsyncClient(bus.address) as c:
             got = []
             publish(bus.address, jobs(3))
-            async for job in c.consume(PATTERN, prefetch=2):     # consume_async(c, ...)
+            async for job in c.consume(PATTERN, prefetch=2):     # consume(c, ...): a Consumer
                 got.append(job.payload)
                 await job.ack()
                 if len(got) == 3:
@@ -283,6 +283,41 @@ def test_the_asyncio_consumer(bus, queues):
             return got
 
     assert asyncio.run(asyncio.wait_for(run(), TIMEOUT)) == [b"job-0", b"job-1", b"job-2"]
+
+
+def test_the_asyncio_consumer_acks_and_says_bye_when_the_loop_is_left_by_break(bus, queues):
+    """``await job.ack(); break`` and then leaving the client's ``async with``:
+    the held ack and the bye go out. The lease is long, so only the bye can
+    end the consumer in time, and a lost ack would show as acked 0."""
+    q = queues(bus.address, PATTERN, "--lease", "60")
+
+    async def run():
+        async with AsyncClient(bus.address) as c:
+            publish(bus.address, jobs(2))
+            async for job in c.consume(PATTERN, prefetch=2):
+                await job.ack()
+                break
+
+    asyncio.run(asyncio.wait_for(run(), TIMEOUT))
+    left = q.wait_for_event(ls.QUEUE_CONSUMER_LEAVE, timeout=10)
+    assert (left["reason"], left["acked"]) == (st.LEFT_BYE, 1)
+    assert wait_state(q, lambda s: s["acked"] == 1 and s["in_flight"] == 0, "the ack")
+
+
+def test_the_asyncio_consumer_says_bye_when_the_loop_ends_in_an_exception(bus, queues):
+    q = queues(bus.address, PATTERN, "--lease", "60")
+
+    async def run():
+        async with AsyncClient(bus.address) as c:
+            publish(bus.address, jobs(1))
+            async for job in c.consume(PATTERN, prefetch=2):
+                await job.ack()
+                raise LookupError("the handler failed")
+
+    with pytest.raises(LookupError):
+        asyncio.run(asyncio.wait_for(run(), TIMEOUT))
+    left = q.wait_for_event(ls.QUEUE_CONSUMER_LEAVE, timeout=10)
+    assert (left["reason"], left["acked"]) == (st.LEFT_BYE, 1)
 
 
 def test_a_held_ack_goes_out_while_the_consumer_works_on(bus, queues):

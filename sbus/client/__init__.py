@@ -2,11 +2,12 @@
 
 - ``protocol``: packet types (``Message``, ``ControlMessage``, ``Credentials``),
   packing and parsing; every side that speaks the protocol in Python uses it.
-- ``core``: ``Core``, what both clients keep and decide with no I/O of its
-  own (buffered mode, received queue, queries and abandoned ones, the
-  reconnect state machine, error texts), and ``open_socket``.
-- ``sync``: ``Client``, the blocking client: a driver over ``Core``.
-- ``aio``: the asyncio client, a driver over ``Core`` (also importable as
+- ``connection``: ``Connection``, the protocol state of one connection and
+  its plans, with no I/O (buffered mode, received queue, queries and requests
+  and their reply routing, the reconnect state machine, error texts).
+- ``driver``: ``open_socket`` and ``Driver``, what both clients share.
+- ``sync``: ``Client``, the blocking client: a driver over ``Connection``.
+- ``aio``: the asyncio client, a driver over ``Connection`` (also importable as
   ``sbus.aio``).
 - ``reconnect``: ``Reconnect``, the policy for coming back after the broker
   went away; the session it replays and the backlog it delivers.

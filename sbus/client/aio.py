@@ -8,54 +8,38 @@
         async for message in bus:
             ...
 
-A driver over the I/O-free :class:`sbus.client.core.Core`, which holds the
-state and decides what to send, keep or raise; this module does the
-syscalls on the event loop. The socket is opened by
-:func:`~sbus.client.core.open_socket` and put in non-blocking mode; a
-reconnect runs in a background task. A send that finds it full waits for ``add_writer`` readiness (back-pressure), and
-senders go out in the order they called. Packets are read with recvmmsg(2)
-until the socket is empty, by an ``add_reader`` callback only while someone
-waits for one, into a queue that receivers take from after they wake, so
-cancelling a receiver never loses a message; a receiver that finds the queue
-empty first reads the socket directly, so a busy consumer needs no future
-per message.
-
-``buffered=True`` packs published messages (and the packets sent between
-them, in order) into the compiled outbox and sends them with one sendmmsg(2)
-when it is full, before a query, on :meth:`Client.flush` and :meth:`close`,
-and at the latest ``flush_delay`` seconds (default 2 ms) after the first of
-them was packed, once the loop gets to run.
+A driver over :class:`sbus.client.connection.Connection` (the protocol
+state and its plans): it makes the syscalls on the event loop and awaits
+where a plan waits; a reconnect runs in a background task. A full socket
+makes a sender wait for ``add_writer`` readiness; senders go out in the
+order they called (the send lock). An ``add_reader`` callback reads with
+recvmmsg(2) until the socket is empty, only while someone waits, into the
+queue receivers take from (so cancelling one loses nothing). Buffered mode
+also sends ``flush_delay`` seconds after the first packed message. See
+docs/clients.md.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import socket
-from typing import Any, AsyncIterator, Iterable, List, Optional, Tuple, Union
+import time
+from typing import Any, AsyncIterator, List, Optional, Union
 
 from .._core.batch import AsyncMessages, Outbox, Sink
 from .._core.batch import pack_publish as _pack_publish
 from .._core.batch import send_publish as _send_publish
 from .._core.batch import take as _take
-from ..errors import BusClosedError, MessageRefusedError, SbusError
-from .core import GONE, Core, Request
-from .protocol import (
-    MAX_MESSAGE,
-    WHOAMI,
-    ControlMessage,
-    Credentials,
-    Message,
-    Text,
-    _routing_key,
-    pack_control,
-    pack_subscribe,
-    pack_unsubscribe,
-    parse_stats,
-)
+from ..errors import BusClosedError, SbusError
+from . import connection as c
+from .connection import GONE, Connection
+from .driver import Driver, awaited
+from .protocol import MAX_MESSAGE, ControlMessage, Credentials, Message, Text
 from .reconnect import Reconnect
 from .services import AsyncServiceMethods
 
-__all__ = ["Client", "ControlMessage", "Credentials", "Message", "Reconnect", "connect",
-           "FLUSH_DELAY"]
+__all__ = ["Client", "ControlMessage", "Credentials", "Message", "Reconnect", "connect", "FLUSH_DELAY"]
 
 FLUSH_DELAY = 0.002
 """Seconds a buffered client holds a packed message before sending it on its own."""
@@ -67,14 +51,12 @@ _INBOX_HIGH = 4096
 Received = Union[Message, ControlMessage]
 
 
-class Client(Core, AsyncServiceMethods):
+class Client(Driver, AsyncServiceMethods):
     """An asyncio connection to an sbus broker; create it inside a running loop.
 
     The arguments are those of :class:`sbus.Client`, and ``flush_delay``
-    for the buffered mode. Connecting a unix socket does not wait for the
-    broker, so the constructor is synchronous. With ``reconnect``, a lost
-    connection is restored by a background task while publishers fill the
-    backlog, receivers wait and queries are asked again of the new broker.
+    for the buffered mode; the constructor does not wait (a unix socket
+    connects at once). The methods that talk to the broker are awaited.
     """
 
     _NAME = "sbus.aio.Client"
@@ -83,7 +65,6 @@ class Client(Core, AsyncServiceMethods):
                  buffered: bool = False, flush_delay: float = FLUSH_DELAY,
                  reconnect: Union[None, bool, Reconnect] = None) -> None:
         self._loop = asyncio.get_running_loop()
-        super().__init__(address, max_message, buffered, reconnect)
         self.flush_delay = flush_delay
         self._send_lock = asyncio.Lock()
         self._write_waiter: Optional[asyncio.Future] = None
@@ -91,15 +72,10 @@ class Client(Core, AsyncServiceMethods):
         self._receivers: List[asyncio.Future] = []
         self._sink_waiters = 0      # of the receivers, those in receive_into
         self._reading = False
-        self._eof = False
         self._reconnecting: Optional[asyncio.Task] = None
-        self._connected: Optional[asyncio.Future] = None   # set while reconnecting
-        # True while sends may go straight to the socket: connected, and no
-        # backlog left to send before them.
-        self._live = True
-        self._delivering = False
-        self._restoring: Optional[asyncio.Future] = None
-        self._attach(self._connect())
+        conn = Connection(address, max_message, buffered, reconnect, self._loop.create_future)
+        conn.wake = self._wake
+        self._start(conn)
 
     def _attach(self, sock: socket.socket) -> None:
         sock.setblocking(False)
@@ -107,117 +83,124 @@ class Client(Core, AsyncServiceMethods):
 
     def fileno(self) -> int:
         if self._sock is None:
-            raise self._gone() if self._closed else BusClosedError("not connected")
+            raise self._conn.gone() if self._conn.closed else BusClosedError("not connected")
         return self._fd
 
     def close(self) -> None:
-        """Close the connection; waiting senders, receivers and queries get BusClosedError.
-
-        Buffered packets are sent if the socket takes them at once; ``await
-        flush()`` first (or leave an ``async with`` block) to wait for the rest.
-        """
-        if self._closed:
+        """Close; waiting senders, receivers and queries get BusClosedError.
+        Buffered packets are sent if the socket takes them at once (``await
+        flush()`` first, or leave ``async with``, to wait for the rest)."""
+        conn = self._conn
+        if conn.closed:
             return
         if len(self._out) and self._sock is not None:
             try:
-                self._out.send(self._fd, self._out_flags)
+                self._out.send(self._fd, conn.out_flags)
             except OSError:
                 pass
-        self._closed = True
-        self._shut(self._gone())
+        conn.closed = True
+        self._shut(conn.gone())
 
     def _shut(self, exc: BusClosedError) -> None:
-        self._closed = True
+        waiters = self._conn.shut()
         if self._reconnecting is not None and self._reconnecting is not asyncio.current_task():
             self._reconnecting.cancel()
         self._reconnecting = None
         self._cancel_timer()
-        self._out.clear()
         self._detach()
-        waiters = [self._write_waiter, self._connected, *self._receivers,
-                   *(r.waiter for r in self._requests)]
-        self._write_waiter = self._connected = None
+        waiters += self._receivers
         self._receivers.clear()
-        self._requests.clear()
         for fut in waiters:
-            if fut is not None and not fut.done():
-                fut.set_exception(exc)
+            c.settle(fut, error=exc)
 
-    def _detach(self) -> None:
+    def _unwatch(self) -> None:
         self._stop_reading()
         if self._write_waiter is not None:
             self._loop.remove_writer(self._fd)
-            if not self._write_waiter.done():
-                self._write_waiter.set_result(None)    # its sender finds the socket gone
+            _wake(self._write_waiter)   # its sender finds the socket gone
             self._write_waiter = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-        self._fd = -1
-        self._live = False
 
     async def __aenter__(self) -> "Client":
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
-        if not self._closed and len(self._out):
-            try:
+        if not self._conn.closed and len(self._out):
+            with contextlib.suppress(SbusError):
                 await self.flush()
-            except SbusError:
-                pass
         self.close()
 
-    # -- sending ---------------------------------------------------------------
+    # -- running the connection's plans: the syscalls, awaited -----------------------
 
-    async def send_packet(self, packet: bytes, flags: int = 0) -> None:
-        """Send one raw packet, waiting while the socket is full (buffered:
-        pack it behind the buffered messages)."""
-        if self._closed:
-            raise self._gone()
-        if self._admit(packet) and self._sock is None:
-            return      # replayed once the broker is back
-        if self._buffered:
-            while not self._pack(packet, flags):
-                await self.flush()
-            self._arm_timer()
-            return
-        if not self._live:
-            return self._keep_while_away(packet)
-        if not self._send_lock.locked() and not len(self._out):
-            try:
-                return self._send_now(packet, flags)
-            except BlockingIOError:
-                pass
-        async with self._send_lock:
-            if len(self._out):
-                await self._drain(0)
+    async def _run(self, plan: Any) -> Any:
+        value = error = None
+        locked = False
+        try:
             while True:
                 try:
-                    return self._send_now(packet, flags)
+                    action = plan.send(value) if error is None else plan.throw(error)
+                except StopIteration as stop:
+                    return stop.value
+                value = error = None
+                try:
+                    value = await self._act(action)
+                    locked = action[0] == c.LOCK or (locked and action[0] != c.UNLOCK)
+                except BaseException as exc:    # the plan decides what it means
+                    error = exc
+        finally:
+            if locked:      # the plan raised while it held the send lock
+                self._send_lock.release()
+            if self._reading:   # a query abandoned on the way out no longer needs it
+                self._update_reading()
+
+    async def _act(self, action: tuple) -> Any:
+        op = action[0]
+        if op == c.SEND or op == c.SEND_ONE:
+            while True:
+                try:
+                    if op == c.SEND:
+                        return action[1].send(self._fd, action[2])
+                    return self._send_one(action[1], action[2])
                 except BlockingIOError:
                     await self._writable()
+        elif op == c.WAIT:
+            waiter, deadline = action[1], action[2]
+            self._start_reading()
+            try:
+                # Shielded: a waiter may be shared (the reply inbox's opening).
+                await asyncio.wait_for(asyncio.shield(waiter), None if deadline is None
+                                       else max(0.0, deadline - time.monotonic()))
+            finally:
+                self._update_reading()
+        elif op == c.LOCK:
+            await self._send_lock.acquire()
+        elif op == c.UNLOCK:
+            self._send_lock.release()
+        elif op == c.ARM:
+            self._arm_timer()
+        elif op == c.SLEEP:
+            await asyncio.sleep(action[1])
+        elif op == c.DELIVER:
+            if self._conn.requests or self._receivers:
+                self._start_reading()
+            async with self._send_lock:
+                await self._run(self._conn.deliver())
+        elif op != c.RECONNECT:
+            self._act_now(action)
+        return False    # RECONNECT: the background task does
 
-    def _send_now(self, packet: bytes, flags: int) -> None:
-        """One send(2); BlockingIOError if the socket is full."""
-        if not self._live:
-            return self._keep_while_away(packet)
+    def _reconnect_later(self) -> None:
+        if self._reconnecting is None:
+            self._reconnecting = self._loop.create_task(self._reconnect())
+            self._reconnecting.add_done_callback(_retrieve)
+
+    async def _reconnect(self) -> None:
         try:
-            self._sock.send(packet, flags | socket.MSG_NOSIGNAL)
-        except BlockingIOError:
-            raise
-        except OSError as exc:
-            self._failed_send(exc, packet)
+            await self._run(self._conn.reconnecting(True))
+        finally:
+            if self._reconnecting is asyncio.current_task():
+                self._reconnecting = None
 
-    def _failed_send(self, exc: OSError, packet: Optional[bytes]) -> None:
-        self._send_failed(exc, packet)
-        self._lost(exc)
-        if packet is not None:
-            self._keep(packet)
-
-    def _keep_while_away(self, packet: bytes) -> None:
-        if self._closed or self._policy is None:
-            raise self._gone()
-        self._keep(packet)
+    # -- sending -------------------------------------------------------------------
 
     async def _writable(self) -> None:
         fut = self._loop.create_future()
@@ -244,163 +227,73 @@ class Client(Core, AsyncServiceMethods):
 
     def _on_timer(self) -> None:
         self._flush_timer = None
-        if not len(self._out):
-            return
-        if self._send_lock.locked():
-            # The holder may never send what was packed meanwhile (a query's
-            # request, publish_packed's own box): look again later.
+        if self._send_lock.locked():    # its holder may not send what was packed meanwhile
             self._arm_timer()
-            return
-        task = self._loop.create_task(self._flush_quietly())
-        task.add_done_callback(_retrieve)
-
-    async def _flush_quietly(self) -> None:
-        # an error here is raised again by the next call that sends
-        try:
-            await self.flush()
-        except SbusError:
-            pass
+        elif len(self._out):    # an error is raised again by the next call that sends
+            self._loop.create_task(self.flush()).add_done_callback(_retrieve)
 
     async def flush(self) -> None:
         """Send what the buffered mode packed, waiting while the socket is full."""
         self._cancel_timer()
-        if not len(self._out):
-            if self._closed:
-                raise self._gone()
-            return
-        async with self._send_lock:
-            await self._drain(0)
-
-    async def _drain(self, done: int, out: Optional[Outbox] = None) -> None:
-        """sendmmsg the outbox (or ``out``), waiting for writability; ``done``:
-        messages of this batch sent before it (for BatchInterruptedError)."""
-        if out is None:
-            out = self._out
-        while len(out):
-            if not self._live and not self._delivering:
-                if self._closed or self._policy is None:
-                    out.clear()
-                    raise self._gone()
-                self._keep_owed(out)
-                return
-            before = out.head
-            try:
-                out.send(self._fd, self._out_flags)
-            except BlockingIOError:
-                await self._writable()
-            except OSError as exc:
-                if exc.errno not in GONE:
-                    raise
-                if self._closed or self._policy is None:
-                    sent, total = done + out.head - before, done + len(out) + out.head - before
-                    out.clear()
-                    self._fail(self._gone())
-                    raise self._interrupted(sent, total) from exc
-                self._lost(exc)
-                return
-
-    async def subscribe(self, pattern: Text, flags: int = 0) -> None:
-        await self.send_packet(pack_subscribe(pattern), flags)
-
-    async def unsubscribe(self, pattern: Text, flags: int = 0) -> None:
-        await self.send_packet(pack_unsubscribe(pattern), flags)
+        await self._run(self._conn.flush())
 
     async def publish(self, key: Text, payload: Text = b"", flags: int = 0) -> None:
         """Publish one message (buffered: pack it). KeyRefusedError or
         MessageTooLargeError, before anything is sent, for a message the
         broker would refuse."""
-        if self._buffered:
-            if flags != self._out_flags or not self._out.add_publish(key, payload):
-                packet = _pack_publish(key, payload, self.max_message)
-                while not self._pack(packet, flags):
-                    await self.flush()
+        conn = self._conn
+        if conn.buffered:
+            if flags != conn.out_flags or not self._out.add_publish(key, payload):
+                return await self._run(conn.publish_buffered(
+                    _pack_publish(key, payload, self.max_message), flags))
             if self._flush_timer is None:
                 self._arm_timer()
             return
-        if self._live and not len(self._out) and not self._send_lock.locked():
+        if conn.live and not len(self._out) and not self._send_lock.locked():
             try:
                 return _send_publish(self._fd, key, payload, flags, self.max_message)
             except BlockingIOError:
                 pass
             except OSError as exc:
-                return self._failed_send(exc, _pack_publish(key, payload, self.max_message))
-        if self._closed:
-            raise self._gone()
-        await self.send_packet(_pack_publish(key, payload, self.max_message), flags)
+                return await self._run(conn.failed_send(
+                    exc, _pack_publish(key, payload, self.max_message)))
+        conn.check_open()
+        await self._run(conn.send_now(_pack_publish(key, payload, self.max_message), flags))
 
-    async def publish_many(self, messages: Iterable[Tuple[Text, Text]], flags: int = 0) -> int:
-        """Publish (key, payload) pairs in order with sendmmsg(2), waiting
-        while the socket is full; returns how many were published. Refusals
-        and failures as :meth:`sbus.Client.publish_many` reports them."""
-        if self._closed:
-            raise self._gone()
-        await self.flush()
-        items = iter(messages)
-        out = self._out
-        packed = 0
-        async with self._send_lock:
-            self._out_flags = flags
-            while True:
-                try:
-                    packed += out.pack_many(items, packed)
-                except MessageRefusedError as exc:
-                    await self._drain(exc.index - len(out))
-                    exc.sent = exc.index
-                    raise
-                if not self._live and self._policy is not None:
-                    self._keep_outbox(out, packed - len(out))
-                else:
-                    await self._drain(packed - len(out))
-                if out.exhausted:
-                    return packed
+    def publish_nowait(self, key: Text, payload: Text = b"", flags: int = 0) -> None:
+        """Publish without waiting, for code that cannot await (a finalizer):
+        sent at once if the socket takes it, else packed to go with the next
+        flush (the flush timer's, flush(), leaving ``async with``, close())."""
+        conn = self._conn
+        conn.check_open()
+        if conn.live and not len(self._out) and not self._send_lock.locked():
+            try:
+                return _send_publish(self._fd, key, payload, flags, self.max_message)
+            except BlockingIOError:
+                pass
+        if not conn.pack(_pack_publish(key, payload, self.max_message), flags):
+            raise BlockingIOError(errno.EAGAIN, "the outbox is full: await flush() first")
+        self._arm_timer()
 
     async def publish_packed(self, box: Outbox, flags: int = 0) -> int:
-        """Send the packets of ``box``, an Outbox packed elsewhere (by
-        sbus._core.natswire, straight from NATS frames), in order and as
-        :meth:`publish_many` sends its own: waiting while the socket is
-        full; kept for the new connection when the broker is away (with
-        ``reconnect``; BacklogFullError, as for publish_many, for what does
-        not fit). Returns how many were sent or kept; the box is empty
-        afterwards."""
-        if self._closed:
-            box.clear()
-            raise self._gone()
-        await self.flush()
-        count = len(box)
-        async with self._send_lock:
-            self._out_flags = flags
-            if not self._live and self._policy is not None:
-                self._keep_outbox(box, 0)
-                return count
-            await self._drain(0, box)
-            if len(box):    # owed when the connection broke: before what is kept since
-                self._keep_owed(box)
-        return count
+        """Send ``box``, an Outbox packed elsewhere (sbus._core.natswire), as
+        :meth:`publish_many` sends its own; how many were sent or kept."""
+        self._cancel_timer()
+        return await self._run(self._conn.publish_packed(box, flags))
 
-    async def send_cmsg(self, key: Text, payload: Optional[Text] = None, flags: int = 0) -> None:
-        await self.send_packet(pack_control(key, payload), flags)
-
-    # -- receiving -------------------------------------------------------------
+    # -- receiving -----------------------------------------------------------------
 
     async def receive(self) -> Received:
         """The next message; BusClosedError once the broker has closed the connection."""
-        while not self._inbox:
-            if self._closed or (self._eof and self._policy is None):
-                raise self._gone()
+        inbox = self._inbox
+        while not inbox:
+            self._conn.check_open()
             if not self._reading and self._sock is not None:
                 self._read_until_empty()    # no future when something is there already
-                if self._inbox:
+                if inbox:
                     break
-            fut = self._loop.create_future()
-            self._receivers.append(fut)
-            self._start_reading()
-            try:
-                await fut
-            finally:
-                if fut in self._receivers:
-                    self._receivers.remove(fut)
-                self._update_reading()
-        item = self._inbox.popleft()
+            await self._wait_readable(False)
+        item = inbox.popleft()
         if isinstance(item, BaseException):
             raise item
         return item
@@ -416,38 +309,22 @@ class Client(Core, AsyncServiceMethods):
         return _take(inbox, max)
 
     async def receive_into(self, sink: Sink, max: int = 64) -> List[Received]:
-        """As :meth:`receive_many`, but the messages go to ``sink``, a C
-        consumer (sbus._core.batch.Sink, such as the bridge's
-        natswire.Exporter), with no Python object made for each. Waits for
-        at least one packet and takes at most ``max``; returns the control
-        messages among them (usually none). Like a stream's read, it returns
-        without yielding to the event loop when packets are there already: a
-        loop of it that feeds another task must yield itself. Messages
-        already read as objects (by receive(), or queued behind a control
-        message) reach it by ``sink.add()``, in order."""
+        """As :meth:`receive_many`, but plain messages go to ``sink`` (a C
+        :class:`sbus._core.batch.Sink`), queued ones by ``sink.add()``, in
+        order; returns the control messages. It does not yield to the loop
+        when packets are there already (see docs/clients.md)."""
         while True:
             if self._inbox:
                 items = await self.receive_many(max)
                 sink.add([m for m in items if type(m) is Message])
                 return [m for m in items if type(m) is not Message]
-            if self._closed or (self._eof and self._policy is None):
-                raise self._gone()
+            self._conn.check_open()
             if not self._reading and self._sock is not None:
                 if self._read_until_empty(max, sink):
                     return []
                 if self._inbox:
                     continue
-            fut = self._loop.create_future()
-            self._receivers.append(fut)
-            self._sink_waiters += 1
-            self._start_reading()
-            try:
-                await fut
-            finally:
-                self._sink_waiters -= 1
-                if fut in self._receivers:
-                    self._receivers.remove(fut)
-                self._update_reading()
+            await self._wait_readable(True)
 
     async def batches(self, max: int = 64) -> AsyncIterator[List[Received]]:
         """:meth:`receive_many` until the broker closes the connection:
@@ -460,14 +337,12 @@ class Client(Core, AsyncServiceMethods):
             yield batch
 
     def __aiter__(self) -> AsyncIterator[Received]:
-        """``async for``: a queued message is returned without a coroutine or
-        future (see :class:`sbus._core.batch.AsyncMessages`); the rest goes
-        through :meth:`__anext__`."""
+        """``async for``: a queued message comes without a coroutine or future
+        (:class:`sbus._core.batch.AsyncMessages`), the rest by :meth:`__anext__`."""
         return AsyncMessages(self._inbox, Message, self.__anext__)
 
     async def __anext__(self) -> Received:
-        """The next message, as :meth:`receive` returns it; StopAsyncIteration
-        once the broker has closed the connection."""
+        """:meth:`receive`; StopAsyncIteration once the broker has closed the connection."""
         inbox = self._inbox
         if inbox and type(inbox[0]) is Message:
             return inbox.popleft()
@@ -475,6 +350,19 @@ class Client(Core, AsyncServiceMethods):
             return await self.receive()
         except BusClosedError:
             raise StopAsyncIteration from None
+
+    async def _wait_readable(self, sink: bool) -> None:
+        fut = self._loop.create_future()
+        self._receivers.append(fut)
+        self._sink_waiters += sink
+        self._start_reading()
+        try:
+            await fut
+        finally:
+            self._sink_waiters -= sink
+            if fut in self._receivers:
+                self._receivers.remove(fut)
+            self._update_reading()
 
     def _start_reading(self) -> None:
         if not self._reading and self._sock is not None:
@@ -488,33 +376,30 @@ class Client(Core, AsyncServiceMethods):
 
     def _update_reading(self) -> None:
         """Read only while someone waits: an unread socket is the broker's back-pressure."""
-        if not self._receivers and not self._querying():
+        if not self._receivers and not self._conn.querying():
             self._stop_reading()
 
-    def _querying(self) -> bool:
-        return any(r.waiter is not None and not r.waiter.done() for r in self._requests)
+    def _wake(self, stop: bool = True) -> None:
+        """Receivers look again: something came, or (``stop`` reading) the
+        connection ended, or only receive_into waits (it reads for itself)."""
+        if stop:
+            self._stop_reading()
+        for fut in self._receivers:
+            _wake(fut)
 
     def _on_readable(self) -> None:
-        if self._sink_waiters == len(self._receivers) > 0 and not self._querying():
-            # Only receive_into waits: it reads into its sink itself.
-            for fut in self._receivers:
-                if not fut.done():
-                    fut.set_result(None)
-            self._stop_reading()
-            return
+        if self._sink_waiters == len(self._receivers) > 0 and not self._conn.querying():
+            return self._wake()
         self._read_until_empty()
         if self._inbox:
-            for fut in self._receivers:
-                if not fut.done():
-                    fut.set_result(None)
+            self._wake(False)
         self._update_reading()
 
     def _read_until_empty(self, limit: int = 64, sink: Optional[Sink] = None) -> int:
-        """recvmmsg until EAGAIN (or the queue is long); replies go to their
-        queries. With a ``sink``, plain messages go to it until something is
-        queued (so nothing overtakes what is) or ``limit`` went to it, so its
-        owner acts on each batch before the next is read; returns how many it took."""
-        inbox = self._inbox
+        """recvmmsg until EAGAIN (or the queue is long), each batch triaged.
+        With a ``sink``, plain messages go to it until something is queued or
+        ``limit`` went to it; returns how many it took."""
+        conn, inbox = self._conn, self._inbox
         taken = 0
         most = _INBOX_HIGH if sink is None else limit
         while self._sock is not None and len(inbox) < _INBOX_HIGH and taken < most:
@@ -523,204 +408,30 @@ class Client(Core, AsyncServiceMethods):
             except BlockingIOError:
                 return taken
             except OSError as exc:
-                if exc.errno in GONE and self._policy is not None:
+                if exc.errno in GONE and conn.policy is not None:
                     self._lost(exc)
                     return taken
                 inbox.append(exc)
-                self._fail(BusClosedError(f"the connection failed: {exc}"))
+                conn.fail(BusClosedError(f"the connection failed: {exc}"))
                 return taken
             taken += self._in.taken
-            if self._replies is not None:
-                batch = self._replies.route(batch)
-            if not self._in.irregular:
-                inbox.extend(batch)
-                continue
-            for item in batch:
-                if type(item) is ControlMessage:
-                    request = self._answer(item) if self._requests else None
-                    if request is None:
-                        inbox.append(item)
-                    elif request.waiter is not None and not request.waiter.done():
-                        request.waiter.set_result(item.payload)  # an abandoned one's is dropped
-                elif type(item) is BusClosedError:
-                    if self._policy is not None and not self._closed:
-                        self._lost(item)
-                    else:
-                        inbox.append(item)
-                        self._fail(item)
-                    return taken
-                else:
-                    inbox.append(item)
+            end = conn.triage(batch)
+            if end is not None:
+                self._lost(end)
+                return taken
+            if conn.eof and conn.policy is None:
+                return taken
             if sink is not None and inbox:
                 return taken
         return taken
 
-    def _fail(self, exc: BusClosedError) -> None:
-        self._eof = True
-        self._stop_reading()
-        for request in self._requests:
-            if request.waiter is not None and not request.waiter.done():
-                request.waiter.set_exception(exc)
-        self._requests.clear()
-        for fut in self._receivers:
-            if not fut.done():
-                fut.set_result(None)
 
-    # -- losing and finding the broker (the state machine is the core's) -----------
+for _name in Driver.PLANNED:
+    setattr(Client, _name, awaited(getattr(Driver, _name)))
 
-    def _lost(self, exc: BaseException) -> None:
-        """The broker went away: keep what was not sent, reconnect in the background."""
-        if self._sock is None:
-            return
-        self._detach()
-        self._lose(exc)
-        if self._restoring is not None and not self._restoring.done():
-            self._restoring.set_exception(self._gone())
-        if self._reconnecting is None:
-            if self._connected is None:
-                self._connected = self._loop.create_future()
-            self._reconnecting = self._loop.create_task(self._reconnect())
-            self._reconnecting.add_done_callback(_retrieve)
-
-    async def _reconnect(self) -> None:
-        try:
-            while self._sock is None:
-                pause = self._pause()
-                if pause is None:
-                    self._shut(self._gave_up())
-                    return
-                if pause:
-                    await asyncio.sleep(pause)
-                    continue
-                try:
-                    self._attach(self._connect())
-                except OSError as exc:
-                    self._attempt_failed(exc)
-                    continue
-                try:
-                    await asyncio.wait_for(self._restore(), self._policy.confirm_timeout)
-                except (OSError, SbusError, asyncio.TimeoutError) as exc:
-                    self._detach()
-                    self._attempt_failed(exc)
-                    refusal = self._refused_replay(exc)
-                    if refusal is not None:
-                        return self._shut(refusal)
-                    continue
-                self._restored()
-                await self._deliver()
-        finally:
-            if self._reconnecting is asyncio.current_task():
-                self._reconnecting = None
-        connected, self._connected = self._connected, None
-        if connected is not None and not connected.done():
-            connected.set_result(None)
-
-    async def _restore(self) -> None:
-        """Send the replay, then wait for the answer to its whoami: then the
-        subscriptions are in place."""
-        self._eof = False
-        fut = self._restoring = self._loop.create_future()
-        whoami = Request(WHOAMI, b"", fut)
-        # First in line: the broker answers it before any request asked again.
-        self._requests.appendleft(whoami)
-        try:
-            for packet in self._replay():
-                while not self._out.add_packet(packet):
-                    self._send_all()
-            self._send_all()
-            self._start_reading()
-            await fut
-        finally:
-            self._restoring = None
-            self._unask(whoami)
-            self._update_reading()
-
-    def _send_all(self) -> None:
-        try:
-            self._out.send(self._fd)
-        except OSError as exc:
-            self._out.clear()
-            raise BusClosedError(f"the new connection failed: {exc}") from exc
-
-    async def _deliver(self) -> None:
-        """Send the backlog (with the requests asked again first, and what
-        is published meanwhile) until it is empty."""
-        if self._requests or self._receivers:
-            self._start_reading()
-        async with self._send_lock:
-            self._delivering = True
-            self._out_flags = 0
-            try:
-                while self._backlog and self._sock is not None:
-                    self._backlog.move_to(self._out)
-                    await self._drain(0)
-            finally:
-                self._delivering = False
-            if self._sock is not None:
-                self._live = True
-
-    # -- requests to the broker --------------------------------------------------
-
-    async def query(self, key: Text, payload: Optional[Text] = None, flags: int = 0) -> bytes:
-        """Send a control message and return the payload of the broker's reply with that key.
-
-        Messages that arrive first are kept for :meth:`receive`. Buffered
-        packets are sent first. A reply that comes after the query was
-        cancelled is dropped.
-        """
-        raw_key = _routing_key(key, "key")
-        packet = pack_control(raw_key, payload)
-        self._too_large(packet)
-        if len(self._out):
-            await self.flush()
-        if self._closed or (self._eof and self._policy is None):
-            raise self._gone()
-        # Registered before the request goes out, so its reply finds it; while
-        # the broker is away, the reconnect asks the new one.
-        fut = self._loop.create_future()
-        request = self._asked(raw_key, packet, fut)
-        try:
-            if self._live:
-                await self._send_request(packet, flags)
-        except BaseException:
-            self._unask(request)
-            raise
-        self._start_reading()
-        try:
-            return await fut
-        finally:
-            self._abandon(request)
-            self._update_reading()
-
-    async def _send_request(self, packet: bytes, flags: int) -> None:
-        async with self._send_lock:
-            if len(self._out):
-                await self._drain(0)
-            while self._live:
-                try:
-                    self._sock.send(packet, flags | socket.MSG_NOSIGNAL)
-                    return
-                except BlockingIOError:
-                    await self._writable()
-                except OSError as exc:
-                    self._send_failed(exc, None)
-                    self._lost(exc)
-                    return
-            if self._policy is None:
-                raise self._gone()
-
-    async def whoami(self, flags: int = 0) -> Credentials:
-        """Ask the broker for this client's credentials (``!/cred/GID/UID/PID...``)."""
-        reply = await self.query(WHOAMI, None, flags)
-        return Credentials.parse(reply.decode("ascii", "replace"))
-
-    async def stats(self, flags: int = 0) -> dict:
-        """The broker's counters: the JSON reply to ``CMSG stats``."""
-        return parse_stats(await self.query(b"stats", None, flags))
 
 def _wake(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
+    c.settle(fut)
 
 
 def _retrieve(task: "asyncio.Task") -> None:

@@ -1,22 +1,25 @@
-"""Answers to one asker on its private key: the convention services share.
+"""Reply keys: where answers to one asker go, made here and nowhere else.
 
-The asker learns its credentials with ``whoami`` (``!/cred/GID/UID/PID``,
-longer behind other brokers) and makes an *inbox* under them,
-``<credentials>/<kind>/<id>/``: ``kind`` names the service (``queue``,
-``reply``) and ``id`` is random, so two inboxes of one process never meet.
-It subscribes to the inbox (the pattern ends in ``/``: everything under it)
-and tells the other side the inbox's text; answers go to
+Every service convention that answers a client (request/reply, ``sbus
+queue``, ``sbus store``) uses the one form documented in docs/requests.md
+("Reply keys"): the asker learns its credentials with ``whoami``
+(``!/cred/GID/UID/PID``, longer behind other brokers) and makes an *inbox*
+under them, ``<credentials>/<kind>/<id>/``: ``kind`` names the service
+(``reply``, ``queue``, ``store``) and ``id`` is 64 random bits, so two
+inboxes of one process never meet. It subscribes to the inbox (the pattern
+ends in ``/``: everything under it) and tells the other side a key in it,
 ``<inbox><suffix>``, the suffix saying what the answer is (a correlation id
-for a reply, ``job`` for a queue delivery). The broker hands a key under
-``!/cred/GID/UID/PID/`` only to a client with those credentials, so nobody
-else reads an answer, and an answer to an asker that has gone is dropped.
+for a reply, ``job`` for a queue delivery, ``answer`` for the store). The
+broker hands a key under ``!/cred/GID/UID/PID/`` only to a client with those
+credentials, so nobody else reads an answer, and an answer to an asker that
+has gone is dropped.
 
 This module makes and reads such keys; it sends nothing.
 """
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Union
 
 from .protocol import Credentials
 
@@ -50,20 +53,30 @@ class PrivateInbox:
     the broker delivers it: in the local form), or None for any other key.
     """
 
-    __slots__ = ("prefix", "_raw")
+    __slots__ = ("prefix", "id", "_bytes", "_raw")
 
     def __init__(self, credentials: Credentials, kind: str, id: Optional[str] = None) -> None:
         if not kind or "/" in kind:
             raise ValueError(f"an inbox kind is one key segment, not {kind!r}")
-        self.prefix = f"{credentials}/{kind}/{id or new_id()}/"
-        self._raw = local_form(self.prefix.encode())
+        self.id = id or new_id()
+        self.prefix = f"{credentials}/{kind}/{self.id}/"
+        self._bytes = self.prefix.encode()
+        self._raw = local_form(self._bytes)
 
     @property
     def pattern(self) -> str:
         return self.prefix
 
-    def key(self, suffix: str = "") -> str:
+    def key(self, suffix: Union[str, bytes] = "") -> Union[str, bytes]:
+        """A reply key: the inbox and ``suffix`` (bytes for a bytes suffix)."""
+        if isinstance(suffix, bytes):
+            return self._bytes + suffix
         return self.prefix + suffix
+
+    @property
+    def local(self) -> bytes:
+        """The inbox as its owner receives its keys (see :func:`local_form`)."""
+        return self._raw
 
     def suffix_of(self, key: bytes) -> Optional[bytes]:
         return key[len(self._raw):] if key.startswith(self._raw) else None

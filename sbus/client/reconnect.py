@@ -1,7 +1,7 @@
 """What a client needs to ride out a broker restart: the policy, the session
 it replays, and the backlog of what was published while the broker was away.
 
-Held by the client core (:mod:`sbus.client.core`) for both clients; nothing
+Held by the connection state (:mod:`sbus.client.connection`) for both clients; nothing
 here does I/O. What other clients published while the broker was away is gone:
 a broker keeps no messages, and a new one starts with no subscriptions.
 """

@@ -17,27 +17,31 @@ gone. A server answers only requests whose reply key is a private key, so a
 request cannot make it publish on a public key; any other packet on its
 pattern is ignored.
 
-Both clients delegate here: :func:`ask` and :func:`serve` (blocking client),
-:func:`ask_async` and :func:`serve_async` (asyncio client). :class:`Replies`,
-a client's inbox and the requests waiting on it, is shared by both and does
-no I/O; the asyncio client routes every batch it reads through
-:meth:`Replies.route`, so many requests are in flight on one connection.
+:class:`Replies` is a client's reply inbox and the requests waiting on it;
+it does no I/O. A client's :class:`~sbus.client.connection.Connection`
+holds one and routes every batch either driver reads through
+:meth:`Replies.route`, so many requests are in flight on one asyncio client;
+its ``request`` plan asks (``Client.request`` of either client). The
+clients' ``serve`` delegates to :func:`serve` (blocking) and
+:func:`serve_async` (asyncio).
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
-import time
-from typing import Any, Awaitable, Callable, Dict, List, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Dict, List, NamedTuple, Optional, Union
 
-from .._core.batch import check_publish_key, pack_publish
-from ..errors import HandlerError, MessageRefusedError, RequestTimeoutError
-from .private import PrivateInbox, is_private, local_form
+from .._core.batch import check_publish_key
+from ..errors import BusClosedError, HandlerError, MessageRefusedError, RequestTimeoutError
+from .private import PrivateInbox, is_private
+
+if TYPE_CHECKING:   # the contract; services.py imports this module
+    from .services import BusClient
 from .protocol import Credentials, Message, Text, encode
+from .steps import ITEM, Plan, Run
 
-__all__ = ["CONCURRENCY", "REQUEST_TIMEOUT", "IncomingRequest", "Replies", "ask",
-           "ask_async", "pack_reply", "pack_request", "parse_reply", "parse_request",
-           "serve", "serve_async"]
+__all__ = ["CONCURRENCY", "REQUEST_TIMEOUT", "IncomingRequest", "Replies", "pack_reply",
+           "pack_request", "parse_reply", "parse_request", "serve", "serve_async"]
 
 # Seconds a request waits for its reply unless told otherwise.
 REQUEST_TIMEOUT = 5.0
@@ -110,10 +114,10 @@ class Replies:
 
     __slots__ = ("inbox", "waiting", "opening", "_prefix", "_reply_prefix", "_next")
 
-    def __init__(self) -> None:
+    def __init__(self, opening: Any) -> None:
         self.inbox: Optional[PrivateInbox] = None
         self.waiting: Dict[bytes, Any] = {}
-        self.opening: Optional[asyncio.Future] = None
+        self.opening = opening      # a waiter, done once the inbox is subscribed
         self._prefix = b"\xff"      # no key starts with it before open()
         self._reply_prefix = b""
         self._next = 0
@@ -122,15 +126,15 @@ class Replies:
         self.inbox = PrivateInbox(credentials, KIND)
         # Replies are addressed to the inbox as whoami says (nested behind a
         # leaf or a private bridge) and arrive in the local form.
-        self._reply_prefix = self.inbox.prefix.encode()
-        self._prefix = local_form(self._reply_prefix)
+        self._reply_prefix = self.inbox.key(b"")
+        self._prefix = self.inbox.local
 
     def expect(self, waiter: Any) -> bytes:
         """A new correlation id, its reply awaited by ``waiter``; returns the reply key."""
         self._next += 1
         correlation = b"%d" % self._next
         self.waiting[correlation] = waiter
-        return self._reply_prefix + correlation
+        return self.inbox.key(correlation)
 
     def forget(self, reply_key: bytes) -> None:
         self.waiting.pop(reply_key[len(self._reply_prefix):], None)
@@ -156,157 +160,52 @@ class Replies:
         return rest
 
 
-def _timed_out(key: Text, timeout: float) -> RequestTimeoutError:
+def timed_out(key: Text, timeout: float) -> RequestTimeoutError:
     return RequestTimeoutError(f"no reply to a request on {key!r} within {timeout:g} s")
 
 
-# -- the blocking client ------------------------------------------------------------
-
-def ask(client, key: Text, payload: Text, timeout: float) -> bytes:
-    """:meth:`sbus.client.sync.Client.request`: publish a request on ``key``
-    and return the reply's body. RequestTimeoutError once ``timeout``
-    (seconds) passes unanswered; HandlerError (the server's text) if the
-    server's handler raised. Messages that arrive meanwhile are queued
-    for ``receive()``, in order. After a timeout the inbox is dropped (a new
-    one is made for the next request), so a late reply is not received."""
-    replies = client._replies
-    if replies is None:
-        replies = Replies()
-        replies.open(client.whoami(timeout=timeout))
-        client.subscribe(replies.inbox.pattern)
-        client._replies = replies
-    reply_to = replies.expect(True)
-    deadline = time.monotonic() + timeout
-    held: List[Any] = []
-    try:
-        client.publish(key, pack_request(reply_to, payload))
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                client._replies = None
-                client.unsubscribe(replies.inbox.pattern)
-                raise _timed_out(key, timeout)
-            try:
-                batch = client.receive_many(64, timeout=left)
-            except TimeoutError:
-                continue
-            for i, m in enumerate(batch):
-                if type(m) is not Message or replies.correlation(m.key) is None:
-                    held.append(m)
-                elif m.key == local_form(reply_to):
-                    held.extend(batch[i + 1:])
-                    return parse_reply(m.payload)
-                # else: the late reply to an earlier request, dropped
-    finally:
-        replies.forget(reply_to)
-        client._requeue(held)
+def _serving(pattern: Text, count: Optional[int]) -> Plan:
+    """A server's plan (see .steps): the requests on ``pattern``, one at a
+    time, until the broker closes the connection or ``count`` were handed out."""
+    yield ("subscribe", None, pattern)
+    handed = 0
+    while handed != count:
+        try:
+            message = yield ("receive", None)
+        except BusClosedError:
+            return
+        request = parse_request(message) if type(message) is Message else None
+        if request is not None:
+            handed += 1
+            yield (ITEM, request)
 
 
-def _answer(handler: Callable[[IncomingRequest], Reply], request: IncomingRequest) -> bytes:
-    try:
-        return pack_reply(handler(request))
-    except Exception as exc:    # the asker raises it; the server goes on
-        return pack_error(exc)
-
-
-def _reply(client, request: IncomingRequest, packed: bytes) -> None:
+def _replying(request: IncomingRequest, packed: bytes) -> Plan:
     """Publish a reply; one the broker would refuse (too large) becomes an error reply."""
     try:
-        client.publish(request.reply_to, packed)
+        yield ("publish", None, request.reply_to, packed)
     except MessageRefusedError as exc:
-        client.publish(request.reply_to, pack_error(exc))
+        yield ("publish", None, request.reply_to, pack_error(exc))
 
 
-def serve(client, pattern: Text, handler: Callable[[IncomingRequest], Reply],
+def serve(client: BusClient, pattern: Text, handler: Callable[[IncomingRequest], Reply],
           count: Optional[int] = None) -> int:
     """:meth:`sbus.client.sync.Client.serve`: answer the requests on
     ``pattern`` one at a time, until the broker closes the connection or
     ``count`` were answered; returns how many were."""
-    client.subscribe(pattern)
     answered = 0
-    if count == 0:
-        return 0
-    for message in client:
-        request = parse_request(message) if type(message) is Message else None
-        if request is None:
-            continue
-        _reply(client, request, _answer(handler, request))
+    for request in Run(client, _serving(pattern, count)):
+        try:
+            packed = pack_reply(handler(request))
+        except Exception as exc:    # the asker raises it; the server goes on
+            packed = pack_error(exc)
+        for _ in Run(client, _replying(request, packed)):
+            pass
         answered += 1
-        if answered == count:
-            break
     return answered
 
 
-# -- the asyncio client -------------------------------------------------------------
-
-async def _open_async(client) -> Replies:
-    replies = client._replies
-    if replies is None:
-        replies = client._replies = Replies()
-        replies.opening = client._loop.create_future()
-        try:
-            replies.open(await client.whoami())
-            await client.subscribe(replies.inbox.pattern)
-        except BaseException as exc:
-            client._replies = None
-            replies.opening.set_exception(exc)
-            replies.opening.exception()     # seen: the first asker raises it
-            raise
-        replies.opening.set_result(None)
-    elif not replies.opening.done():
-        await asyncio.shield(replies.opening)
-    return replies
-
-
-def _expire(fut: asyncio.Future, key: Text, timeout: float) -> None:
-    if not fut.done():
-        fut.set_exception(_timed_out(key, timeout))
-
-
-async def ask_async(client, key: Text, payload: Text, timeout: float) -> bytes:
-    """:meth:`sbus.client.aio.Client.request`; any number may be in flight at once.
-
-    The future is also one of the client's requests (``Core._asked``): the
-    client keeps reading while it waits, fails it if the connection ends, and
-    after a reconnect publishes the request again to the new broker."""
-    replies = client._replies
-    if replies is None or not replies.opening.done():
-        replies = await _open_async(client)
-    loop = client._loop
-    fut = loop.create_future()
-    reply_to = replies.expect(fut)
-    packet = pack_publish(key, pack_request(reply_to, payload), client.max_message)
-    request = client._asked(reply_to, packet, fut)
-    timer = loop.call_later(timeout, _expire, fut, key, timeout)
-    try:
-        await client.send_packet(packet)
-        client._start_reading()
-        return parse_reply(await fut)
-    finally:
-        timer.cancel()
-        replies.forget(reply_to)
-        client._unask(request)
-        client._update_reading()
-
-
-async def _reply_async(client, request: IncomingRequest, packed: bytes) -> None:
-    try:
-        await client.publish(request.reply_to, packed)
-    except MessageRefusedError as exc:
-        await client.publish(request.reply_to, pack_error(exc))
-
-
-async def _answer_async(handler, request: IncomingRequest) -> bytes:
-    try:
-        result = handler(request)
-        if inspect.isawaitable(result):
-            result = await result
-        return pack_reply(result)
-    except Exception as exc:    # the asker raises it; the server goes on
-        return pack_error(exc)
-
-
-async def serve_async(client, pattern: Text,
+async def serve_async(client: BusClient, pattern: Text,
                       handler: Callable[[IncomingRequest], Union[Reply, Awaitable[Reply]]],
                       concurrency: int = CONCURRENCY) -> None:
     """:meth:`sbus.client.aio.Client.serve`: answer the requests on
@@ -315,7 +214,6 @@ async def serve_async(client, pattern: Text,
     free slot). A plain function is called inline."""
     if concurrency < 1:
         raise ValueError("concurrency must be 1 or more")
-    await client.subscribe(pattern)
     is_async = (inspect.iscoroutinefunction(handler)
                 or inspect.iscoroutinefunction(type(handler).__call__))
     slots = asyncio.Semaphore(concurrency)
@@ -323,23 +221,26 @@ async def serve_async(client, pattern: Text,
 
     async def one(request: IncomingRequest) -> None:
         try:
-            await _reply_async(client, request, await _answer_async(handler, request))
+            try:
+                result = handler(request)
+                packed = pack_reply(await result if inspect.isawaitable(result) else result)
+            except Exception as exc:    # the asker raises it; the server goes on
+                packed = pack_error(exc)
+            async for _ in Run(client, _replying(request, packed)):
+                pass
         finally:
-            slots.release()
+            if is_async:
+                slots.release()
 
     try:
-        async for batch in client.batches():
-            for message in batch:
-                request = parse_request(message) if type(message) is Message else None
-                if request is None:
-                    continue
-                if not is_async:
-                    await _reply_async(client, request, await _answer_async(handler, request))
-                    continue
-                await slots.acquire()
-                task = asyncio.ensure_future(one(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
+        async for request in Run(client, _serving(pattern, None)):
+            if not is_async:
+                await one(request)
+                continue
+            await slots.acquire()
+            task = asyncio.ensure_future(one(request))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
     finally:
         for task in tasks:
             task.cancel()

@@ -1,20 +1,54 @@
-"""What the clients offer of the services beside the broker, as methods.
+"""What the services beside the broker need of a client, and the clients' doors to them.
 
-Each is a door to a module of its own, which holds the logic and the
-convention on the bus: :mod:`.store` (``sbus store``'s replay and last
-values), :mod:`.requests` (request/reply, docs/requests.md) and
-:mod:`.consume` (``sbus queue``'s jobs, docs/queues.md). ``ServiceMethods``
-is mixed into the blocking ``Client``, ``AsyncServiceMethods`` into the
-asyncio one.
+:class:`BusClient` is the contract: the service modules (:mod:`.store`,
+``sbus store``'s replay and last values; :mod:`.requests`, request/reply,
+docs/requests.md; :mod:`.consume`, ``sbus queue``'s jobs, docs/queues.md)
+use a client through these public methods and nothing else. On
+:class:`sbus.Client` they return their results; on :class:`sbus.aio.Client`
+they are coroutine functions, to await (:class:`AsyncBusClient` adds the one
+that never waits). Replies reach their waiters in the client's connection
+state (:meth:`sbus.client.connection.Connection.triage`), the one place
+either driver routes them; a service never reads for another.
+
+``ServiceMethods`` is mixed into the blocking ``Client``,
+``AsyncServiceMethods`` into the asyncio one: each method is a door to a module.
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterable, List, Optional, Protocol, Tuple, runtime_checkable
 
 from . import consume as _consume
 from . import requests as _requests
 from . import store as _store
 from .protocol import Message, Text
+
+
+@runtime_checkable
+class BusClient(Protocol):
+    """The public methods a service module uses (see the module docstring)."""
+
+    address: str
+    max_message: int
+
+    @property
+    def closed(self) -> bool: ...
+    def whoami(self, flags: int = 0, *, timeout: Optional[float] = None) -> Any: ...
+    def subscribe(self, pattern: Text, flags: int = 0) -> Any: ...
+    def unsubscribe(self, pattern: Text, flags: int = 0) -> Any: ...
+    def publish(self, key: Text, payload: Text = b"", flags: int = 0) -> Any: ...
+    def publish_many(self, messages: Iterable[Tuple[Text, Text]], flags: int = 0) -> Any: ...
+    def receive(self) -> Any: ...
+    def receive_many(self, max: int = 64) -> Any: ...
+    def batches(self, max: int = 64) -> Any: ...
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncBusClient(BusClient, Protocol):
+    """:class:`BusClient` as the asyncio client has it, and a publish for
+    code that cannot await (a consumer left by ``break``)."""
+
+    def publish_nowait(self, key: Text, payload: Text = b"", flags: int = 0) -> None: ...
 
 
 class ServiceMethods:
@@ -26,17 +60,13 @@ class ServiceMethods:
         """The last recorded message of each key: :func:`sbus.client.store.last`."""
         return _store.last(self, pattern, **options)
 
-    def request(self, key: Text, payload: Text = b"", timeout: float = _requests.REQUEST_TIMEOUT) -> bytes:
-        """The reply to a request on ``key``: :func:`sbus.client.requests.ask`."""
-        return _requests.ask(self, key, payload, timeout)
-
     def serve(self, pattern: Text, handler: Callable[..., Any], count: Optional[int] = None) -> int:
         """Answer the requests on ``pattern``: :func:`sbus.client.requests.serve`."""
         return _requests.serve(self, pattern, handler, count)
 
-    def consume(self, pattern: str, prefetch: int = _consume.PREFETCH) -> Iterator[_consume.Job]:
-        """The jobs of ``sbus queue`` on ``pattern``: :func:`sbus.client.consume.consume`."""
-        return _consume.consume(self, pattern, prefetch)
+    def consume(self, pattern: str, prefetch: int = _consume.PREFETCH) -> _consume.Consumer:
+        """``for`` the jobs of ``sbus queue`` on ``pattern``: :func:`sbus.client.consume.consume`."""
+        return _consume.Consumer(self, pattern, prefetch)
 
 
 class AsyncServiceMethods:
@@ -49,15 +79,11 @@ class AsyncServiceMethods:
         """The last recorded message of each key: :func:`sbus.client.store.alast`."""
         return await _store.alast(self, pattern, **options)
 
-    async def request(self, key: Text, payload: Text = b"", timeout: float = _requests.REQUEST_TIMEOUT) -> bytes:
-        """The reply to a request on ``key``; many may be in flight: :func:`sbus.client.requests.ask_async`."""
-        return await _requests.ask_async(self, key, payload, timeout)
-
     async def serve(self, pattern: Text, handler: Callable[..., Any],
                     concurrency: int = _requests.CONCURRENCY) -> None:
         """Answer the requests on ``pattern``: :func:`sbus.client.requests.serve_async`."""
         await _requests.serve_async(self, pattern, handler, concurrency)
 
-    def consume(self, pattern: str, prefetch: int = _consume.PREFETCH) -> AsyncIterator[_consume.Job]:
-        """``async for`` the jobs of ``sbus queue``: :func:`sbus.client.consume.consume_async`."""
-        return _consume.consume_async(self, pattern, prefetch)
+    def consume(self, pattern: str, prefetch: int = _consume.PREFETCH) -> _consume.Consumer:
+        """``async for`` the jobs of ``sbus queue``: :func:`sbus.client.consume.consume`."""
+        return _consume.Consumer(self, pattern, prefetch)

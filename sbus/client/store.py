@@ -8,30 +8,34 @@ way to give such messages back to it. The protocol is in docs/store.md and
 :mod:`sbus.store.wire`; memory is bounded by the flow-control window
 (``window`` answers of at most 64 KiB each), however long the range.
 
-``Client.replay``/``Client.last`` can delegate here::
-
-    def replay(self, pattern, since=None, until=None, after=None, **options):
-        from .store import replay
-        return replay(self, pattern, since, until, after, **options)
+The conversation with the store is one plan (:func:`_replaying`, see
+:mod:`sbus.client.steps`), run by :class:`Replay` over a blocking connection
+and by :class:`AsyncReplay` over an asyncio one; ``Client.replay`` and
+``Client.last`` of either client delegate here.
 """
 from __future__ import annotations
 
-import asyncio
 import json
-import secrets
 import time
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Union
 
 from ..errors import SbusError
 from ..store import wire
-from ..store.segments import HEADER, RECORD, parse_gap
+from ..store.segments import iter_records, parse_gap
+from .private import PrivateInbox
+
+if TYPE_CHECKING:   # the contract; services.py imports this module
+    from .services import BusClient
 from .protocol import MAX_MESSAGE, Message, Text, encode
+from .steps import ITEM, Plan, Run, Steps
 
 __all__ = ["AsyncReplay", "Gap", "Replay", "StoreError", "alast", "areplay", "astore_stats",
            "last", "replay", "store_stats"]
 
 # How long to wait for the store to take a request.
 ANSWER_TIMEOUT = 10.0
+# The reply key (sbus.client.private): <credentials>/store/<id>/answer.
+KIND, ANSWER = "store", "answer"
 
 Time = Union[None, int, float]
 
@@ -66,7 +70,7 @@ class _Session:
                            after=after, follow=follow or None, window=window)
         self.window = window
         self.on_gap = on_gap
-        self.id = secrets.token_hex(4)
+        self.id = ""            # the inbox's, once opened
         self.token = b""
         self.acked = 0
         self.buffer = b""
@@ -77,8 +81,11 @@ class _Session:
         self.lost = 0
         self.first = self.last = 0
 
-    def reply_key(self, credentials: Any) -> str:
-        return f"{credentials}/sbus/store/{self.id}"
+    def open(self, credentials: Any) -> PrivateInbox:
+        """The inbox the answers come to (sbus.client.private); its id is the request's."""
+        inbox = PrivateInbox(credentials, KIND)
+        self.id = inbox.id
+        return inbox
 
     def request(self, reply: str) -> bytes:
         return wire.request(self.op, id=self.id, reply=reply, **self.fields)
@@ -111,22 +118,13 @@ class _Session:
     def records(self) -> List[Any]:
         """The whole records in the buffer: (seq, time_ns, Message) each,
         or (seq, time_ns, Gap) for a note from the store."""
-        data, pos, end = self.buffer, 0, len(self.buffer)
+        data, done = self.buffer, 0
         out: List[Any] = []
-        append = out.append
-        unpack = RECORD.unpack_from
-        while end - pos >= HEADER:
-            size, _, seq, time_ns, key_len = unpack(data, pos)
-            if end - pos < size:
-                break
-            k = pos + HEADER + key_len
-            key = data[pos + HEADER:k]
-            if key[:1] == b"!":
-                append((seq, time_ns, self.gap(seq, data[k:pos + size])))
-            else:
-                append((seq, time_ns, Message(key, data[k:pos + size])))
-            pos += size
-        self.buffer = data[pos:] if pos < end else b""
+        for seq, time_ns, key, payload, offset, size in iter_records(data):
+            out.append((seq, time_ns, self.gap(seq, payload) if key[:1] == b"!"
+                        else Message(key, payload)))
+            done = offset + size
+        self.buffer = data[done:] if done < len(data) else b""
         return out
 
     def gap(self, seq: int, payload: bytes) -> Gap:
@@ -175,7 +173,74 @@ class _Position:
         return self._s.last
 
 
-class Replay(_Position):
+_READY = object()      # what the plan hands out first: the store took the request
+
+
+def _replaying(s: _Session, request_key: bytes, timeout: float) -> Plan:
+    """A replay's plan on its own connection (see .steps): ask, then hand out
+    the messages of the store's answers, acknowledging them as the window says."""
+    inbox = s.open((yield ("whoami", timeout)))
+    yield ("subscribe", None, inbox.pattern)
+    yield ("publish", None, request_key, s.request(inbox.key(ANSWER)))
+    while not s.token:
+        yield from _answer(s, request_key, timeout)
+    yield (ITEM, _READY)
+    while True:
+        for seq, time_ns, message in s.records():
+            if type(message) is Message:
+                s.seq, s.time = seq, time_ns / 1e9
+                yield (ITEM, message)
+        if s.ended:
+            return
+        # The store keeps answering while it has data; a follower waits.
+        yield from _answer(s, request_key, None if s.fields["follow"] else timeout)
+
+
+def _answer(s: _Session, request_key: bytes, timeout: Optional[float]) -> Plan:
+    try:
+        m = yield ("receive", timeout)
+    except TimeoutError:
+        raise StoreError(f"no answer from the store on {request_key.decode()!r} "
+                         f"within {timeout:g} s") from None
+    if type(m) is Message:
+        ack = s.take(m.payload)
+        if ack is not None:
+            yield ("publish", None, request_key, ack)
+
+
+def _cancelling(s: _Session, request_key: bytes) -> Plan:
+    if not s.ended and s.token:
+        yield ("publish", None, request_key, wire.request("cancel", session=s.token))
+
+
+def _asking_stats(request_key: bytes, timeout: float) -> Plan:
+    inbox = PrivateInbox((yield ("whoami", timeout)), KIND)
+    yield ("subscribe", None, inbox.pattern)
+    yield ("publish", None, request_key, wire.request("stats", id=inbox.id,
+                                                      reply=inbox.key(ANSWER)))
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            m = yield ("receive", max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise StoreError(f"no answer from the store within {timeout:g} s") from None
+        if type(m) is Message:
+            kind, _, _, body = wire.parse_answer(m.payload)
+            if kind == wire.ERROR:
+                raise StoreError(body.decode("utf-8", "replace"))
+            yield (ITEM, json.loads(body))
+
+
+def _own(client: BusClient, awaited: bool) -> Any:
+    """A connection of the replay's own, of the kind of ``client``."""
+    if awaited:
+        from .aio import Client
+    else:
+        from .sync import Client  # type: ignore[assignment]
+    return Client(client.address, max_message=getattr(client, "max_message", MAX_MESSAGE))
+
+
+class Replay(_Position, Steps):
     """An iterator of the recorded :class:`Message`s, in store order.
 
     After each message, ``seq`` and ``time`` are its sequence number and
@@ -183,73 +248,44 @@ class Replay(_Position):
     Where the log has a gap, ``on_gap(Gap)`` is called (``gaps`` and ``lost``
     count them). With ``follow``, the iteration goes on with messages as the
     store records them, until :meth:`close`. Closing the iterator (or
-    leaving its ``with`` block) closes its connection.
+    leaving its ``with`` block) closes its connection. The plan is
+    :func:`_replaying`; :class:`AsyncReplay` runs it over an asyncio client.
     """
 
-    def __init__(self, client: Any, op: str, pattern: Text, since: Time = None,
+    _awaited = False
+
+    def __init__(self, client: BusClient, op: str, pattern: Text, since: Time = None,
                  until: Time = None, after: Optional[int] = None, *, follow: bool = False,
                  window: int = wire.DEFAULT_WINDOW, request_key: Text = wire.REQUEST_KEY,
                  timeout: float = ANSWER_TIMEOUT, on_gap: Optional[Callable[[Gap], None]] = None
                  ) -> None:
-        from .sync import Client
         self._s = _Session(op, pattern, since, until, after, follow, window, on_gap)
         self._request_key = encode(request_key)
-        self._timeout = timeout
-        self._bus = Client(client.address, max_message=getattr(client, "max_message", MAX_MESSAGE))
-        try:
-            reply = self._s.reply_key(self._bus.whoami(timeout=timeout))
-            self._bus.subscribe(reply)
-            self._bus.publish(self._request_key, self._s.request(reply))
-            while not self._s.token:
-                self._next_answer(timeout)
-        except BaseException:
-            self._bus.close()
-            raise
-        self._it = self._generate()
-
-    def _next_answer(self, timeout: Optional[float]) -> None:
-        try:
-            m = self._bus.receive(timeout=timeout)
-        except TimeoutError:
-            raise StoreError(f"no answer from the store on {self._request_key.decode()!r} "
-                             f"within {timeout:g} s") from None
-        if type(m) is Message:
-            ack = self._s.take(m.payload)
-            if ack is not None:
-                self._bus.publish(self._request_key, ack)
-
-    def _generate(self) -> Iterator[Message]:
-        s = self._s
-        while True:
-            for seq, time_ns, message in s.records():
-                if type(message) is Message:
-                    s.seq, s.time = seq, time_ns / 1e9
-                    yield message
-            if s.ended:
-                return
-            # The store keeps answering while it has data; a follower waits.
-            self._next_answer(None if s.fields["follow"] else self._timeout)
-
-    def __iter__(self) -> "Replay":
-        return self
+        self._client = _own(client, self._awaited)
+        self._plan = _replaying(self._s, self._request_key, timeout)
+        if not self._awaited:
+            try:
+                Steps.__next__(self)     # _READY: the store took the request
+            except BaseException:
+                self._client.close()
+                raise
 
     def __next__(self) -> Message:
         try:
-            return next(self._it)
+            return Steps.__next__(self)
         except StopIteration:
             self.close()
             raise
 
     def close(self) -> None:
-        if self._bus.closed:
+        if self._client.closed:
             return
-        if not self._s.ended and self._s.token:
-            try:
-                self._bus.publish(self._request_key,
-                                  wire.request("cancel", session=self._s.token))
-            except (OSError, SbusError):
+        try:
+            for _ in Run(self._client, _cancelling(self._s, self._request_key)):
                 pass
-        self._bus.close()
+        except (OSError, SbusError):
+            pass
+        self._client.close()
 
     def __enter__(self) -> "Replay":
         return self
@@ -258,7 +294,7 @@ class Replay(_Position):
         self.close()
 
 
-def replay(client: Any, pattern: Text, since: Time = None, until: Time = None,
+def replay(client: BusClient, pattern: Text, since: Time = None, until: Time = None,
            after: Optional[int] = None, **options: Any) -> Replay:
     """The recorded messages whose keys match ``pattern``, in store order:
     received at or after ``since`` and at or before ``until`` (seconds since
@@ -268,112 +304,54 @@ def replay(client: Any, pattern: Text, since: Time = None, until: Time = None,
     return Replay(client, "replay", pattern, since, until, after, **options)
 
 
-def last(client: Any, pattern: Text, **options: Any) -> List[Message]:
+def last(client: BusClient, pattern: Text, **options: Any) -> List[Message]:
     """The last recorded message of each key matching ``pattern``, in store order."""
     with Replay(client, "last", pattern, **options) as it:
         return list(it)
 
 
-def store_stats(client: Any, *, request_key: Text = wire.REQUEST_KEY,
+def store_stats(client: BusClient, *, request_key: Text = wire.REQUEST_KEY,
                 timeout: float = ANSWER_TIMEOUT) -> Dict[str, Any]:
     """The store's counters (the same as its ``store_stats`` log records)."""
-    from .sync import Client
-    ident = secrets.token_hex(4)
-    with Client(client.address, max_message=getattr(client, "max_message", MAX_MESSAGE)) as bus:
-        reply = f"{bus.whoami(timeout=timeout)}/sbus/store/{ident}"
-        bus.subscribe(reply)
-        bus.publish(request_key, wire.request("stats", id=ident, reply=reply))
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                m = bus.receive(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise StoreError(f"no answer from the store within {timeout:g} s") from None
-            if type(m) is not Message:
-                continue
-            return _stats_answer(m.payload, ident)
-
-
-def _stats_answer(payload: bytes, ident: str) -> Dict[str, Any]:
-    kind, got, _, body = wire.parse_answer(payload)
-    if kind == wire.ERROR:
-        raise StoreError(body.decode("utf-8", "replace"))
-    return json.loads(body)
+    with _own(client, False) as bus:
+        return next(Run(bus, _asking_stats(encode(request_key), timeout)))
 
 
 # -- asyncio -----------------------------------------------------------------------------
 
 
-class AsyncReplay(_Position):
+class AsyncReplay(Replay):
     """:class:`Replay` for :class:`sbus.client.aio.Client`: ``async for``,
     ``await close()``, ``async with``. Made by :func:`areplay`."""
 
-    def __init__(self, s: _Session, bus: Any, request_key: bytes, timeout: float) -> None:
-        self._s, self._bus, self._request_key, self._timeout = s, bus, request_key, timeout
-        self._ready: List[Any] = []
-        self._i = 0
+    _awaited = True
 
     @classmethod
-    async def open(cls, client: Any, op: str, pattern: Text, since: Time = None,
-                   until: Time = None, after: Optional[int] = None, *, follow: bool = False,
-                   window: int = wire.DEFAULT_WINDOW, request_key: Text = wire.REQUEST_KEY,
-                   timeout: float = ANSWER_TIMEOUT,
-                   on_gap: Optional[Callable[[Gap], None]] = None) -> "AsyncReplay":
-        from .aio import Client
-        s = _Session(op, pattern, since, until, after, follow, window, on_gap)
-        bus = Client(client.address, max_message=getattr(client, "max_message", MAX_MESSAGE))
-        self = cls(s, bus, encode(request_key), timeout)
+    async def open(cls, client: BusClient, *args: Any, **options: Any) -> "AsyncReplay":
+        self = cls(client, *args, **options)
         try:
-            reply = s.reply_key(await asyncio.wait_for(bus.whoami(), timeout))
-            await bus.subscribe(reply)
-            await bus.publish(self._request_key, s.request(reply))
-            while not s.token:
-                await self._next_answer(timeout)
+            await Steps.__anext__(self)     # _READY: the store took the request
         except BaseException:
-            bus.close()
+            self._client.close()
             raise
         return self
 
-    async def _next_answer(self, timeout: Optional[float]) -> None:
-        try:
-            m = await asyncio.wait_for(self._bus.receive(), timeout)
-        except asyncio.TimeoutError:
-            raise StoreError(f"no answer from the store within {timeout:g} s") from None
-        if type(m) is Message:
-            ack = self._s.take(m.payload)
-            if ack is not None:
-                await self._bus.publish(self._request_key, ack)
-
-    def __aiter__(self) -> "AsyncReplay":
-        return self
-
     async def __anext__(self) -> Message:
-        s = self._s
-        while True:
-            while self._i < len(self._ready):
-                seq, time_ns, message = self._ready[self._i]
-                self._i += 1
-                if type(message) is Message:
-                    s.seq, s.time = seq, time_ns / 1e9
-                    return message
-            self._ready, self._i = s.records(), 0
-            if self._ready:
-                continue
-            if s.ended:
-                await self.close()
-                raise StopAsyncIteration
-            await self._next_answer(None if s.fields["follow"] else self._timeout)
+        try:
+            return await Steps.__anext__(self)
+        except StopAsyncIteration:
+            await self.close()
+            raise
 
-    async def close(self) -> None:
-        if self._bus.closed:
+    async def close(self) -> None:   # type: ignore[override]
+        if self._client.closed:
             return
-        if not self._s.ended and self._s.token:
-            try:
-                await self._bus.publish(self._request_key,
-                                        wire.request("cancel", session=self._s.token))
-            except (OSError, SbusError):
+        try:
+            async for _ in Run(self._client, _cancelling(self._s, self._request_key)):
                 pass
-        self._bus.close()
+        except (OSError, SbusError):
+            pass
+        self._client.close()
 
     async def __aenter__(self) -> "AsyncReplay":
         return self
@@ -382,34 +360,24 @@ class AsyncReplay(_Position):
         await self.close()
 
 
-async def areplay(client: Any, pattern: Text, since: Time = None, until: Time = None,
+async def areplay(client: BusClient, pattern: Text, since: Time = None, until: Time = None,
                   after: Optional[int] = None, **options: Any) -> AsyncReplay:
     """:func:`replay` for the asyncio client: ``async for m in await areplay(bus, "news/")``."""
     return await AsyncReplay.open(client, "replay", pattern, since, until, after, **options)
 
 
-async def alast(client: Any, pattern: Text, **options: Any) -> List[Message]:
+async def alast(client: BusClient, pattern: Text, **options: Any) -> List[Message]:
     """:func:`last` for the asyncio client."""
     it = await AsyncReplay.open(client, "last", pattern, **options)
     async with it:
         return [m async for m in it]
 
 
-async def astore_stats(client: Any, *, request_key: Text = wire.REQUEST_KEY,
+async def astore_stats(client: BusClient, *, request_key: Text = wire.REQUEST_KEY,
                        timeout: float = ANSWER_TIMEOUT) -> Dict[str, Any]:
     """:func:`store_stats` for the asyncio client."""
-    from .aio import Client
-    ident = secrets.token_hex(4)
-    bus = Client(client.address, max_message=getattr(client, "max_message", MAX_MESSAGE))
+    bus = _own(client, True)
     try:
-        reply = f"{await asyncio.wait_for(bus.whoami(), timeout)}/sbus/store/{ident}"
-        await bus.subscribe(reply)
-        await bus.publish(request_key, wire.request("stats", id=ident, reply=reply))
-        while True:
-            m = await asyncio.wait_for(bus.receive(), timeout)
-            if type(m) is Message:
-                return _stats_answer(m.payload, ident)
-    except asyncio.TimeoutError:
-        raise StoreError(f"no answer from the store within {timeout:g} s") from None
+        return await Run(bus, _asking_stats(encode(request_key), timeout)).__anext__()
     finally:
         bus.close()

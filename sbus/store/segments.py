@@ -527,11 +527,15 @@ class Log:
 
 
 def iter_records(data: bytes) -> Iterator[Tuple[int, int, bytes, bytes, int, int]]:
-    """(seq, time_ns, key, payload, offset, size) of each whole record in data."""
+    """(seq, time_ns, key, payload, offset, size) of each whole record in
+    data, up to the first partial one (a reader of the store's answers keeps
+    that for the next answer: it starts at the last offset + size)."""
     pos, end = 0, len(data)
     unpack = RECORD.unpack_from
     while end - pos >= HEADER:
         size, _, seq, time_ns, key_len = unpack(data, pos)
+        if end - pos < size:
+            return
         k = pos + HEADER
         yield seq, time_ns, data[k:k + key_len], data[k + key_len:pos + size], pos, size
         pos += size

@@ -1,0 +1,85 @@
+"""A service's plan, run over either client: its logic written once, the waiting twice.
+
+A plan is a generator that yields the client calls it needs,
+``(method, timeout, *args)`` (a public method of
+:class:`sbus.client.services.BusClient`; ``timeout`` None for none), and
+``(ITEM, value)`` for each value it hands out; a call's result is sent back,
+its exception thrown in (a ``TimeoutError`` once the timeout passed).
+:class:`Steps` iterates a plan: ``for`` over a blocking client, which makes
+the call; ``async for`` over an asyncio one, which awaits it. The consumer of
+``sbus queue`` (:mod:`.consume`) and the store's replay (:mod:`.store`) are
+plans; the services' contract says what they may call.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Generator, Optional, Tuple
+
+__all__ = ["ITEM", "Plan", "Run", "Steps"]
+
+ITEM = "item"
+
+Plan = Generator[Tuple[Any, ...], Any, Any]
+
+
+class Steps:
+    """Iterates ``self._plan`` over ``self._client``; see the module docstring.
+    A subclass takes its own actions in :meth:`_special` (True if it did)."""
+
+    _plan: Plan
+    _client: Any
+
+    def _special(self, action: Tuple[Any, ...]) -> bool:
+        return False
+
+    def _next_call(self, value: Any, error: Optional[BaseException]) -> Tuple[Any, ...]:
+        """Run the plan to its next client call or item. An error the plan
+        does not handle ends it (StopIteration after it)."""
+        while True:
+            action = self._plan.send(value) if error is None else self._plan.throw(error)
+            value = error = None
+            if not self._special(action):
+                return action
+
+    def __iter__(self) -> "Steps":
+        return self
+
+    def __next__(self) -> Any:
+        value = error = None
+        while True:
+            action = self._next_call(value, error)
+            if action[0] is ITEM:
+                return action[1]
+            value = error = None
+            try:
+                method = getattr(self._client, action[0])
+                value = (method(*action[2:]) if action[1] is None
+                         else method(*action[2:], timeout=action[1]))
+            except BaseException as exc:    # the plan decides what it means
+                error = exc
+
+    def __aiter__(self) -> "Steps":
+        return self
+
+    async def __anext__(self) -> Any:
+        value = error = None
+        while True:
+            try:
+                action = self._next_call(value, error)
+            except StopIteration:
+                raise StopAsyncIteration from None
+            if action[0] is ITEM:
+                return action[1]
+            value = error = None
+            try:
+                value = await asyncio.wait_for(getattr(self._client, action[0])(*action[2:]),
+                                               action[1])
+            except BaseException as exc:    # the plan decides what it means
+                error = exc
+
+
+class Run(Steps):
+    """A plan over a client, as it is."""
+
+    def __init__(self, client: Any, plan: Plan) -> None:
+        self._client, self._plan = client, plan
