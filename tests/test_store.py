@@ -278,12 +278,12 @@ def test_second_uid_only_gets_its_own_answers(tmp_path, start_broker, spawn):
             # before sending, and the broker would close a raw client for it.
             with sbus.Client(b.address) as o:
                 try:
-                    o.subscribe(f"{root}/sbus/store/")
+                    o.subscribe(f"{root}/store/")
                     library = False
                 except sbus.KeyRefusedError:
                     library = True
             with Conn.to(b.address) as raw:
-                broker = not raw.sub_ok(f"{root}/sbus/store/")
+                broker = not raw.sub_ok(f"{root}/store/")
             return {"mine": mine, "refused": [library, broker]}
 
         with sbus.Client(b.address) as c:
