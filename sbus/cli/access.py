@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 
 from ..access import Decision, PolicyError, load
 from ..access.review import review
-from . import patterns
+from . import otherbuses
 
 # explain: the policy denies it (0: allows it; 1: the file or the user is bad).
 DENIED_EXIT = 3
@@ -74,7 +74,7 @@ def cmd_check(args: argparse.Namespace, where: object = None) -> int:
     findings = [(f.line, f.text) for f in review(policy)]
     for rule in policy.rules:
         for template in rule.patterns:
-            problem = patterns.foreign(template.text)
+            problem = otherbuses.foreign(template.text)
             if problem is not None and "never matches" not in problem.why:
                 findings.append((rule.line, f"rule {rule.number}: {problem.text(template.text)}"))
     findings.sort(key=lambda f: f[0])

@@ -9,7 +9,7 @@
                                     if N messages did not come within S seconds;
                                     rides out a broker restart unless --no-reconnect;
                                     warns about (--strict: refuses) patterns of
-                                    other buses (sbus.cli.patterns), as every
+                                    other buses (sbus.cli.otherbuses), as every
                                     command that takes a pattern does
     sbus whoami                     print this client's credentials
     sbus top                        a live view of the broker's counters
@@ -65,7 +65,7 @@ from ..client.reconnect import Reconnect
 from ..client.sync import Client
 from ..errors import BusClosedError, PatternRefusedError, SbusError
 from ..queue.defaults import CLI_PREFETCH, CLI_WAIT
-from . import connecterrors, patterns, render
+from . import connecterrors, otherbuses, render
 
 # How long whoami and stats wait for the broker's reply.
 REPLY_TIMEOUT = 10.0
@@ -132,7 +132,7 @@ def check_patterns(args: argparse.Namespace) -> bool:
     ok = True
     strict = getattr(args, "strict", False)
     for pattern in given_patterns(args):
-        problem = patterns.foreign(pattern)
+        problem = otherbuses.foreign(pattern)
         if problem is not None:
             if strict:
                 _say(f"{problem.text(pattern)} (refused: --strict)")
