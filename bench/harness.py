@@ -44,7 +44,7 @@ VENV_BIN = ROOT / ".venv" / "bin"
 SBUSD = VENV_BIN / "sbusd"
 PYTHON = VENV_BIN / "python" if (VENV_BIN / "python").exists() else Path(sys.executable)
 C_PROGRAMS = ("relay",)
-# The load generator is the package's (sbus/_core/csrc/loadgen.c, compiled in
+# The load generator is the package's (sbus/_core/csrc/loadgen/, compiled in
 # by `make build`), the same one `sbus bench` runs.
 LOADGEN = (str(PYTHON), "-m", "sbus.cli.loadgen")
 
