@@ -1,5 +1,6 @@
-"""What the tests (and bench/harness.py) share: a raw client, the wrappers of sbusd, the store
-and the queue service (on one LoggedProcess), a free TCP port, waiting, /proc, a second user.
+"""What the tests (and bench/harness.py) share: a raw client, the wrappers of sbusd, the
+store and the queue service (on one LoggedProcess, as is the bridge's in ``nats``), a free
+TCP port, waiting, /proc, a second user.
 
 Submodules not imported here: ``analytics_log`` (the analytics tests' hand-made log),
 ``budget`` (time and example budgets), ``garbage`` (fuzz atoms), ``systemd`` (the unit files).

@@ -1,5 +1,5 @@
 """The base of every wrapper around a process that logs JSON to a file: sbusd,
-``sbus store``, ``sbus queue``. One place starts it with its stderr in a
+``sbus store``, ``sbus queue``, ``sbus bridge``. One place starts it with its stderr in a
 file, reads its records, waits for an event and ends it."""
 from __future__ import annotations
 
