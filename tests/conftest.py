@@ -1,13 +1,75 @@
-"""Shared fixtures: real ``sbusd`` processes (helpers live in tests/support) and a Spark session."""
+"""Shared fixtures: real ``sbusd`` processes (helpers live in tests/support) and a Spark session;
+and how the suite shares the machine when pytest-xdist runs it over workers (``make test``)."""
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 from support import BACKENDS, Sbusd, make_public_dir, spawn_children
 from support.systemd import sandbox_command
 
+# ---- running over workers ------------------------------------------------------
+#
+# A test marked ``alone`` measures time or CPU (a start-up within a second, a
+# broker's CPU share), so another worker's load would fail it: it runs while no
+# other test runs. Two lock files shared by the workers make a readers-writer
+# lock that favours the writer: every test holds the room shared, an ``alone``
+# test holds it exclusive; whoever wants the room first passes the turnstile,
+# and an ``alone`` test keeps the turnstile while it waits, so the others let
+# the room empty instead of starving it.
+#
+# PySpark's tests run on one worker, one after the other (``--dist loadgroup``),
+# so that one JVM serves them all: a session per worker would start one each.
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("spark") and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group("spark"))
+
+
+def _locks(config):
+    """The worker's (turnstile, room) files, opened once; None outside xdist."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    locks = getattr(config, "_sbus_locks", None)
+    if locks is None:
+        # Every worker's basetemp is a directory of the run's one basetemp.
+        shared = Path(config._tmp_path_factory.getbasetemp()).parent
+        locks = tuple(open(shared / f"sbus-{name}.lock", "a+") for name in ("turnstile", "room"))
+        config._sbus_locks = locks
+    return locks
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Setup, call and teardown inside the lock (and outside pytest-timeout's
+    clock, which starts in a wrapper inside this one)."""
+    locks = _locks(item.config)
+    if locks is None:
+        yield
+        return
+    turnstile, room = locks
+    alone = item.get_closest_marker("alone") is not None
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    finally:
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        fcntl.flock(room, fcntl.LOCK_UN)
+        if alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
+# ---- brokers ------------------------------------------------------------------
 
 @pytest.fixture
 def start_broker(tmp_path):
