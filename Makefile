@@ -58,11 +58,15 @@ check-java:
 	  echo "make test: 'java' was not found; the PySpark tests need Java 17 or newer" >&2; \
 	  echo "  (Debian: apt-get install openjdk-17-jre-headless)" >&2; exit 1; }
 
-# Over TEST_WORKERS pytest-xdist workers; tests/conftest.py keeps together what
-# must not run side by side. TEST_WORKERS=0 runs the suite in this process.
+# Over TEST_WORKERS pytest-xdist workers, a module to a worker (TEST_WORKERS=0:
+# in this process); then, one at a time, the tests marked alone, which time
+# something that the other workers' load would stretch. Both runs report.
 TEST_WORKERS ?= 3
 test: build check-java lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	status=0; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not alone" tests || status=$$?; \
+	$(PY) -m pytest -q -m alone tests || status=$$?; \
+	exit $$status
 
 # ruff (Python) and cython-lint (.pyx/.pxd), both configured in pyproject.toml.
 # cython-lint runs pycodestyle by name, so the venv's bin goes first on PATH.

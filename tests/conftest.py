@@ -2,10 +2,8 @@
 and how the suite shares the machine when pytest-xdist runs it over workers (``make test``)."""
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -14,59 +12,22 @@ from support.systemd import sandbox_command
 
 # ---- running over workers ------------------------------------------------------
 #
-# A test marked ``alone`` measures time or CPU (a start-up within a second, a
-# broker's CPU share), so another worker's load would fail it: it runs while no
-# other test runs. Two lock files shared by the workers make a readers-writer
-# lock that favours the writer: every test holds the room shared, an ``alone``
-# test holds it exclusive; whoever wants the room first passes the turnstile,
-# and an ``alone`` test keeps the turnstile while it waits, so the others let
-# the room empty instead of starving it.
-#
-# PySpark's tests run on one worker, one after the other (``--dist loadgroup``),
-# so that one JVM serves them all: a session per worker would start one each.
+# ``make test`` hands whole modules to its workers (``--dist loadscope``), so a
+# module's fixtures (a built release, a compiled C client, a PySpark session) are
+# made once, by one worker. Then it runs the tests marked ``alone`` (they time a
+# start-up or a deadline, which another worker's load would stretch) in a
+# second run, one at a time.
+
+# The modules that take longest (pytest --durations), longest first. Workers take
+# modules in collection order, so these start first rather than last, when one
+# of them would run on while the other workers idle.
+SLOW_MODULES = ()
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("spark") and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group("spark"))
-
-
-def _locks(config):
-    """The worker's (turnstile, room) files, opened once; None outside xdist."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return None
-    locks = getattr(config, "_sbus_locks", None)
-    if locks is None:
-        # Every worker's basetemp is a directory of the run's one basetemp.
-        shared = Path(config._tmp_path_factory.getbasetemp()).parent
-        locks = tuple(open(shared / f"sbus-{name}.lock", "a+") for name in ("turnstile", "room"))
-        config._sbus_locks = locks
-    return locks
-
-
-@pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Setup, call and teardown inside the lock (and outside pytest-timeout's
-    clock, which starts in a wrapper inside this one)."""
-    locks = _locks(item.config)
-    if locks is None:
-        yield
-        return
-    turnstile, room = locks
-    alone = item.get_closest_marker("alone") is not None
-    fcntl.flock(turnstile, fcntl.LOCK_EX)
-    try:
-        fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-    finally:
-        if not alone:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-    try:
-        yield
-    finally:
-        fcntl.flock(room, fcntl.LOCK_UN)
-        if alone:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {name: i for i, name in enumerate(SLOW_MODULES)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 # ---- brokers ------------------------------------------------------------------

@@ -202,7 +202,6 @@ def _served(s, timeout=5.0):
         return False
 
 
-@pytest.mark.alone   # the broker's CPU share while saturated
 @pytest.mark.timeout(300)
 def test_fd_exhaustion_neither_crashes_nor_spins_and_recovers(start_broker, backend, request):
     b = start_broker(backend=backend, log_level="info")
