@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from support import BACKENDS, Sbusd, make_public_dir, spawn_children
+from support.report import PENDING
 from support.systemd import sandbox_command
 
 # ---- running over workers ------------------------------------------------------
@@ -28,6 +29,36 @@ def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         rank = {name: i for i, name in enumerate(SLOW_MODULES)}
         items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+# A worker's support.report_line figures travel with a test's report (a module
+# fixture's too: it ends in the teardown of the module's last test), and the
+# controller writes them.
+_REPORT_LINES = "sbus_report_lines"
+_config = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if PENDING:
+        outcome.get_result().user_properties.append((_REPORT_LINES, list(PENDING)))
+        PENDING.clear()
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    tr = _config.pluginmanager.getplugin("terminalreporter")
+    for name, value in report.user_properties:
+        if name == _REPORT_LINES and tr is not None:
+            for line in value:
+                tr.write_line(line)
 
 
 # ---- brokers ------------------------------------------------------------------
