@@ -22,7 +22,11 @@ from support.systemd import sandbox_command
 # The modules that take longest (pytest --durations), longest first. Workers take
 # modules in collection order, so these start first rather than last, when one
 # of them would run on while the other workers idle.
-SLOW_MODULES = ()
+SLOW_MODULES = (
+    "test_wheel.py", "test_analytics_cluster.py", "test_notebook.py", "test_soak.py", "test_flood.py",
+    "test_upgrade.py", "test_properties.py", "test_make_run.py", "test_analytics_daytables.py",
+    "test_analytics.py", "test_fuzz.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
