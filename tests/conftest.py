@@ -54,6 +54,12 @@ def pytest_runtest_makereport(item, call):
 def pytest_configure(config):
     global _config
     _config = config
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # A worker's environment says COLUMNS=80 and LINES=24, and curses (sbus
+        # top) believes them over the pty a test gives it: drop them, as a
+        # run without workers has none.
+        for name in ("COLUMNS", "LINES"):
+            os.environ.pop(name, None)
 
 
 def pytest_runtest_logreport(report):
