@@ -8,7 +8,8 @@ from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("SBUS_DEBUG") == "1"
 # Every .pyx of sbus/_core is an extension of the same name, so a new module
-# is in every build and every wheel without being listed here.
+# is in every build and every wheel without being listed here. The C files of
+# sbus/_core/csrc/NAME/, if there is such a directory, are compiled into NAME.
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODULES = sorted(os.path.basename(p)[:-len(".pyx")]
                  for p in glob.glob(os.path.join(HERE, "sbus", "_core", "*.pyx")))
@@ -18,7 +19,8 @@ if not MODULES:
 extensions = [
     Extension(
         f"sbus._core.{name}",
-        [f"sbus/_core/{name}.pyx"],
+        [f"sbus/_core/{name}.pyx"] + sorted(glob.glob(f"sbus/_core/csrc/{name}/*.c")),
+        depends=sorted(glob.glob(f"sbus/_core/csrc/{name}/*.h")),
         extra_compile_args=["-O2", "-fno-strict-aliasing"] + (["-g", "-O0"] if DEBUG else []),
         define_macros=[("SBUS_DEBUG", "1" if DEBUG else "0")],
     )

@@ -28,14 +28,13 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from harness import NatsServer, Sbusd, cpu_seconds, end_process, results_path, say
+from harness import NatsServer, Sbusd, Series, alternate, cpu_seconds, end_process, results_path, say
 
 BIN = Path(sys.executable).parent
 KEY = b"bench/key"
@@ -236,34 +235,41 @@ def run(args):
             hosts[name] = address
             brokers["sbusd_" + name] = sbusd.proc
         paths = args.paths.split(",")
-        bridges = None
+        bridges, running = {}, [None]      # the bridges and the path they take
         common = ["--payload", str(args.payload)]
-        for rep in range(args.repeat):
-            for path in paths:
-                suffix = "" if path == "fast" else "_" + path
-                if bridges is None or len(paths) > 1:
-                    for p in (bridges or {}).values():
-                        procs.stop(p)
-                    bridges = start_bridges(procs, work, hosts, url, path)
-                say(f"repeat {rep + 1}/{args.repeat}: bridge_rate{suffix}")
-                r = pair(me + ["--worker", "sbus_sub", "--address", hosts["b"], "--count",
-                               str(args.count), "--seconds", "120"],
-                         me + ["--worker", "sbus_pub", "--address", hosts["a"], "--count",
-                               str(args.count), "--rate", "0", *common], procs, 300,
-                         watch={**bridges, "nats_server": nats_server, **brokers})
-                results.setdefault("bridge_rate" + suffix, []).append(
-                    {"received": r["received"], "sent": args.count,
-                     "rate": r["received"] / r["seconds"] if r["seconds"] else 0,
-                     "cpu_us_per_msg": {name: round(sec * 1e6 / max(r["received"], 1), 2)
-                                        for name, sec in r["cpu_s"].items()}})
-            say(f"repeat {rep + 1}/{args.repeat}: nats_rate")
-            r = pair(me + ["--worker", "nats_sub", "--address", url, "--count", str(args.count),
-                           "--seconds", "120"],
-                     me + ["--worker", "nats_pub", "--address", url, "--count", str(args.count),
-                           *common], procs, 300)
-            results.setdefault("nats_rate", []).append(
-                {"received": r["received"], "sent": args.count,
-                 "rate": r["received"] / r["seconds"] if r["seconds"] else 0})
+        rows = {("bridge_rate" + ("" if path == "fast" else "_" + path)): path for path in paths}
+        rows["nats_rate"] = None
+        started = dict.fromkeys(rows, 0)
+
+        def run_one(label):
+            started[label] += 1
+            say(f"repeat {started[label]}/{args.repeat}: {label}")
+            if label == "nats_rate":
+                r = pair(me + ["--worker", "nats_sub", "--address", url, "--count", str(args.count),
+                               "--seconds", "120"],
+                         me + ["--worker", "nats_pub", "--address", url, "--count", str(args.count),
+                               *common], procs, 300)
+                return {"received": r["received"], "sent": args.count,
+                        "rate": r["received"] / r["seconds"] if r["seconds"] else 0}
+            path = rows[label]
+            if running[0] != path:
+                for p in bridges.values():
+                    procs.stop(p)
+                bridges.clear()
+                bridges.update(start_bridges(procs, work, hosts, url, path))
+                running[0] = path
+            r = pair(me + ["--worker", "sbus_sub", "--address", hosts["b"], "--count",
+                           str(args.count), "--seconds", "120"],
+                     me + ["--worker", "sbus_pub", "--address", hosts["a"], "--count",
+                           str(args.count), "--rate", "0", *common], procs, 300,
+                     watch={**bridges, "nats_server": nats_server, **brokers})
+            return {"received": r["received"], "sent": args.count,
+                    "rate": r["received"] / r["seconds"] if r["seconds"] else 0,
+                    "cpu_us_per_msg": {name: round(sec * 1e6 / max(r["received"], 1), 2)
+                                       for name, sec in r["cpu_s"].items()}}
+
+        results.update({label: s.runs for label, s in alternate(rows, args.repeat, run_one).items()
+                        if s.runs})
         for path in paths:
             suffix = "" if path == "fast" else "_" + path
             if len(paths) > 1:
@@ -289,7 +295,7 @@ def run(args):
 
 
 def table(results, payload, load):
-    med = lambda rows, f: statistics.median(r[f] for r in rows)     # noqa: E731
+    med = lambda rows, f: Series(rows).median(f)     # noqa: E731
     nr = results["nats_rate"]
     lost_n = sum(r["sent"] - r["received"] for r in nr)
     lines = [f"{payload}-byte messages; load average {load}",
@@ -301,8 +307,7 @@ def table(results, payload, load):
         name = "bridge A->B" + (" (ref)" if suffix else "")
         lost_b = sum(r["sent"] - r["received"] for r in br)
         ratio = med(br, "rate") / med(nr, "rate") if med(nr, "rate") else 0
-        cpu = {k: statistics.median(r["cpu_us_per_msg"][k] for r in br)
-               for k in br[0]["cpu_us_per_msg"]}
+        cpu = Series(br).medians("cpu_us_per_msg")
         lat = results["bridge_latency" + suffix][0]
         lines += [
             f"{name:<21} {med(br, 'rate'):>10,.0f} msg/s   lost {lost_b}   ratio {ratio:.2f}",

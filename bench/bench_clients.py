@@ -26,14 +26,13 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from harness import NatsServer, Sbusd, cpu_seconds, end_process, nats_server_path, results_path, say
+from harness import NatsServer, Sbusd, alternate, cpu_seconds, end_process, nats_server_path, results_path, say
 
 BIN = Path(sys.executable).parent
 KEY = "bench/key"
@@ -432,31 +431,36 @@ def main(argv=None):
         ap.error(f"unknown rows: {', '.join(unknown)}")
     servers = Servers({ROWS[r][0] for r in rows})
     load_before = os.getloadavg()[0]
-    runs = {r: [] for r in rows}
+
+    def run_one(row):
+        n = max(1000, int(args.count * ROWS[row][3]))
+        server = servers.pids[ROWS[row][0]]
+        before = cpu_seconds(server)
+        result = run_worker(row, servers.addresses[ROWS[row][0]], n, args.payload)
+        # the whole run (connecting included), in clock ticks: 0.05 us at 200k
+        result["server_cpu_us_per_msg"] = (cpu_seconds(server) - before) / n * 1e6
+        result["load"] = os.getloadavg()[0]
+        return result
+
+    def progress(i, row, result):
+        n = max(1000, int(args.count * ROWS[row][3]))
+        say(f"[{i + 1}/{args.repeat}] {row:<30} {result['rate']:>12,.0f} msgs/s"
+            f" {result['cpu_us_per_msg']:6.2f} us CPU/msg"
+            f" (server {result['server_cpu_us_per_msg']:.2f})"
+            f"  ({result['count']}/{n}, load {result['load']:.1f})")
+
     try:
-        for i in range(args.repeat):
-            for row in rows:
-                n = max(1000, int(args.count * ROWS[row][3]))
-                server = servers.pids[ROWS[row][0]]
-                before = cpu_seconds(server)
-                result = run_worker(row, servers.addresses[ROWS[row][0]], n, args.payload)
-                # the whole run (connecting included), in clock ticks: 0.05 us at 200k
-                result["server_cpu_us_per_msg"] = (cpu_seconds(server) - before) / n * 1e6
-                result["load"] = os.getloadavg()[0]
-                runs[row].append(result)
-                say(f"[{i + 1}/{args.repeat}] {row:<30} {result['rate']:>12,.0f} msgs/s"
-                    f" {result['cpu_us_per_msg']:6.2f} us CPU/msg"
-                    f" (server {result['server_cpu_us_per_msg']:.2f})"
-                    f"  ({result['count']}/{n}, load {result['load']:.1f})")
+        series = alternate(rows, args.repeat, run_one, progress)
     finally:
         servers.stop()
     load = (load_before, os.getloadavg()[0])
-    summary = {r: {"rate": statistics.median(x["rate"] for x in rs),
-                   "runs": len(rs),
-                   "cpu_us": statistics.median(x["cpu_us_per_msg"] for x in rs),
-                   "server_cpu_us": statistics.median(x["server_cpu_us_per_msg"] for x in rs),
-                   "lost": max(x["expected"] - x["count"] for x in rs)}
-               for r, rs in runs.items() if rs}
+    runs = {r: series[r].runs for r in rows}
+    summary = {r: {"rate": s.median("rate"),
+                   "runs": len(s.runs),
+                   "cpu_us": s.median("cpu_us_per_msg"),
+                   "server_cpu_us": s.median("server_cpu_us_per_msg"),
+                   "lost": max(x["expected"] - x["count"] for x in s.runs)}
+               for r, s in series.items() if s.runs}
     print(table(summary, args.payload, load))
     out = args.json or results_path("clients")
     out.parent.mkdir(parents=True, exist_ok=True)

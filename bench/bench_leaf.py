@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from harness import Sbusd, cpu_seconds, results_path
+from harness import Sbusd, alternate, cpu_seconds, results_path
 
 from sbus._core.batch import Inbox
 from sbus.client.protocol import ControlMessage, Message
@@ -132,28 +131,27 @@ def run(args) -> dict:
         up = Sbusd.foreground(work, address=str(work / "up"), log_level="warning")
         leaf = Sbusd.foreground(work, "--upstream", up.address, address=str(work / "leaf"),
                                 log_level="warning")
+        def progress(_, row, r):
+            by = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_us_per_msg_by_process"].items())
+            print(f"{row}: {r['msgs_per_s']:.0f} msg/s, {r['lost']} lost, "
+                  f"{r['cpu_us_per_msg']:.2f} us CPU/msg ({by})", file=sys.stderr)
+
         try:
-            runs = {"direct": [], "leaf": []}
-            for _ in range(args.repeat):
-                for row in runs:
-                    r = one(row, up, leaf, args.count, args.payload)
-                    runs[row].append(r)
-                    by = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_us_per_msg_by_process"].items())
-                    print(f"{row}: {r['msgs_per_s']:.0f} msg/s, {r['lost']} lost, "
-                          f"{r['cpu_us_per_msg']:.2f} us CPU/msg ({by})", file=sys.stderr)
+            series = alternate(("direct", "leaf"), args.repeat,
+                               lambda row: one(row, up, leaf, args.count, args.payload), progress)
         finally:
             leaf.stop()
             up.stop()
-    rows = {row: {"msgs_per_s": statistics.median(r["msgs_per_s"] for r in rs),
-                  "cpu_us_per_msg": statistics.median(r["cpu_us_per_msg"] for r in rs),
-                  "lost": sum(r["lost"] for r in rs),
-                  "cpu_us_per_msg_by_process": {
-                      k: statistics.median(r["cpu_us_per_msg_by_process"][k] for r in rs)
-                      for k in rs[0]["cpu_us_per_msg_by_process"]}}
-            for row, rs in runs.items()}
+    runs = {row: s.runs for row, s in series.items()}
+    rows = {row: {"msgs_per_s": s.median("msgs_per_s"),
+                  "cpu_us_per_msg": s.median("cpu_us_per_msg"),
+                  "lost": sum(r["lost"] for r in s.runs),
+                  "cpu_us_per_msg_by_process": s.medians("cpu_us_per_msg_by_process")}
+            for row, s in series.items()}
     rows["leaf"]["vs_direct"] = rows["leaf"]["msgs_per_s"] / rows["direct"]["msgs_per_s"]
-    rows["leaf"]["cpu_vs_direct"] = (rows["leaf"]["cpu_us_per_msg"]
-                                     / rows["direct"]["cpu_us_per_msg"])
+    # A short run (--quick) may take less CPU than a clock tick shows: no ratio then.
+    direct_cpu = rows["direct"]["cpu_us_per_msg"]
+    rows["leaf"]["cpu_vs_direct"] = rows["leaf"]["cpu_us_per_msg"] / direct_cpu if direct_cpu else None
     return {"count": args.count, "payload": args.payload, "repeat": args.repeat,
             "rows": rows, "runs": runs}
 
@@ -177,8 +175,9 @@ def main(argv=None) -> int:
           f" {'lost':>6}  CPU us/msg by process")
     for row, r in result["rows"].items():
         by = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_us_per_msg_by_process"].items())
+        cpu_vs = r.get("cpu_vs_direct", 1.0)
         print(f"{row:8} {r['msgs_per_s']:10.0f} {r.get('vs_direct', 1.0):10.2f} "
-              f"{r['cpu_us_per_msg']:11.2f} {r.get('cpu_vs_direct', 1.0):14.2f} {r['lost']:6d}  {by}")
+              f"{r['cpu_us_per_msg']:11.2f} {'-' if cpu_vs is None else f'{cpu_vs:.2f}':>14} {r['lost']:6d}  {by}")
     path = args.json or results_path("leaf")
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"results: {path}", file=sys.stderr)

@@ -41,14 +41,13 @@ import datetime as dt
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from harness import BENCH, NatsServer, Sbusd, end_process, results_path, thread_cpu_seconds
+from harness import BENCH, NatsServer, Sbusd, Series, alternate, end_process, results_path, thread_cpu_seconds
 
 from support import QueueService
 
@@ -267,23 +266,28 @@ def main():
         return worker(args)
     if args.quick:
         args.count, args.repeat = 5000, 1
-    runs = {"queue_sbus": [], "queue_nats": []}
-    for i in range(args.repeat):
-        for name, run in (("queue_sbus", run_sbus), ("queue_nats", run_nats)):
-            with tempfile.TemporaryDirectory(prefix="bench-queue-") as work:
-                say(f"{name} run {i + 1}/{args.repeat}: {args.count} jobs, "
-                    f"{args.consumers} consumers")
-                runs[name].append(run(args, Path(work)))
+    rows = {"queue_sbus": run_sbus, "queue_nats": run_nats}
+    started = dict.fromkeys(rows, 0)
+
+    def run_one(name):
+        started[name] += 1
+        with tempfile.TemporaryDirectory(prefix="bench-queue-") as work:
+            say(f"{name} run {started[name]}/{args.repeat}: {args.count} jobs, "
+                f"{args.consumers} consumers")
+            return rows[name](args, Path(work))
+
+    series = alternate(rows, args.repeat, run_one)
+    runs = {name: s.runs for name, s in series.items()}
     print(f"{'row':<12} {'jobs/s (median)':>16} {'exactly once':>13}  per consumer (last run)")
     medians, cpu = {}, {}
-    for name, rs in runs.items():
-        rates = [r["jobs_per_s"] for r in rs if r["jobs_per_s"]]
-        medians[name] = statistics.median(rates) if rates else None
+    for name, s in series.items():
+        rs = s.runs
+        # a run that moved no job has no rate
+        medians[name] = Series([r for r in rs if r["jobs_per_s"]]).median("jobs_per_s")
         shown = f"{medians[name]:,.0f}" if medians[name] else "-"
         print(f"{name:<12} {shown:>16} {str(all(r['exactly_once'] for r in rs)):>13}  "
               f"{rs[-1]['per_consumer']}")
-        cpu[name] = {k: statistics.median(r["cpu_us_per_job"][k] for r in rs)
-                     for k in rs[0]["cpu_us_per_job"]}
+        cpu[name] = s.medians("cpu_us_per_job")
         print("    CPU µs/job (median): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu[name].items()))
     if medians["queue_sbus"] and medians["queue_nats"]:
         print(f"sbus / NATS: {medians['queue_sbus'] / medians['queue_nats']:.2f}x the jobs/s, "

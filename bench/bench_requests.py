@@ -25,14 +25,13 @@ import asyncio
 import datetime as dt
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from harness import BENCH, NatsServer, Sbusd, end_process, results_path
+from harness import BENCH, NatsServer, Sbusd, alternate, end_process, results_path
 
 KEY = "bench/echo"
 SUBJECT = "bench.echo"
@@ -205,19 +204,23 @@ def main():
         return worker(args)
     if args.quick:
         args.count, args.repeat = 500, 1
-    rows = [(f"rr_{bus}_{n}", run, n) for n in (1, args.askers)
-            for bus, run in (("sbus", run_sbus), ("nats", run_nats))]
-    runs = {name: [] for name, _, _ in rows}
-    for i in range(args.repeat):
-        for name, run, askers in rows:
-            with tempfile.TemporaryDirectory(prefix="bench-requests-") as work:
-                say(f"{name} run {i + 1}/{args.repeat}: {askers} x {args.count} requests")
-                runs[name].append(run(args, Path(work), askers))
+    rows = {f"rr_{bus}_{n}": (run, n) for n in (1, args.askers)
+            for bus, run in (("sbus", run_sbus), ("nats", run_nats))}
+    started = dict.fromkeys(rows, 0)
+
+    def run_one(name):
+        run, askers = rows[name]
+        started[name] += 1
+        with tempfile.TemporaryDirectory(prefix="bench-requests-") as work:
+            say(f"{name} run {started[name]}/{args.repeat}: {askers} x {args.count} requests")
+            return run(args, Path(work), askers)
+
+    series = alternate(rows, args.repeat, run_one)
+    runs = {name: s.runs for name, s in series.items()}
     print(f"{'row':<12} {'round trips/s':>14} {'p50 us':>8} {'p99 us':>8} {'wrong':>6}  (medians)")
     medians = {}
     for name, rs in runs.items():
-        medians[name] = {k: statistics.median(r[k] for r in rs) for k in ("per_s", "p50_us",
-                                                                             "p99_us")}
+        medians[name] = {k: series[name].median(k) for k in ("per_s", "p50_us", "p99_us")}
         m = medians[name]
         print(f"{name:<12} {m['per_s']:>14,.0f} {m['p50_us']:>8.0f} {m['p99_us']:>8.0f} "
               f"{sum(r['wrong'] for r in rs):>6}")

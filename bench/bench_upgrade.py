@@ -25,7 +25,6 @@ import os
 import resource
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from harness import SBUSD, Sbusd, results_path
+from harness import SBUSD, Sbusd, Series, results_path
 
 GOALS_MS = {1000: 50.0, 10000: 500.0}
 
@@ -126,16 +125,19 @@ def one(clients: int, subs: int, repeat: int) -> dict:
             except (OSError, ValueError):
                 pass
             bus.kill()
+    # The probe's pauses and the brokers' records of each upgrade, as the harness's series.
+    pauses = Series([{"pause_ms": g * 1000} for g in gaps])
+    handed, done = Series(handed), Series(done)
     return {"clients": clients, "subs": subs,
-            "pause_ms": statistics.median(gaps) * 1000,
-            "pauses_ms": [g * 1000 for g in gaps],
-            "handover_ms": statistics.median(r["pause_ms"] for r in handed),
-            "export_ms": statistics.median(r["export_ms"] for r in handed),
-            "restore_ms": statistics.median(r["restore_ms"] for r in done),
-            "prebuild_ms": statistics.median(r["prebuild_ms"] for r in done),
-            "transfer_ms": statistics.median(r["transfer_ms"] for r in done),
-            "rebuild_ms": statistics.median(r["rebuild_ms"] for r in done),
-            "state_bytes": handed[-1]["state_bytes"],
+            "pause_ms": pauses.median("pause_ms"),
+            "pauses_ms": [r["pause_ms"] for r in pauses.runs],
+            "handover_ms": handed.median("pause_ms"),
+            "export_ms": handed.median("export_ms"),
+            "restore_ms": done.median("restore_ms"),
+            "prebuild_ms": done.median("prebuild_ms"),
+            "transfer_ms": done.median("transfer_ms"),
+            "rebuild_ms": done.median("rebuild_ms"),
+            "state_bytes": handed.runs[-1]["state_bytes"],
             "goal_ms": GOALS_MS.get(clients)}
 
 

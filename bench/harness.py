@@ -44,7 +44,7 @@ VENV_BIN = ROOT / ".venv" / "bin"
 SBUSD = VENV_BIN / "sbusd"
 PYTHON = VENV_BIN / "python" if (VENV_BIN / "python").exists() else Path(sys.executable)
 C_PROGRAMS = ("relay",)
-# The load generator is the package's (sbus/_core/csrc/loadgen.c, compiled in
+# The load generator is the package's (sbus/_core/csrc/loadgen/, compiled in
 # by `make build`), the same one `sbus bench` runs.
 LOADGEN = (str(PYTHON), "-m", "sbus.cli.loadgen")
 
@@ -161,6 +161,37 @@ class Series:
     def to_json(self):
         """As results files have always held it: the runs, or the reason there are none."""
         return self.failed if self.failed is not None else self.runs
+
+    def median(self, key):
+        """The median of `key` over the good runs (None when none has it)."""
+        return median(self.good, key)
+
+    def medians(self, key):
+        """For a `key` whose value is a dict of figures: the median of each, by name."""
+        good = self.good
+        return {name: median([r[key] for r in good], name) for name in good[0][key]} if good else {}
+
+
+def alternate(labels, reps, run_one, progress=None) -> dict[str, Series]:
+    """`reps` rounds of `run_one(label)` for every label in turn, so that drift on
+    the machine falls on every label alike; each label's results as a `Series`.
+
+    A BenchError from a run records why in that label's series, which runs no
+    more; `progress(round, label, result)` is called after every other run."""
+    series = {label: Series() for label in labels}
+    for i in range(reps):
+        for label, runs in series.items():
+            if runs.failed is not None:
+                continue
+            try:
+                result = run_one(label)
+            except BenchError as e:
+                runs.failed = str(e)
+                continue
+            runs.runs.append(result)
+            if progress:
+                progress(i, label, result)
+    return series
 
 
 # -------------------------------------------------------------------- servers
@@ -305,27 +336,29 @@ class Harness:
         configs: {label: (kind, extra sbusd args)}; loadgen_args(kind, label) gives
         the loadgen arguments.  Alternating lets drift on the machine hit all alike."""
         self.wait_quiet()
-        servers, series = {}, {}
+        servers, refused = {}, {}
         try:
             for label, (kind, extra) in configs.items():
-                series[label] = Series()
                 try:
                     servers[label] = self.start(kind, extra)
                 except BenchError as e:
-                    series[label].failed = str(e)
-            for _ in range(reps):
-                for label, server in list(servers.items()):
-                    if not server.alive():
-                        series[label] = Series(failed=f"server exited: {server.stderr_tail()[-300:]}")
-                        del servers[label]
-                        server.stop()
-                        continue
-                    series[label].runs.append(
-                        self.loadgen(mode, server, loadgen_args(configs[label][0], label), cpus=loadgen_cpus))
+                    refused[label] = str(e)
+
+            def run_one(label):
+                server = servers[label]
+                if not server.alive():
+                    raise BenchError(f"server exited: {server.stderr_tail()[-300:]}")
+                return self.loadgen(mode, server, loadgen_args(configs[label][0], label), cpus=loadgen_cpus)
+
+            series = alternate(list(servers), reps, run_one)
         finally:
             for server in servers.values():
                 server.stop()
-        return series
+        # A server that exited keeps no runs, as one that never started.
+        series = {label: Series(failed=series[label].failed) if series[label].failed else series[label]
+                  for label in series}
+        series.update({label: Series(failed=why) for label, why in refused.items()})
+        return {label: series[label] for label in configs}
 
     def hold(self, server, clients, patterns, timeout=300):
         """Runs `loadgen hold`; returns (RSS connected, RSS subscribed or None, loadgen output)."""

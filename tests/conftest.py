@@ -1,13 +1,78 @@
-"""Shared fixtures: real ``sbusd`` processes (helpers live in tests/support) and a Spark session."""
+"""Shared fixtures: real ``sbusd`` processes (helpers live in tests/support) and a Spark session;
+and how the suite shares the machine when pytest-xdist runs it over workers (``make test``)."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 
 from support import BACKENDS, Sbusd, make_public_dir, spawn_children
+from support.report import PENDING
 from support.systemd import sandbox_command
 
+# ---- running over workers ------------------------------------------------------
+#
+# ``make test`` hands whole modules to its workers (``--dist loadscope``), so a
+# module's fixtures (a built release, a compiled C client, a PySpark session) are
+# made once, by one worker. Then it runs the tests marked ``alone`` (they time a
+# start-up or a deadline, which another worker's load would stretch) in a
+# second run, one at a time.
+
+# The modules that take longest (pytest --durations), longest first. Workers take
+# modules in collection order, so these start first rather than last, when one
+# of them would run on while the other workers idle.
+SLOW_MODULES = (
+    "test_wheel.py", "test_make_run.py", "test_analytics_cluster.py", "test_analytics.py",
+    "test_analytics_dataset.py", "test_notebook.py", "test_flood.py", "test_client_spec.py",
+    "test_properties.py", "test_soak.py", "test_analytics_daytables.py", "test_sbusd_cli.py",
+    "test_hierarchy.py", "test_bridge.py", "test_compat.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {name: i for i, name in enumerate(SLOW_MODULES)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+# A worker's support.report_line figures travel with a test's report (a module
+# fixture's too: it ends in the teardown of the module's last test), and the
+# controller writes them.
+_REPORT_LINES = "sbus_report_lines"
+_config = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if PENDING:
+        outcome.get_result().user_properties.append((_REPORT_LINES, list(PENDING)))
+        PENDING.clear()
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # A worker's environment says COLUMNS=80 and LINES=24, and curses (sbus
+        # top) believes them over the pty a test gives it: drop them, as a
+        # run without workers has none.
+        for name in ("COLUMNS", "LINES"):
+            os.environ.pop(name, None)
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    tr = _config.pluginmanager.getplugin("terminalreporter")
+    for name, value in report.user_properties:
+        if name == _REPORT_LINES and tr is not None:
+            for line in value:
+                tr.write_line(line)
+
+
+# ---- brokers ------------------------------------------------------------------
 
 @pytest.fixture
 def start_broker(tmp_path):

@@ -26,6 +26,8 @@ from support.analytics_log import LINES, MALFORMED, sim_log, snapshot
 pytestmark = [
     pytest.mark.spark,
     pytest.mark.slow,
+    # A master, a worker and two spark-submit runs: over 300 s while other tests load the machine.
+    pytest.mark.timeout(900),
     pytest.mark.filterwarnings("ignore:PySpark does not yet fully support pandas"),
 ]
 

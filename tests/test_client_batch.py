@@ -312,6 +312,7 @@ def arun(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT * 6))
 
 
+@pytest.mark.alone   # the flush within ten times its delay
 def test_asyncio_buffered_publish_flushes_on_its_own_within_its_delay(broker):
     delay = 0.05
     sub = raw_subscriber(broker)

@@ -192,7 +192,7 @@ def publisher(flood_pub_exe):
 
 
 @pytest.fixture
-def sbusd(start_broker, tmp_path):
+def start_flood_broker(start_broker, tmp_path):
     """start_broker with a socket path of its own per broker (several may run
     in one test) and a check that it really is running."""
     count = itertools.count()
@@ -207,8 +207,8 @@ def sbusd(start_broker, tmp_path):
 
 # ---- defaults and flags -------------------------------------------------------
 
-def test_defaults_and_command_line_flood_settings(sbusd, backend):
-    b = sbusd(backend=backend)
+def test_defaults_and_command_line_flood_settings(start_flood_broker, backend):
+    b = start_flood_broker(backend=backend)
     s, cid = subscriber(b)
     c = per_client(s.stats(), cid)
     assert (c["soft"], c["hard"], c["order"]) == ("queue", "discard", "queue")
@@ -218,7 +218,7 @@ def test_defaults_and_command_line_flood_settings(sbusd, backend):
     assert config["total_max_bytes"] == 256 * MIB
     assert config["block_timeout"] == 10.0
 
-    b2 = sbusd("--soft", "block", "--hard", "error", "--order", "random",
+    b2 = start_flood_broker("--soft", "block", "--hard", "error", "--order", "random",
                "--queue-max-bytes", "1000", "--queue-max-msgs", "7",
                "--total-max-bytes", "5000", "--block-timeout", "2.5", backend=backend)
     s2, cid2 = subscriber(b2)
@@ -244,8 +244,8 @@ def test_defaults_and_command_line_flood_settings(sbusd, backend):
 # ---- soft modes -----------------------------------------------------------------
 
 def test_queue_mode_fast_subscriber_keeps_receiving_while_slow_ones_are_stuck(
-        sbusd, backend, publisher):
-    b = sbusd(*SMALL, backend=backend)
+        start_flood_broker, backend, publisher):
+    b = start_flood_broker(*SMALL, backend=backend)
     slow1, id1 = subscriber(b, b"f/")
     slow2, id2 = subscriber(b, b"f/")
     fast, _ = subscriber(b, b"f/")
@@ -277,8 +277,8 @@ def test_queue_mode_fast_subscriber_keeps_receiving_while_slow_ones_are_stuck(
 
 
 def test_discard_mode_drops_only_for_the_slow_one_and_counts_every_drop(
-        sbusd, backend, publisher):
-    b = sbusd(*SMALL, backend=backend)
+        start_flood_broker, backend, publisher):
+    b = start_flood_broker(*SMALL, backend=backend)
     slow, sid = subscriber(b, b"f/", cmsgs=[b"blocking/soft/discard"])
     fast, _ = subscriber(b, b"f/")
     base = per_client(b.stats(), sid)["msgs_out"]
@@ -307,12 +307,12 @@ def test_discard_mode_drops_only_for_the_slow_one_and_counts_every_drop(
 
 
 @pytest.mark.parametrize("soft", ["discard", "error"])
-def test_control_replies_are_queued_whatever_the_soft_mode(sbusd, backend, soft):
+def test_control_replies_are_queued_whatever_the_soft_mode(start_flood_broker, backend, soft):
     # Thousands of requests with no reading in between: the replies overflow
     # the socket into the queue. The soft modes are about deliveries; a reply
     # is what a client waits for (whoami as a barrier), so none is dropped and
     # blocking/soft/error does not disconnect the client for it.
-    b = sbusd(*SMALL, backend=backend)
+    b = start_flood_broker(*SMALL, backend=backend)
     asker, aid = subscriber(b, cmsgs=[b"blocking/soft/" + soft.encode()])
     n = 5000
     for _ in range(n):
@@ -329,8 +329,8 @@ def test_control_replies_are_queued_whatever_the_soft_mode(sbusd, backend, soft)
 
 @pytest.mark.parametrize("which", ["soft", "hard"])
 def test_error_mode_disconnects_the_slow_client_and_the_rest_carry_on(
-        sbusd, backend, publisher, which):
-    b = sbusd(*SMALL, "--queue-max-msgs", "100", backend=backend)
+        start_flood_broker, backend, publisher, which):
+    b = start_flood_broker(*SMALL, "--queue-max-msgs", "100", backend=backend)
     slow, sid = subscriber(b, b"f/", cmsgs=[b"blocking/%s/error" % which.encode()])
     # The fast one must not lose anything either: at its own limit it blocks the bus.
     fast, _ = subscriber(b, b"f/", cmsgs=[b"blocking/hard/block"])
@@ -373,9 +373,9 @@ def pump(slow, fast, n, slow_batch=40, timeout=120.0):
 
 
 @pytest.mark.parametrize("mode", [b"blocking/soft/block", b"blocking/hard/block"])
-def test_block_mode_loses_nothing_end_to_end(sbusd, backend, publisher, mode):
+def test_block_mode_loses_nothing_end_to_end(start_flood_broker, backend, publisher, mode):
     limit, size, n = 200, 300, 10000
-    b = sbusd(*SMALL, "--queue-max-msgs", str(limit), "--block-timeout", "120",
+    b = start_flood_broker(*SMALL, "--queue-max-msgs", str(limit), "--block-timeout", "120",
               backend=backend)
     slow, sid = subscriber(b, b"f/", cmsgs=[mode])
     fast, _ = subscriber(b, b"f/", cmsgs=[b"blocking/hard/block"])
@@ -397,12 +397,12 @@ def test_block_mode_loses_nothing_end_to_end(sbusd, backend, publisher, mode):
 
 
 def test_block_mode_with_many_publishers_keeps_each_ones_order_and_the_bound(
-        sbusd, backend, publisher):
+        start_flood_broker, backend, publisher):
     # Deliveries from every publisher read in a loop turn go out together;
     # the bus must still stop before another publisher is read once a
     # blocking reader could pass its limit, so the bound stays one batch.
     limit, size, n, pubs = 200, 300, 1500, 8
-    b = sbusd(*SMALL, "--queue-max-msgs", str(limit), "--block-timeout", "120",
+    b = start_flood_broker(*SMALL, "--queue-max-msgs", str(limit), "--block-timeout", "120",
               backend=backend)
     slow, sid = subscriber(b, b"f/", cmsgs=[b"blocking/hard/block"])
     fast, _ = subscriber(b, b"f/", cmsgs=[b"blocking/hard/block"])
@@ -423,9 +423,9 @@ def test_block_mode_with_many_publishers_keeps_each_ones_order_and_the_bound(
     assert totals["queued_bytes_peak"] <= (limit + 32) * size, totals["queued_bytes_peak"] / size
 
 
-def test_hard_block_holds_the_bus_until_the_slow_client_reads(sbusd, backend, publisher):
+def test_hard_block_holds_the_bus_until_the_slow_client_reads(start_flood_broker, backend, publisher):
     limit, n = 100, 3000
-    b = sbusd(*SMALL, "--queue-max-msgs", str(limit), "--block-timeout", "120",
+    b = start_flood_broker(*SMALL, "--queue-max-msgs", str(limit), "--block-timeout", "120",
               "--stats-interval", "0.2", backend=backend)
     slow, sid = subscriber(b, b"f/", cmsgs=[b"blocking/hard/block"])
     fast, _ = subscriber(b, b"f/", cmsgs=[b"blocking/hard/block"])
@@ -471,8 +471,8 @@ def test_hard_block_holds_the_bus_until_the_slow_client_reads(sbusd, backend, pu
     ("--queue-max-bytes", "50000", 1000, 50),
 ])
 def test_hard_discard_caps_the_queue_and_counts_the_rest(
-        sbusd, backend, publisher, limit_flag, limit_value, size, expect_queued):
-    b = sbusd(*SMALL, limit_flag, limit_value, backend=backend)
+        start_flood_broker, backend, publisher, limit_flag, limit_value, size, expect_queued):
+    b = start_flood_broker(*SMALL, limit_flag, limit_value, backend=backend)
     slow, sid = subscriber(b, b"f/")
     fast, _ = subscriber(b, b"f/", cmsgs=[b"blocking/hard/block"])
     base = per_client(b.stats(), sid)["msgs_out"]
@@ -493,9 +493,9 @@ def test_hard_discard_caps_the_queue_and_counts_the_rest(
     assert all(r["hard"] == "discard" for r in recs)
 
 
-def test_total_max_bytes_caps_queued_bytes_broker_wide(sbusd, backend):
+def test_total_max_bytes_caps_queued_bytes_broker_wide(start_flood_broker, backend):
     cap, size = 200_000, 1000
-    b = sbusd(*SMALL, "--total-max-bytes", str(cap), backend=backend)
+    b = start_flood_broker(*SMALL, "--total-max-bytes", str(cap), backend=backend)
     s1, id1 = subscriber(b, b"a/")
     s2, id2 = subscriber(b, b"b/")
     pub = publisher_socket(b)
@@ -520,8 +520,8 @@ def test_total_max_bytes_caps_queued_bytes_broker_wide(sbusd, backend):
     assert per_client(snap, id2)["queued_msgs"] == 1
 
 
-def test_disconnect_with_a_queue_counts_the_queue_as_dropped(sbusd, backend):
-    b = sbusd(*SMALL, backend=backend)
+def test_disconnect_with_a_queue_counts_the_queue_as_dropped(start_flood_broker, backend):
+    b = start_flood_broker(*SMALL, backend=backend)
     slow, sid = subscriber(b, b"f/")
     pub = publisher_socket(b)
     for i in range(300):
@@ -542,8 +542,8 @@ def test_disconnect_with_a_queue_counts_the_queue_as_dropped(sbusd, backend):
 
 @pytest.mark.parametrize("mode", [b"blocking/soft/block", b"blocking/hard/block"])
 def test_block_timeout_disconnects_a_client_that_keeps_the_bus_blocked(
-        sbusd, backend, publisher, mode):
-    b = sbusd(*SMALL, "--queue-max-msgs", "100", "--block-timeout", "1", backend=backend)
+        start_flood_broker, backend, publisher, mode):
+    b = start_flood_broker(*SMALL, "--queue-max-msgs", "100", "--block-timeout", "1", backend=backend)
     stuck, sid = subscriber(b, b"f/", cmsgs=[mode])
     # At the same limit the fast one blocks too, briefly, rather than drop.
     fast, _ = subscriber(b, b"f/", cmsgs=[b"blocking/hard/block"])
@@ -558,8 +558,8 @@ def test_block_timeout_disconnects_a_client_that_keeps_the_bus_blocked(
     assert totals["drops_soft"] == totals["drops_hard"] == 0
 
 
-def test_blocked_client_that_disconnects_releases_the_bus_at_once(sbusd, backend, publisher):
-    b = sbusd(*SMALL, "--block-timeout", "600", backend=backend)
+def test_blocked_client_that_disconnects_releases_the_bus_at_once(start_flood_broker, backend, publisher):
+    b = start_flood_broker(*SMALL, "--block-timeout", "600", backend=backend)
     stuck, sid = subscriber(b, b"f/", cmsgs=[b"blocking/soft/block"])
     fast, _ = subscriber(b, b"f/")
     n = 3000
@@ -604,8 +604,8 @@ print("ok" if got == list(range(n)) else "bad %d %r" % (len(got), got[:10]))
 
 
 def test_client_that_publishes_and_reads_slowly_in_block_mode_gets_everything(
-        sbusd, backend):
-    b = sbusd(*SMALL, "--block-timeout", "120", backend=backend)
+        start_flood_broker, backend):
+    b = start_flood_broker(*SMALL, "--block-timeout", "120", backend=backend)
     fast, _ = subscriber(b, b"loop/")
     n = 3000
     proc = subprocess.Popen([sys.executable, "-c", SELF_LOOP, b.address, str(n), "1000"],
@@ -622,10 +622,10 @@ def test_client_that_publishes_and_reads_slowly_in_block_mode_gets_everything(
     assert totals["drops_soft"] == totals["drops_hard"] == totals["drops_disconnect"] == 0
 
 
-def test_client_that_publishes_and_never_reads_in_block_mode_is_cut_off(sbusd, backend):
+def test_client_that_publishes_and_never_reads_in_block_mode_is_cut_off(start_flood_broker, backend):
     """It blocks the bus, the broker stops reading it, its own sends stall:
     the block timeout ends the stand-off and everyone else carries on."""
-    b = sbusd(*SMALL, "--block-timeout", "2", backend=backend)
+    b = start_flood_broker(*SMALL, "--block-timeout", "2", backend=backend)
     fast, _ = subscriber(b, b"loop/")
     me, mid = subscriber(b, b"loop/", cmsgs=[b"blocking/soft/block"])
     me.settimeout(120)
@@ -647,8 +647,8 @@ def test_client_that_publishes_and_never_reads_in_block_mode_is_cut_off(sbusd, b
 @pytest.mark.parametrize("order,how", [
     ("queue", "default"), ("stack", "cmsg"), ("stack", "flag"), ("random", "cmsg"),
 ])
-def test_queue_order_decides_what_a_slow_client_gets_next(sbusd, backend, order, how):
-    b = sbusd(*SMALL, *(("--order", order) if how == "flag" else ()), backend=backend)
+def test_queue_order_decides_what_a_slow_client_gets_next(start_flood_broker, backend, order, how):
+    b = start_flood_broker(*SMALL, *(("--order", order) if how == "flag" else ()), backend=backend)
     # The most recent control message wins: another order first, then ours.
     cmsgs = [b"order/random", b"order/" + order.encode()] if how == "cmsg" else []
     slow, sid = subscriber(b, b"f/", cmsgs=cmsgs)
@@ -671,9 +671,9 @@ def test_queue_order_decides_what_a_slow_client_gets_next(sbusd, backend, order,
     assert got[k:] == expected
 
 
-def test_random_order_sends_what_frees_memory_first(sbusd, backend):
+def test_random_order_sends_what_frees_memory_first(start_flood_broker, backend):
     """Sole holder first, then larger, then older."""
-    b = sbusd(*SMALL, backend=backend)
+    b = start_flood_broker(*SMALL, backend=backend)
     a, aid = subscriber(b, b"own/", b"shared/", cmsgs=[b"order/random"])
     other, oid = subscriber(b, b"shared/", b"fill")
     pub = publisher_socket(b)
@@ -696,12 +696,12 @@ def test_random_order_sends_what_frees_memory_first(sbusd, backend):
     assert got[k:] == expected
 
 
-def mixed_workload_peak(sbusd, backend, order, rounds=2500):
+def mixed_workload_peak(start_flood_broker, backend, order, rounds=2500):
     """One slowly reading subscriber (order under test) and one stuck one that
     shares the small messages; alternating 64 B and 4 KiB packets, three
     published for every two read, in lock step. Returns the broker's peak of
     queued bytes."""
-    b = sbusd(*SMALL, "--order", order, backend=backend)
+    b = start_flood_broker(*SMALL, "--order", order, backend=backend)
     reader, rid = subscriber(b, b"mix/")
     stuck, _ = subscriber(b, b"mix/small")
     pub = publisher_socket(b)
@@ -723,9 +723,9 @@ def mixed_workload_peak(sbusd, backend, order, rounds=2500):
     return snap["totals"]["queued_bytes_peak"]
 
 
-def test_random_order_reaches_a_lower_peak_than_queue_order_on_mixed_sizes(sbusd, backend):
-    peak_queue = mixed_workload_peak(sbusd, backend, "queue")
-    peak_random = mixed_workload_peak(sbusd, backend, "random")
+def test_random_order_reaches_a_lower_peak_than_queue_order_on_mixed_sizes(start_flood_broker, backend):
+    peak_queue = mixed_workload_peak(start_flood_broker, backend, "queue")
+    peak_random = mixed_workload_peak(start_flood_broker, backend, "random")
     print(f"\n[{backend}] mixed workload queued_bytes_peak: queue={peak_queue} random={peak_random}")
     assert peak_random * 2 < peak_queue
 
@@ -733,9 +733,9 @@ def test_random_order_reaches_a_lower_peak_than_queue_order_on_mixed_sizes(sbusd
 # ---- memory --------------------------------------------------------------------------
 
 def test_a_million_messages_to_a_never_reading_subscriber_keep_memory_bounded(
-        sbusd, publisher):
+        start_flood_broker, publisher):
     n, size = 1_000_000, 100
-    b = sbusd(backend="epoll")             # defaults: 8 MiB / 65536 msgs per client
+    b = start_flood_broker(backend="epoll")             # defaults: 8 MiB / 65536 msgs per client
     stuck, sid = subscriber(b, b"m/")
     ctl = b.connect(timeout=60)
     before = per_client(ctl.stats(), sid)
@@ -782,8 +782,8 @@ def test_a_million_messages_to_a_never_reading_subscriber_keep_memory_bounded(
     "10",
     "0.2",
 ])
-def test_flood_summaries_are_one_per_client_per_second(sbusd, publisher, interval):
-    b = sbusd(*SMALL, "--stats-interval", interval, backend="epoll")
+def test_flood_summaries_are_one_per_client_per_second(start_flood_broker, publisher, interval):
+    b = start_flood_broker(*SMALL, "--stats-interval", interval, backend="epoll")
     subs = [subscriber(b, b"f/", cmsgs=[b"blocking/soft/discard"]) for _ in range(2)]
     ids = [cid for _, cid in subs]
     t0 = time.monotonic()
@@ -856,8 +856,8 @@ def blocked_burst(b, burst, packet_size, hang_up):
     "epoll",
     "select",
 ])
-def test_block_mode_loses_nothing_when_a_publisher_hangs_up_while_blocked(sbusd, backend):
-    b = sbusd(*SMALL, "--queue-max-msgs", "100", "--block-timeout", "120",
+def test_block_mode_loses_nothing_when_a_publisher_hangs_up_while_blocked(start_flood_broker, backend):
+    b = start_flood_broker(*SMALL, "--queue-max-msgs", "100", "--block-timeout", "120",
               "--stats-interval", "0.2", backend=backend)
     got, c = blocked_burst(b, burst=150, packet_size=116, hang_up=True)
     assert c["drops_hard"] == 0
@@ -865,16 +865,16 @@ def test_block_mode_loses_nothing_when_a_publisher_hangs_up_while_blocked(sbusd,
 
 
 @pytest.mark.parametrize("backend", ["epoll", "select"])
-def test_block_mode_loses_nothing_when_one_batch_exceeds_the_queue_limit(sbusd, backend):
-    b = sbusd(*SMALL, "--queue-max-bytes", "65536", "--block-timeout", "120",
+def test_block_mode_loses_nothing_when_one_batch_exceeds_the_queue_limit(start_flood_broker, backend):
+    b = start_flood_broker(*SMALL, "--queue-max-bytes", "65536", "--block-timeout", "120",
               "--stats-interval", "0.2", backend=backend)
     got, c = blocked_burst(b, burst=32, packet_size=4000, hang_up=False)
     assert c["drops_hard"] == 0
     assert got == list(range(1, 33))
 
 
-def test_stats_read_with_messages_in_one_batch_counts_their_deliveries(sbusd, backend):
-    b = sbusd(*SMALL, backend=backend)
+def test_stats_read_with_messages_in_one_batch_counts_their_deliveries(start_flood_broker, backend):
+    b = start_flood_broker(*SMALL, backend=backend)
     sub, sid = subscriber(b, b"a/")
     pub = publisher_socket(b)
     fill_until_queued(pub, b"a/", sid)
@@ -893,12 +893,12 @@ def test_stats_read_with_messages_in_one_batch_counts_their_deliveries(sbusd, ba
             per_client(before, sid)["queued_msgs"] + 10)
 
 
-def test_a_subscriber_the_flush_closes_while_it_is_closing_is_torn_down_once(sbusd, backend):
+def test_a_subscriber_the_flush_closes_while_it_is_closing_is_torn_down_once(start_flood_broker, backend):
     # Its end of input is read in the turn after publishers' packets pended
     # deliveries for it; sending those before it goes overflows its queue,
     # which in blocking/hard/error mode closes it as well: it must be torn
     # down (and freed) once, for the reason found first.
-    b = sbusd(*SMALL, "--queue-max-msgs", "4", backend=backend)
+    b = start_flood_broker(*SMALL, "--queue-max-msgs", "4", backend=backend)
     sub, sid = subscriber(b, b"k", cmsgs=[b"blocking/hard/error"])
     pubs = [publisher_socket(b) for _ in range(8)]
     fill_until_queued(pubs[0], b"k", sid)

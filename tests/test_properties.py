@@ -6,7 +6,7 @@ order the queue promises, and the process-wide packet counters balance).
 The spec's worked examples are tables in test_matching.py.
 
 ``SBUS_FUZZ_EXAMPLES`` sets the number of examples (default a few thousand
-for ``make test``; ``make fuzz`` uses 200000). Every crash ever found goes
+for ``make test``; ``make fuzz`` 20000 unless FUZZ_EXAMPLES says more). Every crash ever found goes
 into ``CRASH_REGRESSIONS`` below and is replayed in a child process, so a
 segfault fails one test instead of killing the run.
 """

@@ -71,8 +71,8 @@ def run_sbusd(*args, timeout=TIMEOUT, **kwargs) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def sbusd(tmp_path):
-    """Factory: ``sbusd(*args, ...)`` starts a foreground sbusd (not yet
+def sbusd_process(tmp_path):
+    """Factory: ``sbusd_process(*args, ...)`` starts a foreground sbusd (not yet
     waited for); anything still running at teardown is killed."""
     started = []
 
@@ -179,12 +179,13 @@ def test_bad_usage_exits_nonzero_with_usage_on_stderr(tmp_path, bad):
 
 # -- readiness --------------------------------------------------------------------
 
+@pytest.mark.alone   # start-up within a second
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_stdout_closes_once_listening_and_within_one_second(sbusd, tmp_path, backend):
+def test_stdout_closes_once_listening_and_within_one_second(sbusd_process, tmp_path, backend):
     """A parent can wait for EOF on stdout (the C tests do so under alarm(1));
     at that moment the socket already accepts connections."""
     sock = tmp_path / "bus.socket"
-    b = sbusd("-f", "-a", str(sock), "--backend", backend).ready()
+    b = sbusd_process("-f", "-a", str(sock), "--backend", backend).ready()
     assert b.stdout == b""
     assert b.ready_s < 1.0, f"start-up to listening took {b.ready_s:.3f}s"
     assert stat.S_ISSOCK(os.lstat(sock).st_mode)
@@ -196,11 +197,12 @@ def test_stdout_closes_once_listening_and_within_one_second(sbusd, tmp_path, bac
 
 # -- address forms ---------------------------------------------------------------
 
+@pytest.mark.alone   # start-up within a second
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_random_abstract_address_is_printed_then_stdout_closes(sbusd, backend):
+def test_random_abstract_address_is_printed_then_stdout_closes(sbusd_process, backend):
     """-fa/dev/unix/abstract (combined, as the C tests write it): the whole
     108-byte sun_path in hex, a newline, EOF; that name accepts clients."""
-    b = sbusd("-fa/dev/unix/abstract", "--backend", backend).ready()
+    b = sbusd_process("-fa/dev/unix/abstract", "--backend", backend).ready()
     m = ABSTRACT_RE.fullmatch(b.stdout)
     assert m, b.stdout
     name = bytes.fromhex(m.group(1).decode())
@@ -211,16 +213,16 @@ def test_random_abstract_address_is_printed_then_stdout_closes(sbusd, backend):
         c1.sync()
         c2.send(b"MSG x/y\0hello")
         assert c1.recv(4096) == b"MSG x/y\0hello"
-    other = sbusd("-fa/dev/unix/abstract", log=False).ready()
+    other = sbusd_process("-fa/dev/unix/abstract", log=False).ready()
     assert ABSTRACT_RE.fullmatch(other.stdout) and other.stdout != b.stdout
 
 
-def test_explicit_abstract_hex_address(sbusd, tmp_path):
+def test_explicit_abstract_hex_address(sbusd_process, tmp_path):
     """/dev/unix/abstract/HEX: HEX is sun_path (leading NUL included), padded
     with NULs to 108 bytes as C clients connect with sizeof(sockaddr_un)."""
     name = b"\0sbus-cli-test-" + uuid.uuid4().hex.encode()
     address = "/dev/unix/abstract/" + name.hex()
-    b = sbusd("-f", "-a", address).ready()
+    b = sbusd_process("-f", "-a", address).ready()
     assert b.stdout == b""              # only a random address is printed
     assert serving(name.ljust(108, b"\0"))
     # The same explicit name cannot be bound twice: a clear error, not a hang.
@@ -232,7 +234,7 @@ def test_explicit_abstract_hex_address(sbusd, tmp_path):
 
 @pytest.mark.parametrize("listening", [False, True], ids=["bound", "listening"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_dev_fd_inherited_socket(sbusd, tmp_path, listening, backend):
+def test_dev_fd_inherited_socket(sbusd_process, tmp_path, listening, backend):
     """/dev/fd/N: a SOCK_SEQPACKET socket the parent bound (and maybe put in
     listening state) serves clients; with -c it ends once they have left."""
     path = tmp_path / "inherited.socket"
@@ -242,7 +244,7 @@ def test_dev_fd_inherited_socket(sbusd, tmp_path, listening, backend):
         s.listen(8)
     fd = s.fileno()
     try:
-        b = sbusd("-fca", f"/dev/fd/{fd}", "--backend", backend, pass_fds=(fd,)).ready()
+        b = sbusd_process("-fca", f"/dev/fd/{fd}", "--backend", backend, pass_fds=(fd,)).ready()
     finally:
         s.close()                       # only the broker's copy remains
     assert b.stdout == b""
@@ -288,9 +290,9 @@ def test_dev_fd_that_is_not_a_seqpacket_socket_is_an_error(tmp_path, kind):
     (["-go"], 0o777),
     (["--group", "--other"], 0o777),
 ], ids=lambda v: oct(v) if isinstance(v, int) else " ".join(v) or "none")
-def test_socket_file_mode(sbusd, tmp_path, flags, mode):
+def test_socket_file_mode(sbusd_process, tmp_path, flags, mode):
     sock = tmp_path / "bus.socket"
-    sbusd("-f", "-a", str(sock), *flags).ready()
+    sbusd_process("-f", "-a", str(sock), *flags).ready()
     st = os.lstat(sock)
     assert stat.S_ISSOCK(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == mode, oct(st.st_mode)
@@ -301,9 +303,9 @@ def test_socket_file_mode(sbusd, tmp_path, flags, mode):
     (0o000, [], 0o700),                 # a lax umask does not widen the default
     (0o777, ["-go"], 0o777),            # a strict one does not narrow -g/-o
 ])
-def test_socket_file_mode_does_not_depend_on_umask(sbusd, tmp_path, umask, flags, mode):
+def test_socket_file_mode_does_not_depend_on_umask(sbusd_process, tmp_path, umask, flags, mode):
     sock = tmp_path / "bus.socket"
-    sbusd("-f", "-a", str(sock), *flags, umask=umask).ready()
+    sbusd_process("-f", "-a", str(sock), *flags, umask=umask).ready()
     assert stat.S_IMODE(os.lstat(sock).st_mode) == mode
 
 
@@ -325,20 +327,20 @@ def test_existing_path_without_r_is_an_error_and_left_alone(tmp_path, kind):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_r_replaces_a_stale_socket(sbusd, tmp_path, backend):
+def test_r_replaces_a_stale_socket(sbusd_process, tmp_path, backend):
     sock = tmp_path / "bus.socket"
     stale_socket(sock)
     with pytest.raises(ConnectionRefusedError):
         Conn.to(str(sock))
-    sbusd("-f", "-r", "-a", str(sock), "--backend", backend).ready()
+    sbusd_process("-f", "-r", "-a", str(sock), "--backend", backend).ready()
     assert stat.S_ISSOCK(os.lstat(sock).st_mode)
     assert stat.S_IMODE(os.lstat(sock).st_mode) == 0o700
     assert serving(str(sock))           # a fresh socket now listens at the path
 
 
-def test_r_with_nothing_at_the_path_just_starts(sbusd, tmp_path):
+def test_r_with_nothing_at_the_path_just_starts(sbusd_process, tmp_path):
     sock = tmp_path / "bus.socket"
-    sbusd("-f", "-r", "-a", str(sock)).ready()
+    sbusd_process("-f", "-r", "-a", str(sock)).ready()
     assert serving(str(sock))
 
 
@@ -373,21 +375,21 @@ def test_r_refuses_to_remove_anything_but_a_socket(tmp_path, kind):
 
 # -- combined short options and long options --------------------------------------
 
-def test_fa_path_cr_replaces_stale_socket_and_auto_closes(sbusd, tmp_path):
+def test_fa_path_cr_replaces_stale_socket_and_auto_closes(sbusd_process, tmp_path):
     """The C test suite's own form: -fa PATH -cr."""
     sock = tmp_path / "bus.socket"
     stale_socket(sock)
-    b = sbusd("-fa", str(sock), "-cr").ready()
+    b = sbusd_process("-fa", str(sock), "-cr").ready()
     assert stat.S_IMODE(os.lstat(sock).st_mode) == 0o700
     assert serving(str(sock))
     assert b.wait() == 0
     assert not os.path.lexists(sock)
 
 
-def test_crgo_sets_all_four_flags(sbusd, tmp_path):
+def test_crgo_sets_all_four_flags(sbusd_process, tmp_path):
     sock = tmp_path / "bus.socket"
     stale_socket(sock)
-    b = sbusd("-crgo", "-fa", str(sock)).ready()
+    b = sbusd_process("-crgo", "-fa", str(sock)).ready()
     assert stat.S_IMODE(os.lstat(sock).st_mode) == 0o777
     config = b.records()[0]["config"]
     assert (config["auto_close"], config["reuse"], config["mode"]) == (True, True, "0o777")
@@ -396,11 +398,11 @@ def test_crgo_sets_all_four_flags(sbusd, tmp_path):
 
 
 @pytest.mark.parametrize("style", ["equals", "separate"])
-def test_long_options(sbusd, tmp_path, style):
+def test_long_options(sbusd_process, tmp_path, style):
     sock = tmp_path / "bus.socket"
     stale_socket(sock)
     address = [f"--address={sock}"] if style == "equals" else ["--address", str(sock)]
-    b = sbusd("--foreground", *address, "--auto-close", "--reuse", "--group", "--other",
+    b = sbusd_process("--foreground", *address, "--auto-close", "--reuse", "--group", "--other",
               "--backend=select").ready()
     assert stat.S_IMODE(os.lstat(sock).st_mode) == 0o777
     assert b.records()[0]["config"]["backend"] == "select"
@@ -414,9 +416,9 @@ def test_long_options(sbusd, tmp_path, style):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
                          ids=lambda s: s.name)
-def test_foreground_signal_exits_0_and_removes_socket(sbusd, tmp_path, sig, backend):
+def test_foreground_signal_exits_0_and_removes_socket(sbusd_process, tmp_path, sig, backend):
     sock = tmp_path / "bus.socket"
-    b = sbusd("-f", "-a", str(sock), "--backend", backend).ready()
+    b = sbusd_process("-f", "-a", str(sock), "--backend", backend).ready()
     client = Conn.to(str(sock))
     client.sync()                      # the loop runs: the signal cannot race it
     b.proc.send_signal(sig)
@@ -429,13 +431,13 @@ def test_foreground_signal_exits_0_and_removes_socket(sbusd, tmp_path, sig, back
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
-def test_a_signal_as_soon_as_the_socket_accepts_still_stops_cleanly(sbusd, tmp_path, sig):
+def test_a_signal_as_soon_as_the_socket_accepts_still_stops_cleanly(sbusd_process, tmp_path, sig):
     """A supervisor that waits for connect() to succeed rather than for EOF on
     stdout, then stops the broker at once, hits the moment between listen()
     and the event loop: the signal is remembered, not fatal."""
     for attempt in range(5):
         sock = tmp_path / f"race-{attempt}.socket"
-        b = sbusd("-f", "-a", str(sock))
+        b = sbusd_process("-f", "-a", str(sock))
         deadline = time.monotonic() + TIMEOUT
         while True:
             try:
@@ -484,9 +486,9 @@ def test_an_abstract_hex_name_without_its_leading_nul_is_a_clear_error():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_auto_close_exits_0_once_the_last_client_has_left(sbusd, tmp_path, backend):
+def test_auto_close_exits_0_once_the_last_client_has_left(sbusd_process, tmp_path, backend):
     sock = tmp_path / "bus.socket"
-    b = sbusd("-fc", "-a", str(sock), "--backend", backend).ready()
+    b = sbusd_process("-fc", "-a", str(sock), "--backend", backend).ready()
     with pytest.raises(subprocess.TimeoutExpired):
         b.wait(timeout=0.3)             # no client has come yet: keep running
     first, second = Conn.to(str(sock)), Conn.to(str(sock))
@@ -502,9 +504,9 @@ def test_auto_close_exits_0_once_the_last_client_has_left(sbusd, tmp_path, backe
     assert stop and stop[0]["reason"] == "auto_close"
 
 
-def test_without_c_the_broker_outlives_its_clients(sbusd, tmp_path):
+def test_without_c_the_broker_outlives_its_clients(sbusd_process, tmp_path):
     sock = tmp_path / "bus.socket"
-    b = sbusd("-f", "-a", str(sock)).ready()
+    b = sbusd_process("-f", "-a", str(sock)).ready()
     serving(str(sock))
     serving(str(sock))                  # the first one left; still here
     assert b.proc.poll() is None
@@ -512,6 +514,7 @@ def test_without_c_the_broker_outlives_its_clients(sbusd, tmp_path):
 
 # -- daemon lifecycle -----------------------------------------------------------------
 
+@pytest.mark.alone   # start-up within a second
 @pytest.mark.parametrize("sig, backend", [(signal.SIGTERM, "epoll"), (signal.SIGINT, "select")],
                          ids=["SIGTERM-epoll", "SIGINT-select"])
 def test_daemon_launcher_exits_0_once_listening_and_signal_cleans_up(daemon, tmp_path, sig, backend):
@@ -714,12 +717,12 @@ def test_daemon_relative_socket_is_removed_when_it_stops(relative_daemon, tmp_pa
 # -- the readiness/signal race ---------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["foreground", "daemon"])
-def test_stop_signal_right_after_readiness_is_honoured(sbusd, daemon, tmp_path, mode):
+def test_stop_signal_right_after_readiness_is_honoured(sbusd_process, daemon, tmp_path, mode):
     """Readiness means 'ready for anything', including being told to stop."""
     for attempt in range(20):
         sock = tmp_path / f"race-{attempt}.socket"
         if mode == "foreground":
-            b = sbusd("-f", "-a", str(sock), log=False).ready()
+            b = sbusd_process("-f", "-a", str(sock), log=False).ready()
             pid = b.pid
         else:
             pidfile = tmp_path / f"race-{attempt}.pid"
@@ -832,9 +835,9 @@ def as_nobody(address) -> str:
     ["-u", "12345", "-u", "nobody"],    # repeatable
     ["-u65534"],                        # attached argument, as getopt allows
 ], ids=" ".join)
-def test_listed_user_may_connect(sbusd, public_dir, argv):
+def test_listed_user_may_connect(sbusd_process, public_dir, argv):
     sock = public_dir / "bus.socket"
-    sbusd("-fgo", "-a", str(sock), *argv).ready()
+    sbusd_process("-fgo", "-a", str(sock), *argv).ready()
     verdict = as_nobody(str(sock))
     assert verdict.startswith(f"ok !/cred/{NOBODY}/{NOBODY}/"), verdict
     assert serving(str(sock))           # our own uid (root) is always allowed
@@ -842,9 +845,9 @@ def test_listed_user_may_connect(sbusd, public_dir, argv):
 
 @needs_root
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_unlisted_user_is_closed_on_accept_and_logged(sbusd, public_dir, backend):
+def test_unlisted_user_is_closed_on_accept_and_logged(sbusd_process, public_dir, backend):
     sock = public_dir / "bus.socket"
-    b = sbusd("-fgou", "12345", "-a", str(sock), "--backend", backend).ready()
+    b = sbusd_process("-fgou", "12345", "-a", str(sock), "--backend", backend).ready()
     assert as_nobody(str(sock)) == "closed"
     assert serving(str(sock))           # the broker's own uid is always allowed
     refused = wait_for_record(b.log_path, "client_disconnect",
@@ -860,9 +863,9 @@ def test_unlisted_user_is_closed_on_accept_and_logged(sbusd, public_dir, backend
     (["-g", "-o"], f"ok !/cred/{NOBODY}/{NOBODY}/"),   # no -u: everyone the mode lets in
     ([], "connect-failed EACCES"),                     # 0700: others cannot even connect
 ], ids=["mode-0777", "mode-0700"])
-def test_without_u_the_socket_mode_decides(sbusd, public_dir, flags, expected):
+def test_without_u_the_socket_mode_decides(sbusd_process, public_dir, flags, expected):
     sock = public_dir / "bus.socket"
-    sbusd("-f", "-a", str(sock), *flags).ready()
+    sbusd_process("-f", "-a", str(sock), *flags).ready()
     assert as_nobody(str(sock)).startswith(expected)
 
 

@@ -187,6 +187,7 @@ def test_pub_lines_stops_with_an_error_when_a_line_is_refused(start_broker):
             listener.receive(timeout=0.2)
 
 
+@pytest.mark.alone   # a deadline held within two seconds
 def test_sub_timeout_counts_reconnect_attempts(broker):
     """-W bounds the whole command: a broker that goes away while sbus sub
     waits makes it retry (it reconnects by default), and the retries are

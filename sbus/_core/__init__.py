@@ -12,6 +12,6 @@ its module's contract; other modules ``cimport`` from it only).
   per-message path (recv, parse, match, fan-out, send).
 - ``report``: the broker's log records and stats, built from C state.
 - ``batch``: the clients' packing, sendmmsg and recvmmsg; ``natswire``: the
-  bridge's NATS framing in C; ``loadgen``: the load generator (csrc/loadgen.c).
+  bridge's NATS framing in C; ``loadgen``: the load generator (csrc/loadgen/).
 - ``includes/``: extern declarations the standard ``libc``/``posix`` ones lack.
 """

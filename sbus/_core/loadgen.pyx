@@ -1,7 +1,7 @@
 # cython: language_level=3
-"""The load generator (csrc/loadgen.c) built into the package, for
-``sbus bench`` and ``make bench``: a wheel carries it, so no compiler is
-needed where it runs.
+"""The load generator (the C of csrc/loadgen/, which setup.py compiles into
+this module) built into the package, for ``sbus bench`` and ``make bench``: a
+wheel carries it, so no compiler is needed where it runs.
 
 ``run(argv)`` is the generator's main: it forks its client processes, prints
 one JSON line on the C stdout and may exit the process on a fatal error, so
@@ -9,7 +9,7 @@ it belongs in a process of its own: ``python -m sbus.cli.loadgen MODE ...``.
 """
 from libc.stdlib cimport malloc, free
 
-cdef extern from "csrc/loadgen.c":
+cdef extern from "csrc/loadgen/loadgen.h":
     int loadgen_main(int argc, char **argv)
 
 

@@ -7,9 +7,10 @@ import socket
 import subprocess
 from pathlib import Path
 
+from .logged import LoggedProcess
 from .procfs import end_process
 from .sbusd import BIN, SBUS
-from .waiting import read_records, wait_for_record, wait_until
+from .waiting import wait_until
 
 
 def nats_server_path():
@@ -72,36 +73,24 @@ class NatsServer:
             end_process(self.proc, signal.SIGKILL if kill else signal.SIGTERM)
 
 
-class Bridge:
+class Bridge(LoggedProcess):
     """``sbus -a ADDRESS bridge --nats ... ARGS`` with JSON logs in a file."""
 
-    _seq = 0
+    event_timeout = 20.0
 
     def __init__(self, workdir: Path, address: str, servers, *args, stats_interval=0.5):
-        Bridge._seq += 1
-        self.log_path = Path(workdir) / f"bridge-{Bridge._seq}.log"
-        self.stderr_path = self.log_path.with_suffix(".stderr")
-        argv = [SBUS, "-a", str(address), "bridge", "--log-format", "json",
-                "--log-file", str(self.log_path), "--log-level", "debug",
+        argv = [SBUS, "-a", str(address), "bridge",
                 "--stats-interval", str(stats_interval), "--reconnect-wait", "0.2"]
         for url in servers:
             argv += ["--nats", url]
-        argv += list(args)
-        with open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=err)
+        super().__init__(workdir, "bridge", [*argv, *args])
 
-    def records(self) -> list:
-        return read_records(self.log_path)
-
-    def events(self, name: str) -> list:
-        return [r for r in self.records() if r.get("event") == name]
-
-    def wait_for(self, name: str, timeout=20.0, predicate=lambda r: True, since=0) -> dict:
+    def wait_for(self, name: str, timeout=None, predicate=lambda r: True, since=0) -> dict:
+        """wait_for_event, once it is known that the bridge has not exited."""
         if self.proc.poll() is not None:
             raise AssertionError(f"the bridge exited {self.proc.returncode}: "
                                  f"{self.stderr_path.read_text()}")
-        return wait_for_record(self.log_path, name, predicate, timeout, since)
+        return self.wait_for_event(name, timeout, predicate, since)
 
     def ready(self, timeout=30.0) -> "Bridge":
         """Subscribed on the local bus and connected to NATS."""
@@ -118,9 +107,6 @@ class Bridge:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
-
-    def stop(self, timeout=10.0) -> int:
-        return end_process(self.proc, timeout=timeout)
 
 
 __all__ = ["Bridge", "NatsServer", "free_port", "nats_server_path"]

@@ -1,0 +1,127 @@
+/*
+ * The load generator's contract between its files (see main.c for what it
+ * does): the options every mode reads, the memory its processes share, the
+ * helpers for talking to the broker (connect.c) and for timing and
+ * reporting (measure.c), and one entry point per mode (flood.c, manypubs.c,
+ * roundtrip.c for latency and wake, hold.c).
+ */
+#ifndef SBUS_LOADGEN_H
+#define SBUS_LOADGEN_H
+
+#ifndef _GNU_SOURCE	/* Python.h defines it when this is built into the package */
+#define _GNU_SOURCE
+#endif
+#include <dirent.h>
+#include <sched.h>
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+enum {
+	BATCH = 64,
+	MAX_SUBS = 512,
+	MAX_PUBS = 4096,
+	MAX_PUB_PROCS = 64,
+	PUB_HEADER = 20,	/* manypubs payload: seq (8), publisher (4), sent at ns (8) */
+	LAT_SAMPLES = 1 << 22,
+	SYNC_WAVE = 100,
+	SEQ_BYTES = 8,
+};
+
+static const char BENCH_KEY[] = "bench/k";
+static const char PING_KEY[] = "ping/lat";
+static const char PONG_KEY[] = "pong/lat";
+
+struct sub_slot {
+	_Atomic uint64_t next;	/* next sequence number expected: flow-control progress */
+	uint64_t received, lost, reordered, bad;
+	uint64_t tail;		/* of lost: never arrived within a second of the end */
+	double t_last;		/* CLOCK_MONOTONIC seconds of the last receipt */
+	int eof, finished;
+	double p50_us, p99_us, max_us;	/* manypubs: publish-to-delivery latency */
+} __attribute__((aligned(64)));
+
+struct shared {
+	_Atomic uint64_t sent;
+	_Atomic uint64_t total;
+	_Atomic int done;	/* total is final */
+	_Atomic int finish;	/* everyone may exit now */
+	_Atomic int ready;
+	_Atomic uint32_t pub_waiting __attribute__((aligned(64)));
+	_Atomic uint32_t wake;
+	_Atomic int go;		/* manypubs: every client is connected; publishers start */
+	_Atomic int stalled;
+	double t0;		/* manypubs: when go was given */
+	struct sub_slot sub[MAX_SUBS];
+	uint64_t pub_sent[MAX_PUBS];	/* manypubs: messages each publisher sent, final at done */
+};
+
+/* Built into an extension module, these names must not reach the symbol
+ * table of the process: nothing outside the generator calls them. */
+#pragma GCC visibility push(hidden)
+
+/* Set once by loadgen_main from the command line (main.c). */
+extern const char *address;
+extern size_t payload_size;
+extern int n_pubs, n_pub_procs;
+extern double offered_rate;	/* manypubs -r: messages/s over all publishers; 0: saturation */
+extern int n_subs, n_idle, n_pats, n_slow, n_clients, wild_idle;
+extern double duration;
+extern uint64_t max_count;	/* -m: 0 means no limit */
+extern uint64_t window;
+extern long server_pid;
+extern int echo_cpu;
+/* Mapped before any fork, so every process of a run sees the same one. */
+extern struct shared *sh;
+
+/* Prints to stderr (with errno's text when fmt ends in ':'), tells the other
+ * processes to finish and exits 1. */
+void die(const char *fmt, ...) __attribute__((noreturn, format(printf, 1, 2)));
+
+/* connect.c */
+void set_timeout(int fd, double seconds);
+int connect_bus(void);
+void send_packet(int fd, const void *buf, size_t len);
+void send_cmd(int fd, const char *verb, const char *arg);
+void sync_clients(const int *fds, int n, int tag_base);
+void raise_fd_limit(long need);
+size_t build_packet(char *buf, const char *key);
+int *hold_idle_clients(int n, int pats);
+
+/* measure.c */
+double now(void);
+uint64_t mono_ns(void);
+long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct timespec *timeout);
+double server_cpu(void);
+double own_cpu(void);
+uint64_t min_progress(void);
+void print_common(const char *mode, double seconds, double cpu);
+void print_percentiles(double *rtt, size_t n);
+
+/* The modes: each returns the process's exit status. */
+int flood(void);
+int manypubs(void);
+int latency(void);
+int wake(void);
+int hold(void);
+int loadgen_main(int argc, char **argv);
+
+#pragma GCC visibility pop
+
+#endif
