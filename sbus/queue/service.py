@@ -75,6 +75,7 @@ class QueueService:
         self.inbox: Optional[PrivateInbox] = None
         self._control = b""
         self._out: List[Tuple[str, bytes]] = []
+        self._state_asked: List[str] = []     # inboxes that asked for the state this batch
         self._wake = asyncio.Event()
         self._started = time.monotonic()
         self._last_stats: Optional[dict] = None
@@ -124,6 +125,11 @@ class QueueService:
                 else:
                     q.add(key, payload)
             self._dispatch(now)
+            if self._state_asked:
+                state = wire.pack_state(self.state())
+                for inbox in self._state_asked:
+                    self._send(inbox + wire.STATE, state)
+                self._state_asked.clear()
             if self._out:
                 # receive_into returns at once while packets wait: without
                 # this the sender would run only once the socket is empty,
@@ -146,7 +152,9 @@ class QueueService:
             elif key == STATE:
                 inbox, pattern = wire.parse_state_request(payload)
                 if pattern == self.pattern:
-                    self._send(inbox + wire.STATE, wire.pack_state(self.state()))
+                    # Answered after this batch's dispatch and trim, so the
+                    # state never shows jobs the same batch already dropped.
+                    self._state_asked.append(inbox)
         except wire.WireError as exc:
             self._bad(key, exc)
 
