@@ -249,9 +249,10 @@ on_deny = "disconnect"
             c = Conn.to(bus.address)
             assert c.sub_ok("other/")
             c.packet(msg("other/ok"))
+            c.whoami()      # its echo is in c.got: a close takes the batch it is read in
             c.packet(msg("billing/forged"))
             c.packet(msg("other/after"))
-            return [p.decode() for p in c.until_closed()]
+            return [p.decode() for p in c.got + c.until_closed()]
 
         assert spawn(child).result() == [msg("other/ok").decode()]
         got = root.collect()
@@ -420,19 +421,23 @@ def test_policy_survives_a_live_upgrade_and_a_bad_file_refuses_it(policy_bus, sp
     """The new process reads the file as it is now and compiles each restored
     connection's identity: a client kept across the upgrade is still denied
     power/; a file that does not load fails the upgrade with its reason, and
-    the old process serves on with its policy."""
+    the old process serves on with its policy. The policy's counters come
+    across."""
     bus = policy_bus(EXAMPLE)
 
     def child(ctl):
         c = Conn.to(bus.address)
         assert c.sub_ok("user/65534/")
+        c.packet(msg("power/early"))
+        c.sync()
         ctl.send("ready")
         ctl.wait()
         c.packet(msg("power/off"))
         c.packet(msg("user/65534/after"))
         got = [p.decode() for p in c.collect()]
+        mine = [e for e in c.stats()["clients"] if e["pid"] == os.getpid()]
         kept = try_subscribe(bus.address, ["", "power/"])
-        return got, kept
+        return got, kept, mine[0]["denied"]
 
     kid = spawn(child)
     assert kid.recv() == "ready"
@@ -452,9 +457,12 @@ def test_policy_survives_a_live_upgrade_and_a_bad_file_refuses_it(policy_bus, sp
         with Conn.to(bus.address) as root:
             assert root.sub_ok("")
             kid.send("go")
-            got, kept = kid.result()
+            got, kept, denied = kid.result()
             assert [p.split(b"\0")[0] for p in root.collect()] == [b"MSG user/65534/after"]
+            totals = root.stats()["totals"]
         assert got == ["MSG user/65534/after\0"]
+        # The counters came across: one denial before the upgrades, one after.
+        assert denied == 2 and totals["denied"] == 2
         assert kept == {"": False, "power/": True}
         loaded = bus.events("policy_loaded")
         assert [r["reload"] for r in loaded] == [False, False]

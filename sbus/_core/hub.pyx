@@ -308,6 +308,32 @@ cdef class Hub:
         del old
         return len(self.tables), revoked
 
+    def policy_counts(self):
+        """The policy's counters, for a live upgrade (handover.pyx)."""
+        cdef int fd
+        cdef Conn *c
+        conns = {}
+        for fd in range(self.peers.cap):
+            c = self.peers.conns[fd]
+            if c != NULL and c.denied:
+                conns[str(c.id)] = c.denied
+        return {"denied": self.denied, "subs_refused": self.subs.policy_refused,
+                "conns": conns}
+
+    def restore_policy_counts(self, counts):
+        """policy_counts() of the old process, once its connections are restored."""
+        cdef int fd
+        cdef Conn *c
+        if not counts:
+            return
+        self.denied = counts["denied"]
+        self.subs.policy_refused = counts["subs_refused"]
+        conns = counts["conns"]
+        for fd in range(self.peers.cap):
+            c = self.peers.conns[fd]
+            if c != NULL:
+                c.denied = conns.get(str(c.id), 0)
+
     cdef int grow_lists(self, uint32_t need) except -1:
         """Scratch lists hold at most one entry per connection; size them so
         the hot path never has to check."""
