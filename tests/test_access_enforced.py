@@ -121,6 +121,36 @@ pattern = ["log-a", "a/*/c"]
             assert disconnect == (want.action == "disconnect"), (uid, key)
 
 
+def test_c_trie_decides_as_the_compiled_policy():
+    """A table longer than a few entries is decided through its segment trie:
+    the first matching entry still decides, over random rules and keys
+    (segments literal, '*', 'x*', trailing '/', the empty pattern)."""
+    rng = random.Random(3636)
+    segs = ["a", "b", "ab", "*", "a*", "%uid", ""]
+    rules = ['default = "deny"']
+    for _rule in range(80):
+        pattern = "/".join(rng.choice(segs) for _ in range(rng.randint(1, 3)))
+        if rng.random() < 0.3:
+            pattern += "/"
+        verb = rng.choice(["allow", "deny"])
+        rules += ["[[rule]]", f'{verb} = "publish"', f'pattern = "{pattern}"']
+        if verb == "deny" and rng.random() < 0.5:
+            rules.append('on_deny = "disconnect"')
+    policy = parse("\n".join(rules) + "\n", "random.toml")
+    keysegs = ["a", "b", "ab", "abc", "", "7", "x"]
+    keys = ["/".join(rng.choice(keysegs) for _ in range(rng.randint(1, 4))) for _ in range(4000)]
+    for uid in (0, 7):
+        access = policy.compile_for(uid, uid)
+        table = Table(access)
+        assert len(access.table) > 8       # the trie, not the linear walk
+        for key in keys:
+            want = access.may_publish(key.encode())
+            allowed, disconnect, rule = table.decide(key.encode())
+            assert (allowed, rule) == (want.allowed, want.rule.number if want.rule else 0), \
+                (uid, key)
+            assert disconnect == (want.action == "disconnect"), (uid, key)
+
+
 # ---- the system-bus example ------------------------------------------------------
 
 @asroot

@@ -479,7 +479,7 @@ cdef class Broker(Hub):
             self.sample(c, key, klen, n, f.n)
         return 0
 
-    cdef int policy_decide(self, const AclTable *t, const char *key, size_t klen,
+    cdef int policy_decide(self, AclTable *t, const char *key, size_t klen,
                            const CredForm *form) except? -2:
         """acl_decide for key, a !/cred/ key (form) judged in its canonical
         form, as delivery reads it (sbus.access.compiled's contract)."""
