@@ -96,9 +96,9 @@ cdef class Table:
 
     def decide_times(self, bytes key, uint32_t n):
         """Decide a publish of key n times (benchmarks: the per-message cost)."""
-        cdef uint32_t i
+        cdef uint32_t _turn
         cdef int d = ACL_DEFAULT
-        for i in range(n):
+        for _turn in range(n):
             d = acl_decide(&self.t, key, len(key))
         return d
 
