@@ -499,3 +499,15 @@ def test_policy_survives_a_live_upgrade_and_a_bad_file_refuses_it(policy_bus, sp
     finally:
         os.kill(new, signal.SIGTERM)
         wait_until(lambda: not Path(f"/proc/{new}").exists(), TIMEOUT)
+
+
+def test_top_shows_the_policys_denials():
+    """sbus top adds a policy line once the broker reports a denial."""
+    from sbus.cli.top import View
+    view = View("/run/sbus")
+    quiet = {"totals": {"denied": 0, "policy_subs_refused": 0}, "clients": []}
+    view.update(quiet, 0.0)
+    assert not [t for t, _ in view.lines(200, 40) if t.startswith("policy:")]
+    view.update({"totals": {"denied": 30, "policy_subs_refused": 2}, "clients": []}, 2.0)
+    (line,) = [t for t, _ in view.lines(200, 40) if t.startswith("policy:")]
+    assert line == "policy: denied 15/s  total 30  subscriptions refused 2"
