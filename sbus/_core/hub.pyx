@@ -283,6 +283,7 @@ cdef class Hub:
         cdef Conn *c
         cdef int revoked = 0
         old = self.tables         # the old tables live until every connection moved
+        decided = {}              # (Access, pattern) -> refusal: many hold the same
         self.policy = policy
         self.tables = {}
         self.user_names = {}
@@ -298,7 +299,11 @@ cdef class Hub:
                 continue
             access = <object>c.access.access
             for j in range(c.nsubs):
-                refused = policy_refusal(access, c.subs[j].pattern[:c.subs[j].len])
+                pattern = c.subs[j].pattern[:c.subs[j].len]
+                key = (access, pattern)
+                if key not in decided:
+                    decided[key] = policy_refusal(access, pattern)
+                refused = decided[key]
                 if refused is not None:
                     revoked += 1
                     self.mark_closing(c, R_POLICY_REVOKED, refused[1])
