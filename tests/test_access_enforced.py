@@ -204,6 +204,34 @@ def test_system_bus_publishes_of_nobody_reach_only_where_allowed(policy_bus, spa
 
 
 @asroot
+def test_denials_are_logged_at_most_ten_a_second(policy_bus, spawn):
+    """A flood of denied publishes is counted in full; the log takes at most
+    PUBLISH_DENIED_PER_S records a second, and a record after a quiet second
+    says how many were left out."""
+    bus = policy_bus(EXAMPLE)
+
+    def child(ctl):
+        with Conn.to(bus.address) as c:
+            for i in range(200):
+                c.packet(msg(f"power/{i}"))
+            c.sync()
+            time.sleep(1.1)
+            c.packet(msg("power/later"))
+            c.sync()
+        return True
+
+    started = time.monotonic()
+    assert spawn(child).result() is True
+    with bus.connect() as root:
+        assert root.stats()["totals"]["denied"] == 201
+    records = bus.events("publish_denied")
+    assert len(records) <= 10 * (1 + int(time.monotonic() - started)), len(records)
+    assert records[-1]["key"] == "power/later"
+    # Every denial is a record or counted in a later one's suppressed.
+    assert len(records) + sum(r["suppressed"] for r in records) == 201
+
+
+@asroot
 def test_nobody_reads_only_what_it_may_under_every_pattern_it_may_hold(policy_bus, spawn):
     """The wildcard leaks: uid 65534 holds every pattern it may, root
     publishes everywhere; only its own namespace and power/ arrive."""
