@@ -29,6 +29,7 @@ _EVENT_LEVELS = {
     schema.FD_EXHAUSTED: "error",
     schema.ACCEPT_PAUSED: "error",
     schema.ACCEPT_ERROR: "error",
+    schema.PUBLISH_DENIED: "warning",
 }
 
 

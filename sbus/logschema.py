@@ -51,6 +51,14 @@ FD_EXHAUSTED = "fd_exhausted"      # errno, connected: accept ran out of descrip
 ACCEPT_PAUSED = "accept_paused"    # connected: even the spare descriptor is gone
 ACCEPT_ERROR = "accept_error"      # errno: accept failed for another reason
 CONFIG_WARNING = "config_warning"  # detail: an option that will not do what it seems to
+# The access policy (sbusd --policy; docs/policy.md).
+PUBLISH_DENIED = "publish_denied"  # client, pid, uid, gid, key, rule (0: the default),
+#                                    action (drop or disconnect), suppressed (records
+#                                    left out since the last one: at most
+#                                    PUBLISH_DENIED_PER_S are written a second)
+POLICY_LOADED = "policy_loaded"    # path, rules, default, reload, identities, revoked
+POLICY_REFUSED = "policy_refused"  # path, reason: a reload's file did not load; the old stays
+PUBLISH_DENIED_PER_S = 10
 # A leaf broker's upstream link (sbusd --upstream; docs/hierarchy.md).
 UPSTREAM_CONNECTED = "upstream_connected"        # address, identity, patterns, held
 UPSTREAM_DISCONNECTED = "upstream_disconnected"  # address, reason, held
@@ -79,7 +87,8 @@ UPSTREAM_EVENTS = (UPSTREAM_CONNECTED, UPSTREAM_DISCONNECTED, UPSTREAM_RETRY, UP
                    SERVICE_READY)
 OPERATIONAL_EVENTS = (CMSG_IGNORED, LOG_REOPENED, FD_EXHAUSTED, ACCEPT_PAUSED, ACCEPT_ERROR,
                       CONFIG_WARNING, *UPSTREAM_EVENTS, UPSTREAM_LINK_EXIT, UPSTREAM_LINK_FAILED,
-                      UPSTREAM_LINK_RESTARTED, *UPGRADE_EVENTS)
+                      UPSTREAM_LINK_RESTARTED, *UPGRADE_EVENTS,
+                      PUBLISH_DENIED, POLICY_LOADED, POLICY_REFUSED)
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -98,6 +107,10 @@ DISCONNECT_FD_LIMIT = "fd_limit"              # its fd is beyond what the loop b
 DISCONNECT_SUB_BUDGET = "subscription_budget"     # a SUB over a subscription-bytes budget
 DISCONNECT_CONNECTION_BUDGET = "connection_budget"  # its uid's connection budget was full;
 #                                                    never got a client_connect
+DISCONNECT_POLICY_DENIED = "policy_denied"    # published a key a rule with on_deny =
+#                                               "disconnect" denies
+DISCONNECT_POLICY_REFUSED = "policy_refused"  # subscribed to a pattern the policy refuses
+DISCONNECT_POLICY_REVOKED = "policy_revoked"  # held a pattern a reloaded policy refuses
 
 DISCONNECT_REASONS = (
     DISCONNECT_EOF,
@@ -113,6 +126,9 @@ DISCONNECT_REASONS = (
     DISCONNECT_FD_LIMIT,
     DISCONNECT_SUB_BUDGET,
     DISCONNECT_CONNECTION_BUDGET,
+    DISCONNECT_POLICY_DENIED,
+    DISCONNECT_POLICY_REFUSED,
+    DISCONNECT_POLICY_REVOKED,
 )
 
 # Reasons a SUB/UNSUB is refused (``accepted`` false).  Open-ended: readers
@@ -127,9 +143,11 @@ REFUSE_TOO_MANY = "too_many_subscriptions"            # over --max-subscriptions
 REFUSE_SUB_BUDGET_CONNECTION = "sub_budget_connection"  # --sub-max-bytes
 REFUSE_SUB_BUDGET_USER = "sub_budget_user"              # --user-sub-max-bytes
 REFUSE_SUB_BUDGET_TOTAL = "sub_budget_total"            # --total-sub-max-bytes
+REFUSE_POLICY_DENIED = "policy_denied"     # the access policy refuses the pattern
 REFUSE_REASONS = (REFUSE_NOT_SUBSCRIBED, REFUSE_CRED_MISMATCH, REFUSE_CRED_MALFORMED,
                   REFUSE_BANG_MISUSE, REFUSE_PATTERN_TOO_LONG, REFUSE_TOO_MANY,
-                  REFUSE_SUB_BUDGET_CONNECTION, REFUSE_SUB_BUDGET_USER, REFUSE_SUB_BUDGET_TOTAL)
+                  REFUSE_SUB_BUDGET_CONNECTION, REFUSE_SUB_BUDGET_USER, REFUSE_SUB_BUDGET_TOTAL,
+                  REFUSE_POLICY_DENIED)
 
 # --- nested records ---------------------------------------------------------
 # Broker-wide counters.  In ``stats`` and ``broker_stop`` they are cumulative
@@ -154,6 +172,8 @@ TOTALS_FIELDS = (
     "sub_bytes",          # subscription bytes charged to budgets now (pattern and index)
     "budget_conns_refused",   # connections refused at accept for a uid's connection budget
     "budget_subs_refused",    # SUBs refused for a subscription-bytes budget
+    "denied",             # publishes the access policy denied (delivered to no one)
+    "policy_subs_refused",    # SUBs the access policy refused
 )
 
 # The traffic fields of ``stats.delta``: same meaning as in TOTALS_FIELDS,
@@ -188,6 +208,7 @@ CLIENT_COUNTER_FIELDS = (
     "queued_msgs",
     "queued_bytes",
     "subscriptions",
+    "denied",             # its publishes the access policy denied
 )
 
 # One uid's usage against its budgets (``stats.users``, and the stats reply).

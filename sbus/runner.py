@@ -6,7 +6,8 @@ A signal handler only notes the signal: Python's C-level handler writes to a
 wakeup socket (which ends whatever the loop waits in: it polls that socket
 too) and the Python-level one appends the signal's number to a list. The
 loop takes the noted signals between two of its turns and acts on them there:
-SIGTERM and SIGINT stop the service, SIGHUP reopens its log file. Nothing is
+SIGTERM and SIGINT stop the service, SIGHUP reopens its log file (sbusd
+adds SIGUSR1, reload the access policy, and SIGUSR2, the live upgrade). Nothing is
 logged, raised, opened or closed inside a handler, which may have interrupted
 a write to the very log a reopen would close, or a write to the disk a raise
 would leave half done.

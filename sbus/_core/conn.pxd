@@ -6,6 +6,7 @@
 # the message path (broker.pyx) the pending chain, queue and counters.
 from libc.stdint cimport uint8_t, int32_t, uint32_t, uint64_t, int64_t
 
+from sbus._core.acl cimport AclTable
 from sbus._core.budget cimport Account
 from sbus._core.index cimport Sub
 from sbus._core.sendq cimport SendQueue
@@ -35,6 +36,9 @@ cdef enum Reason:
     R_FD_LIMIT
     R_SUB_BUDGET            # a SUB over a subscription-bytes budget
     R_CONN_BUDGET           # refused at accept: its uid's connection budget is full
+    R_POLICY_DENIED         # a publish the access policy denies with on_deny = "disconnect"
+    R_POLICY_REFUSED        # a SUB of a pattern the access policy refuses
+    R_POLICY_REVOKED        # a policy reload refuses a pattern it holds
     R_COUNT                 # not a reason: one past the last
 
 
@@ -87,6 +91,8 @@ cdef struct Conn:
     uint32_t subs_cap
     uint64_t sub_bytes      # budget.pattern_cost of its patterns
     Account *acct           # its uid's account (budgets)
+    AclTable *access        # its identity's publish decisions (Hub.tables); NULL: no policy
+    uint64_t denied         # its publishes the access policy denied
     uint64_t stamp          # seq of the last message it was picked for
     int32_t pend_head       # its deliveries pending in this batch
     int32_t pend_tail

@@ -134,7 +134,8 @@ def export_state(Broker b):
         else:
             put_blob(&o, b.ctl.upstream_cred)
         put_blob(&o, json.dumps({"last_totals": last_totals,
-                                 "upstream_state": b.ctl.upstream_state}).encode())
+                                 "upstream_state": b.ctl.upstream_state,
+                                 "policy": b.policy_counts()}).encode())
         put_u32(&o, <uint32_t>len(packets))
         for addr in packets:
             p = <Packet *><size_t>addr
@@ -431,6 +432,7 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
         extra = json.loads(get_blob(&r))
         b.restore_carried(&car, extra["last_totals"])
         b.ctl.restore(upstream_cred, extra["upstream_state"], ignored)
+        policy_counts = extra.get("policy")     # none from an sbusd before the policy
     except (ValueError, KeyError, TypeError):
         raise HandoverError("the state's broker record is corrupt") from None
     restore_refused(&b.subs, subs_refused)
@@ -559,6 +561,7 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
     finally:
         free(pkts)
     restore_counts(&b.peers, connects, disconnects, next_id, conns_refused, had_client)
+    b.restore_policy_counts(policy_counts)
     if peak > ps.bytes_peak:
         ps.bytes_peak = peak
     return None

@@ -70,6 +70,15 @@ cdef class Hub:
     cdef object on_tick
     cdef object callback_error      # the first exception a callback raised this turn
     cdef dict last_totals
+    # ---- the access policy (sbus.access; docs/policy.md): None, or the
+    # Policy whose compiled tables the connections point at
+    cdef object policy
+    cdef dict tables                # Access -> acl.Table, one per identity
+    cdef dict user_names            # uid -> name or None, when the policy uses %u
+    cdef uint64_t denied            # publishes it denied since start
+    cdef double deny_window         # the second publish_denied records are counted in
+    cdef uint32_t deny_logged       # ...records written in it
+    cdef uint64_t deny_suppressed   # records left out since the last one written
 
     # ---- the message path's (Broker)
     cdef int flush_pending(self) except -1       # every recipient's chain, then the turn's packets
@@ -87,6 +96,9 @@ cdef class Hub:
     # ---- acting on the rooms' decisions
     cdef int accept_clients(self) except -1      # up to ACCEPT_BATCH per event
     cdef int admit(self, int fd, ucred *cred) except -1   # peers.refusal, else conn_open
+    cdef int give_access(self, Conn *c) except -1   # c.access: its identity's table
+    cdef int deny_publish(self, Conn *c, const char *key, size_t klen,
+                          int decided) except -1    # count, log, drop or close
     cdef int grow_lists(self, uint32_t need) except -1   # one entry per connection
     cdef int subscribe(self, Conn *c, const char *pat, size_t n) except -1    # refused: close
     cdef int unsubscribe(self, Conn *c, const char *pat, size_t n) except -1  # '!' misuse: close

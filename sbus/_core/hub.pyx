@@ -6,11 +6,13 @@ closed connections down at the end of the turn; the records and the Python
 surface. broker.pyx's Broker is a Hub with the message path and the loop.
 """
 from libc.errno cimport errno
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport realloc, free
 
 from sbus._core cimport report
-from sbus._core.conn cimport Conn, MODE_QUEUE, R_FLOOD, R_SHUTDOWN
+from sbus._core.acl cimport Table, ACL_DISCONNECT, acl_flags, acl_rule
+from sbus._core.conn cimport (
+    Conn, MODE_QUEUE, R_FLOOD, R_SHUTDOWN, R_POLICY_DENIED, R_POLICY_REVOKED)
 from sbus._core.control cimport (
     Control, CTL_ANSWER, CTL_STATS, CTL_MODES, CTL_IGNORED, CTL_LOG, stats_reply)
 from sbus._core.flood cimport (
@@ -18,7 +20,8 @@ from sbus._core.flood cimport (
     timeout_detail)
 from sbus._core.flood cimport pause as flood_pause, release as flood_release
 from sbus._core.includes.sys cimport (
-    ucred, clock_gettime, timespec, CLOCK_MONOTONIC, malloc_trim)
+    ucred, clock_gettime, timespec, CLOCK_MONOTONIC, malloc_trim, getsockopt, socklen_t,
+    SOL_SOCKET)
 from sbus._core.loop cimport EV_READ, EV_WRITE
 from sbus._core.loop import make_poller
 from sbus._core.peers cimport (
@@ -26,15 +29,21 @@ from sbus._core.peers cimport (
     conn_open, conn_close, conn_free, ACCEPT_AGAIN, ACCEPT_EXHAUSTED, ACCEPT_FAILED,
     EXHAUSTED_LOG, EXHAUSTED_PAUSE)
 from sbus._core.report cimport Budgets
-from sbus._core.subs cimport subs_init, subs_free, drop_all
+from sbus._core.subs cimport subs_init, subs_free, drop_all, policy_refusal
 from sbus._core.subs cimport subscribe as subs_subscribe, unsubscribe as subs_unsubscribe
 
 import os
+import pwd
 
 from sbus.logschema import (
     ACCEPT_ERROR, ACCEPT_PAUSED, CLIENT_CONNECT, CLIENT_DISCONNECT, CMSG_IGNORED,
-    DELTA_FIELDS, FD_EXHAUSTED, SUBSCRIBE, UNSUBSCRIBE)
+    DELTA_FIELDS, FD_EXHAUSTED, PUBLISH_DENIED, PUBLISH_DENIED_PER_S, SUBSCRIBE, UNSUBSCRIBE)
 from sbus._core.policy import MODE_NAMES
+
+
+cdef enum:
+    SO_PEERGROUPS = 59      # Linux: the peer's supplementary groups at connect
+    PEER_GROUPS_MAX = 1024
 
 
 cdef inline double monotonic() noexcept nogil:
@@ -71,6 +80,8 @@ cdef class Hub:
         self.tick_interval = tick_interval
         self.close_details = {}
         self.last_totals = None
+        self.tables = {}
+        self.user_names = {}
         self.grow_lists(64)
         self.poller.set(listen_fd, EV_READ)
         if wakeup_fd >= 0:
@@ -193,6 +204,8 @@ cdef class Hub:
         give_sndbuf(&self.peers, fd)
         self.grow_lists(self.peers.n + 1)
         c = conn_open(&self.peers, fd, cred, False, self.now)
+        if self.policy is not None:
+            self.give_access(c)
         if self.flood.nblocking:
             self.pause(c)
         else:
@@ -201,6 +214,130 @@ cdef class Hub:
         if self.ctl.link != NULL:
             self.link_note(b"CMSG link/conn\0%d/%d/%d" % (c.gid, c.uid, c.pid))
         return 0
+
+    # ---- the access policy (sbus.access; the decisions are its own) -------
+
+    cdef int give_access(self, Conn *c) except -1:
+        """Point c at its identity's publish table, compiling it the first
+        time the identity connects. The user name and the supplementary
+        groups are looked up only if some rule needs them (NSS can block)."""
+        cdef uint32_t groups[PEER_GROUPS_MAX]
+        cdef socklen_t size = sizeof(groups)
+        cdef uint32_t i
+        cdef Table table
+        policy = self.policy
+        user = None
+        gids = ()
+        if policy.uses_user_name:
+            if c.uid not in self.user_names:
+                try:
+                    self.user_names[c.uid] = pwd.getpwuid(c.uid).pw_name
+                except KeyError:
+                    self.user_names[c.uid] = None
+            user = self.user_names[c.uid]
+        if policy.uses_groups and getsockopt(c.fd, SOL_SOCKET, SO_PEERGROUPS, groups,
+                                             &size) == 0:
+            gids = tuple(groups[i] for i in range(size // sizeof(uint32_t)))
+        access = policy.compile_for(c.uid, c.gid, gids, user)
+        table = self.tables.get(access)
+        if table is None:
+            table = self.tables[access] = Table(access)
+        c.access = &table.t
+        return 0
+
+    cdef int deny_publish(self, Conn *c, const char *key, size_t klen, int decided) except -1:
+        """A publish the policy denies: delivered to no one, counted, logged
+        (at most PUBLISH_DENIED_PER_S records a second; the next one written
+        says how many were left out), then dropped or c closed."""
+        cdef uint8_t flags = acl_flags(c.access, decided)
+        cdef uint32_t rule = acl_rule(c.access, decided)
+        c.denied += 1
+        self.denied += 1
+        action = "disconnect" if flags & ACL_DISCONNECT else "drop"
+        if self.now - self.deny_window >= 1.0:
+            self.deny_window = self.now
+            self.deny_logged = 0
+        if self.deny_logged < PUBLISH_DENIED_PER_S:
+            self.deny_logged += 1
+            record = report.ident(c)
+            record.update(key=report.text(key, klen), rule=rule, action=action,
+                          suppressed=self.deny_suppressed)
+            self.deny_suppressed = 0
+            self.emit(PUBLISH_DENIED, record)
+        else:
+            self.deny_suppressed += 1
+        if flags & ACL_DISCONNECT:
+            return self.mark_closing(c, R_POLICY_DENIED, (
+                f"publish of {report.text(key, klen)!r} denied by "
+                + (f"rule {rule}" if rule else "the default")))
+        return 0
+
+    def set_policy(self, policy):
+        """Enforce policy (an sbus.access Policy, or None for none) from the
+        next message on: every connection's identity is compiled again, and
+        a connection holding a pattern the new policy refuses is closed
+        (policy_revoked), before the next turn reads anything. Call it
+        between turns. Returns (identities, revoked)."""
+        cdef int fd
+        cdef uint32_t j
+        cdef Conn *c
+        cdef int revoked = 0
+        old = self.tables         # the old tables live until every connection moved
+        decided = {}              # (Access, pattern) -> refusal: many hold the same
+        self.policy = policy
+        self.tables = {}
+        self.user_names = {}
+        for fd in range(self.peers.cap):
+            c = self.peers.conns[fd]
+            if c == NULL or c.link:
+                continue
+            if policy is None:
+                c.access = NULL
+                continue
+            self.give_access(c)
+            if c.closing:
+                continue
+            access = <object>c.access.access
+            for j in range(c.nsubs):
+                pattern = c.subs[j].pattern[:c.subs[j].len]
+                key = (access, pattern)
+                if key not in decided:
+                    decided[key] = policy_refusal(access, pattern)
+                refused = decided[key]
+                if refused is not None:
+                    revoked += 1
+                    self.mark_closing(c, R_POLICY_REVOKED, refused[1])
+                    break
+        if self.nclosing:
+            self.finalize_closing()
+        del old
+        return len(self.tables), revoked
+
+    def policy_counts(self):
+        """The policy's counters, for a live upgrade (handover.pyx)."""
+        cdef int fd
+        cdef Conn *c
+        conns = {}
+        for fd in range(self.peers.cap):
+            c = self.peers.conns[fd]
+            if c != NULL and c.denied:
+                conns[str(c.id)] = c.denied
+        return {"denied": self.denied, "subs_refused": self.subs.policy_refused,
+                "conns": conns}
+
+    def restore_policy_counts(self, counts):
+        """policy_counts() of the old process, once its connections are restored."""
+        cdef int fd
+        cdef Conn *c
+        if not counts:
+            return
+        self.denied = counts["denied"]
+        self.subs.policy_refused = counts["subs_refused"]
+        conns = counts["conns"]
+        for fd in range(self.peers.cap):
+            c = self.peers.conns[fd]
+            if c != NULL:
+                c.denied = conns.get(str(c.id), 0)
 
     cdef int grow_lists(self, uint32_t need) except -1:
         """Scratch lists hold at most one entry per connection; size them so
@@ -225,7 +362,8 @@ cdef class Hub:
 
     cdef int subscribe(self, Conn *c, const char *pat, size_t n) except -1:
         record, reason, detail, stored = subs_subscribe(
-            &self.subs, c, pat, n, self.ctl.nested_prefix(pat, n))
+            &self.subs, c, pat, n, self.ctl.nested_prefix(pat, n),
+            <object>c.access.access if c.access != NULL else None)
         if record is not None:
             self.emit(SUBSCRIBE, record)
         if reason:
@@ -409,6 +547,8 @@ cdef class Hub:
         budgets.sub_bytes = self.subs.bytes
         budgets.conns_refused = self.peers.refused
         budgets.subs_refused = self.subs.refused
+        budgets.denied = self.denied
+        budgets.policy_subs_refused = self.subs.policy_refused
         return report.totals(self.peers.conns, self.peers.cap, self.peers.n,
                              self.peers.connects, self.peers.disconnects, &self.tot,
                              self.subs.index.nsubs, &budgets)

@@ -16,6 +16,8 @@ cdef struct Budgets:
     uint64_t sub_bytes          # charged now
     uint64_t conns_refused      # since start
     uint64_t subs_refused
+    uint64_t denied             # publishes the access policy denied
+    uint64_t policy_subs_refused    # SUBs it refused
 
 
 cdef str text(const char *s, size_t n)           # wire bytes as a log string

@@ -10,7 +10,8 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 
 from sbus._core.conn cimport (
     Conn, Counters, R_NONE, R_EOF, R_ERROR, R_PROTOCOL, R_CRED, R_BANG, R_USER,
-    R_FLOOD, R_OVERSIZE, R_LIMIT, R_SHUTDOWN, R_FD_LIMIT, R_SUB_BUDGET, R_CONN_BUDGET, R_COUNT)
+    R_FLOOD, R_OVERSIZE, R_LIMIT, R_SHUTDOWN, R_FD_LIMIT, R_SUB_BUDGET, R_CONN_BUDGET, R_POLICY_DENIED,
+    R_POLICY_REFUSED, R_POLICY_REVOKED, R_COUNT)
 from sbus._core.budget cimport Account, Accounts, UNLIMITED
 from sbus._core.sendq cimport PacketStats, get_packet_stats
 
@@ -26,6 +27,8 @@ _REASONS = {
     R_LIMIT: ls.DISCONNECT_LIMIT, R_SHUTDOWN: ls.DISCONNECT_SHUTDOWN,
     R_FD_LIMIT: ls.DISCONNECT_FD_LIMIT, R_SUB_BUDGET: ls.DISCONNECT_SUB_BUDGET,
     R_CONN_BUDGET: ls.DISCONNECT_CONNECTION_BUDGET,
+    R_POLICY_DENIED: ls.DISCONNECT_POLICY_DENIED, R_POLICY_REFUSED: ls.DISCONNECT_POLICY_REFUSED,
+    R_POLICY_REVOKED: ls.DISCONNECT_POLICY_REVOKED,
 }
 REASON_NAMES = tuple(_REASONS.get(r) for r in range(R_COUNT))
 
@@ -54,7 +57,7 @@ cdef dict counters(const Conn *c):
     return dict(zip(ls.CLIENT_COUNTER_FIELDS, (
         c.id, c.pid, c.uid, c.gid, n.msgs_in, n.bytes_in, n.msgs_out, n.bytes_out,
         n.replies_out, n.drops_soft, n.drops_hard, n.drops_disconnect, c.q.live, c.q.bytes,
-        c.nsubs)))
+        c.nsubs, c.denied)))
 
 
 cdef dict entry(const Conn *c):
@@ -185,4 +188,4 @@ cdef dict totals(Conn **table, int cap, uint32_t nclients, uint64_t connects,
         nclients, connects, disconnects, tot.msgs_in, tot.bytes_in, tot.msgs_out,
         tot.bytes_out, tot.replies_out, tot.drops_soft, tot.drops_hard, tot.drops_disconnect,
         queued_msgs, ps.bytes, ps.bytes_peak, subscriptions, b.sub_bytes, b.conns_refused,
-        b.subs_refused)))
+        b.subs_refused, b.denied, b.policy_subs_refused)))

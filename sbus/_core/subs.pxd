@@ -22,16 +22,22 @@ cdef struct Subs:
     uint64_t total_max_bytes    # --total-sub-max-bytes (per uid: the Account's)
     uint64_t bytes              # charged now, broker-wide
     uint64_t refused            # SUBs refused over a budget since start
+    uint64_t policy_refused     # SUBs the access policy refused since start
 
 
 cdef int subs_init(Subs *s, config) except -1
 cdef void subs_free(Subs *s) noexcept
 
-cdef tuple subscribe(Subs *s, Conn *c, const char *pat, size_t n, size_t nested)
+# access: c's sbus.access Access (None: no policy), asked about the pattern as
+# stored, after the !/cred/ check and before the budgets.
+cdef tuple subscribe(Subs *s, Conn *c, const char *pat, size_t n, size_t nested, access)
 cdef tuple unsubscribe(Subs *s, Conn *c, const char *pat, size_t n, size_t nested)
 # Every pattern of a closing connection out of the index and uncharged;
 # c.nsubs stays for its disconnect record.
 cdef void drop_all(Subs *s, Conn *c) noexcept
+# Why the access policy refuses pattern (as stored) to access: (rule, detail)
+# when it does, else None. The subscribe check and a reload's revocation.
+cdef tuple policy_refusal(access, bytes pattern)
 
 # The hand-over (handover.pyx): patterns as stored, checked by the old process.
 cdef Sub *prebuild_sub(Subs *s, const char *pat, size_t n) except NULL   # no owner yet

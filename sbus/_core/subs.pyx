@@ -6,8 +6,9 @@ from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memcpy, memcmp
 
 from sbus._core cimport report
+from sbus._core.report cimport text
 from sbus._core.budget cimport pattern_cost
-from sbus._core.conn cimport R_ERROR, R_CRED, R_BANG, R_LIMIT, R_SUB_BUDGET
+from sbus._core.conn cimport R_ERROR, R_CRED, R_BANG, R_LIMIT, R_SUB_BUDGET, R_POLICY_REFUSED
 from sbus._core.index cimport index_init, index_free, index_add, index_remove
 from sbus._core.protocol cimport (
     is_cred_key, check_rest, KEY_OK, KEY_BANG_MISUSE, normalise_pattern, PATTERN_OK,
@@ -17,7 +18,7 @@ from sbus._core.protocol cimport (
 from sbus.logschema import (
     REFUSE_BANG_MISUSE, REFUSE_CRED_MALFORMED, REFUSE_CRED_MISMATCH, REFUSE_NOT_SUBSCRIBED,
     REFUSE_PATTERN_TOO_LONG, REFUSE_TOO_MANY, REFUSE_SUB_BUDGET_CONNECTION,
-    REFUSE_SUB_BUDGET_USER, REFUSE_SUB_BUDGET_TOTAL)
+    REFUSE_SUB_BUDGET_USER, REFUSE_SUB_BUDGET_TOTAL, REFUSE_POLICY_DENIED)
 
 # A refused SUB: its logged reason, and the connection's Reason and detail.
 _PATTERN_REFUSALS = {
@@ -43,6 +44,7 @@ cdef int subs_init(Subs *s, config) except -1:
     s.total_max_bytes = config.total_sub_max_bytes
     s.bytes = 0
     s.refused = 0
+    s.policy_refused = 0
     s.scratch_cap = s.max_pattern + 128
     if s.scratch_cap < 4096:
         s.scratch_cap = 4096
@@ -130,7 +132,16 @@ cdef tuple over_budget(Subs *s, Conn *c, size_t cost, const char *pat, size_t n)
                    f"pattern of {cost} bytes over {flag} {limit} ({used} in use)")
 
 
-cdef tuple subscribe(Subs *s, Conn *c, const char *pat, size_t n, size_t nested):
+cdef tuple policy_refusal(access, bytes pattern):
+    decision = access.may_subscribe(pattern)
+    if decision.allowed:
+        return None
+    rule = decision.rule.number if decision.rule is not None else 0
+    who = f"rule {rule}" if rule else "the default"
+    return rule, f"{who} refuses {text(pattern, len(pattern))!r}: {decision.why}"
+
+
+cdef tuple subscribe(Subs *s, Conn *c, const char *pat, size_t n, size_t nested, access):
     cdef size_t stored = 0
     cdef size_t cost
     cdef int refusal
@@ -147,6 +158,12 @@ cdef tuple subscribe(Subs *s, Conn *c, const char *pat, size_t n, size_t nested)
     if refusal != PATTERN_OK:
         logged, reason, detail = _PATTERN_REFUSALS[refusal]
         return refused(c, logged, pat, n, reason, detail)
+    if access is not None:
+        # Decided on the stored form: the one delivery matches against.
+        policy = policy_refusal(access, s.scratch[:stored])
+        if policy is not None:
+            s.policy_refused += 1
+            return refused(c, REFUSE_POLICY_DENIED, pat, n, R_POLICY_REFUSED, policy[1])
     cost = pattern_cost(s.scratch, stored)
     over = over_budget(s, c, cost, pat, n)
     if over is not None:

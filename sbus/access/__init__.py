@@ -7,8 +7,9 @@
 - ``compiled``: one client's compiled policy (``Policy.compile_for``), with
   the flat table the C core reads.
 
-Not yet enforced by sbusd: this package is the model, the checks and the
-compiled form the broker core will consult.
+``sbusd --policy FILE`` enforces it: the broker core copies each identity's
+compiled publish table into C (``sbus._core.acl``) and asks ``may_subscribe``
+at SUB time; ``sbus.sbusd.reload`` loads and reloads the file.
 """
 from .compiled import Access, Decision
 from .model import DISCONNECT, DROP, PUBLISH, SUBSCRIBE, Policy, PolicyError, Rule, load, parse

@@ -27,6 +27,8 @@ _TRAFFIC = {
     "queued_msgs": ("queued_messages", GAUGE, "deliveries waiting in send queues"),
     "queued_bytes": ("queued_bytes", GAUGE, "bytes waiting in send queues"),
     "subscriptions": ("subscriptions", GAUGE, "patterns registered"),
+    "denied": ("policy_denied_total", COUNTER,
+               "publishes the access policy denied (delivered to no one)"),
 }
 _DROPS = ("dropped_messages_total", COUNTER,
           "deliveries discarded, by kind: soft or hard flood mode, or recipient disconnected")
@@ -42,6 +44,8 @@ TOTALS = {
                              "connections refused for a uid's connection budget"),
     "budget_subs_refused": ("budget_subscriptions_refused_total", COUNTER,
                             "SUBs refused for a subscription-bytes budget"),
+    "policy_subs_refused": ("policy_subscriptions_refused_total", COUNTER,
+                            "SUBs the access policy refused"),
 }
 CLIENT = dict(_TRAFFIC)
 # Fields that are labels or identity, not values.

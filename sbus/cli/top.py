@@ -1,7 +1,8 @@
 """``sbus top``: a live view of the broker from ``CMSG stats``, like ``nats top``.
 
 Every second (``--interval``) it asks for the stats and redraws: the totals
-and their rates, each uid's use of its budgets (when the broker reports
+and their rates, what the access policy denied (once it has denied
+something), each uid's use of its budgets (when the broker reports
 ``users``), then the busiest clients. Keys: ``s``/``>`` and ``S``/``<`` move
 the sort column, a column's letter picks it, ``q`` quits. Drawn with the
 standard library's curses, so it works in any terminal terminfo knows,
@@ -95,6 +96,7 @@ class View:
         self.rates = {k: rate(totals.get(k, 0), old_totals.get(k, 0))
                       for k in ("msgs_in", "msgs_out", "bytes_in", "bytes_out")}
         self.rates["drops"] = rate(_drops(totals), _drops(old_totals))
+        self.rates["denied"] = rate(totals.get("denied", 0), old_totals.get("denied", 0))
         self.clients = []
         self.own_listed = False
         for c in stats.get("clients", ()):
@@ -138,6 +140,12 @@ class View:
              f"queued {human(t.get('queued_msgs', 0))} msgs {human(t.get('queued_bytes', 0))}B "
              f"(peak {human(t.get('queued_bytes_peak', 0))}B)", False),
         ]
+        if t.get("denied") or t.get("policy_subs_refused"):
+            # The access policy (sbusd --policy) said no: publishes denied,
+            # subscriptions refused.
+            out.append((f"policy: denied {human(r.get('denied', 0))}/s  "
+                        f"total {human(t.get('denied', 0))}  subscriptions refused "
+                        f"{human(t.get('policy_subs_refused', 0))}", False))
         up = s.get("upstream")
         if up:      # a leaf broker (sbusd --upstream): its link to the upstream
             out.append((f"upstream {up.get('state', '?')} {up.get('address', '')}"

@@ -51,6 +51,10 @@ class Upgrade(Exception):
         self.pidfile = pidfile
 
 
+class Reload(Upgrade):
+    """--reload: have the sbusd ``pidfile`` names load its --policy file again."""
+
+
 class Exit(Exception):
     """--help or --version: print ``text`` on stdout and exit 0."""
 
@@ -83,7 +87,7 @@ class Option:
     """One command-line option.
 
     ``field`` is the ``Config`` attribute it sets (None for --help,
-    --version and --upgrade). ``arg`` names its value in the help; an option without one is
+    --version, --upgrade and --reload). ``arg`` names its value in the help; an option without one is
     a switch that stores ``const`` (``|`` it in with ``store="or"``). The first
     option for a field gives its ``default``. ``help`` may use ``{default}``
     and ``{choices}``; a newline starts a continuation line.
@@ -183,6 +187,9 @@ OPTIONS = (
     Option("user_queue_max_bytes", "user-queue-max-bytes", arg="N",
            default=USER_QUEUE_MAX_BYTES, parse=number(low=1),
            help="queued bytes per uid (default {default})"),
+    Option("policy", "policy", arg="FILE", default=None,
+           help="enforce the access policy in FILE (docs/policy.md): who may\n"
+                "publish and subscribe to what; reloaded on SIGUSR1"),
     Option("upstream", "upstream", arg="ADDRESS", default=None,
            help="be a leaf of the sbusd at ADDRESS: local publishes go up,\n"
                 "what local clients subscribe to comes down (docs/hierarchy.md)"),
@@ -208,6 +215,9 @@ OPTIONS = (
     Option(None, "upgrade",
            help="upgrade the running sbusd that -p names in place (docs/upgrade.md)\n"
                 "and wait: exit 0 once a new pid serves, 1 with the reason"),
+    Option(None, "reload",
+           help="have the running sbusd that -p names load its --policy file\n"
+                "again and wait: exit 0 once it enforces it, 1 with the reason"),
     Option(None, "help", short="h", help="show this help"),
     Option(None, "version", short="V", help="show the version"),
 )
@@ -256,7 +266,7 @@ def parse_args(argv: List[str]) -> "Config":
     """The Config for sbusd's arguments, parsed getopt-style as the C sbusd does.
 
     Raises UsageError for a bad line, Exit for --help and --version, Upgrade
-    for --upgrade.
+    for --upgrade, Reload for --reload.
     """
     try:
         opts, rest = getopt.gnu_getopt(argv, _GETOPT_SHORT, _GETOPT_LONG)
@@ -265,7 +275,7 @@ def parse_args(argv: List[str]) -> "Config":
     if rest:
         raise UsageError(f"unexpected argument {rest[0]!r}")
     cfg = Config()
-    upgrade = False
+    upgrade = reload = False
     for flag, text in opts:
         o = _BY_FLAG[flag]
         if o.long == "help":
@@ -274,6 +284,9 @@ def parse_args(argv: List[str]) -> "Config":
             raise Exit(f"sbusd {__version__}\n")
         if o.long == "upgrade":
             upgrade = True
+            continue
+        if o.long == "reload":
+            reload = True
             continue
         value = o.value(flag, text) if o.arg else o.const
         if o.store == "append":
@@ -287,6 +300,8 @@ def parse_args(argv: List[str]) -> "Config":
         cfg.pidfile = PIDFILE
     elif cfg.pidfile == NO_PIDFILE:
         cfg.pidfile = None
+    if reload:
+        raise Reload(cfg.pidfile)
     if upgrade:
         raise Upgrade(cfg.pidfile)
     return cfg

@@ -19,7 +19,7 @@ from .. import address as addresses
 from .. import logschema as schema
 from .._version import __version__
 from ..errors import AddressError
-from .config import USAGE, Config, Exit, Upgrade, UsageError, parse_args
+from .config import USAGE, Config, Exit, Reload, Upgrade, UsageError, parse_args
 
 SIGNALLED = "signalled"     # Broker.run()'s stop reason: a signal to act on between turns
 
@@ -29,6 +29,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = parse_args(argv)
         return run(cfg, argv)
+    except Reload as e:
+        from .reload import request as request_reload
+        return request_reload(e.pidfile)
     except Upgrade as e:
         from .upgrade import request
         return request(e.pidfile)
@@ -69,7 +72,8 @@ def run(cfg: Config, argv: List[str] = ()) -> int:
     # arriving in between is noted (sbus.runner) and acted on at the loop's
     # first turn, so a stopped broker still exits cleanly and removes its
     # socket. After ensure_stdio: the wakeup socket must not be a stdio fd.
-    signals = Signals().catch((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
+    # SIGUSR1 (reload the policy) too: its default action would kill us.
+    signals = Signals().catch((signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1))
     tenure = Tenure(argv, start_dir)
 
     # A daemon chdirs to "/": every path it keeps using must be absolute.
@@ -85,8 +89,24 @@ def run(cfg: Config, argv: List[str] = ()) -> int:
             except OSError as e:
                 warn(f"{flag} {getattr(cfg, field)}: {e.strerror}")
                 return 1
+    # The access policy, before anything is served: a file that does not
+    # load stops us here, and a live upgrade's new process (started with
+    # the same line) reads the file as it is now, telling the old one why
+    # it cannot serve it.
+    policy = None
+    if cfg.policy:
+        from ..access import PolicyError
+        from .reload import load
+        cfg.policy = os.path.abspath(cfg.policy)
+        try:
+            policy = load(cfg.policy)
+        except PolicyError as e:
+            if successor is not None:
+                successor.refuse("policy", str(e))
+            warn(str(e))
+            return 1
     if successor is not None:
-        return serve_successor(cfg, successor, tenure, signals, warnings)
+        return serve_successor(cfg, successor, tenure, signals, warnings, policy)
     try:
         addr = addresses.parse(cfg.address)
         if cfg.upstream:
@@ -126,7 +146,7 @@ def run(cfg: Config, argv: List[str] = ()) -> int:
                 lifecycle.release_stderr()
         if allowed:
             allowed.append(os.getuid())
-        return serve(cfg, listener, allowed, ready, tenure, signals, warnings)
+        return serve(cfg, listener, allowed, ready, tenure, signals, warnings, policy=policy)
     except lifecycle.StartupError as e:
         warn(str(e))
         return 1
@@ -159,7 +179,8 @@ class Tenure:
         self.listener = None    # a successor's, once it takes over
 
 
-def serve_successor(cfg: Config, successor, tenure: Tenure, signals, warnings) -> int:
+def serve_successor(cfg: Config, successor, tenure: Tenure, signals, warnings,
+                    policy=None) -> int:
     """The new process of a live upgrade: serve what the old one hands over.
     Before it takes over it owns nothing, and leaves without a trace."""
     from . import lifecycle
@@ -173,7 +194,7 @@ def serve_successor(cfg: Config, successor, tenure: Tenure, signals, warnings) -
     if allowed:
         allowed.append(os.getuid())
     try:
-        return serve(cfg, None, allowed, None, tenure, signals, warnings, successor)
+        return serve(cfg, None, allowed, None, tenure, signals, warnings, successor, policy)
     except UpgradeFailed as e:
         print(f"sbusd: upgrade: {e.step}: {e.reason}", file=sys.stderr)
         return 1
@@ -211,7 +232,7 @@ def _tell_terminal(where: str):
 
 
 def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnings=(),
-          successor=None) -> int:
+          successor=None, policy=None) -> int:
     """Run the broker until it stops or hands over. A successor (a live
     upgrade's new process) brings the listener and the state with it."""
     from functools import partial
@@ -224,6 +245,7 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnin
     from .._core.broker import Broker
     from ..runner import sd_notify
     from . import lifecycle
+    from . import reload as policy_reload
     from .events import Service
     from .upgrade import Predecessor, ms_since
     from .uplink import LinkFailed, Uplink
@@ -250,6 +272,10 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnin
         successor.prebuild(broker)
         successor.receive_state()
         successor.restore(broker)
+        if policy is not None:
+            # Each restored connection's identity compiled afresh, and its
+            # subscriptions held to the file as it is now, before any is read.
+            policy_reload.enforce(broker, policy, log, reload=False)
         successor.take_over(cfg.pidfile)
         tenure.owned = True
         tenure.listener = listener
@@ -265,6 +291,8 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnin
         log.info(schema.BROKER_START, version=__version__,
                  address=listener.printed_address or cfg.address, pid=os.getpid(),
                  config=cfg.summary())
+        if policy is not None:
+            policy_reload.enforce(broker, policy, log, reload=False)
         # Before the loop reads any client: the link is told of each from the first.
         if uplink is not None:
             try:
@@ -293,8 +321,8 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnin
     # notes the signal and ends the loop's turn (sbus.runner). The loop acts
     # on it between two turns, where logging, starting a process and handing
     # over are safe.
-    signals.catch((signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2),
-                  on_note=partial(broker.stop, SIGNALLED))
+    signals.catch((signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1,
+                   signal.SIGUSR2), on_note=partial(broker.stop, SIGNALLED))
     if signals.pending():
         broker.stop(SIGNALLED)      # noted before the loop: its first turn ends at once
     if broker.backend_fallback:
@@ -316,7 +344,8 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnin
             handover.resume(broker)     # a signal noted now ends the next turn
             noted = signals.take()
             stops = [signo for signo in noted
-                     if signo != signal.SIGUSR2 and (signo != signal.SIGHUP or cfg.foreground)]
+                     if signo not in (signal.SIGUSR1, signal.SIGUSR2)
+                     and (signo != signal.SIGHUP or cfg.foreground)]
             if stops:
                 reason = signal.Signals(stops[0]).name     # an upgrade under way ends with us
                 break
@@ -324,6 +353,8 @@ def serve(cfg: Config, listener, allowed, ready, tenure: Tenure, signals, warnin
                 uplink.act()    # after the stops: a link a stop signal ended stays ended
             if signal.SIGHUP in noted:
                 reopen()
+            if signal.SIGUSR1 in noted:
+                policy_reload.act(cfg, broker, log)
             if signal.SIGUSR2 in noted:
                 handed_over = upgrade.act()
     finally:

@@ -223,6 +223,9 @@ class Attempt:
     def hello(self) -> None:
         from .._core.handover import FORMAT_VERSION
         packet, _ = self.channel.recv("hello", HELLO_TIMEOUT)
+        if packet.startswith(b"REFUSE "):
+            step, _, reason = packet[7:].decode("utf-8", "replace").partition(" ")
+            raise UpgradeFailed(step, reason)
         words = packet.split()
         if len(words) < 2 or words[0] != b"HELLO" or not words[1].isdigit():
             raise UpgradeFailed("hello", f"the new sbusd said {packet[:60]!r}, not hello")
@@ -436,6 +439,15 @@ class Successor:
             self.channel.send(b"HELLO 999 " + __version__.encode())
         else:
             self.channel.send(b"HELLO %d %s" % (FORMAT_VERSION, __version__.encode()))
+
+    def refuse(self, step: str, reason: str) -> None:
+        """Instead of hello: this process cannot serve (its --policy file does
+        not load); the old one serves on and gives reason as the failure's."""
+        try:
+            self.channel.send(b"REFUSE %s %s" % (step.encode(), reason.encode()))
+        except UpgradeFailed:
+            pass        # the old one gave up on us already
+        self.channel.close()
 
     def receive_listener(self):
         """What the old one sends while it still serves: the listening socket
