@@ -31,6 +31,7 @@ from ..errors import (
 )
 from . import barrier as _barrier
 from . import connection as c
+from . import proof as _proof
 from .connection import Connection
 from .protocol import Text, pack_control, pack_subscribe, pack_unsubscribe
 from .requests import REQUEST_TIMEOUT
@@ -258,7 +259,8 @@ class Driver:
     # -- asyncio one has them as coroutine functions (see awaited)
 
     PLANNED = ("send_packet", "subscribe", "unsubscribe", "send_cmsg", "publish_many", "query",
-               "whoami", "stats", "request", "sync")
+               "whoami", "stats", "request", "sync",
+               "prove")
 
     def send_packet(self, packet: bytes, flags: int = 0) -> Any:
         """Send one raw protocol packet with send(2) ``flags`` (MSG_NOSIGNAL is
@@ -327,6 +329,12 @@ class Driver:
         meanwhile stay queued. TimeoutError after ``timeout`` seconds.
         What it proves and what not: docs/clients.md, "A barrier"."""
         return self._run(_barrier.sync(self._conn, timeout))
+
+    def prove(self, key: Text, timeout: float = _proof.PROOF_TIMEOUT) -> Any:
+        """The spec's four-step identity proof with whoever serves ``key``
+        (:func:`sbus.client.proof.serve_proofs`): their verified Credentials,
+        or ProofError naming the step that failed (docs/proof.md)."""
+        return self._run(_proof.prove(self._conn, key, timeout))
 
 
 def awaited(method: Callable[..., Any]) -> Callable[..., Any]:
