@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import threading
+import time
 
 import pytest
 
 from sbus import Client
 from sbus.aio import Client as AsyncClient
 from sbus.client.proof import serve_proofs
-from sbus.errors import ProofError
+from sbus.errors import BusClosedError, ProofError
 
 from support import SBUS, asroot
 from support.seconduser import NOBODY
@@ -31,10 +32,21 @@ def _responder(address, ctl, count=1, pattern=KEY):
 
 
 def _ready(bus, child, key=KEY):
+    """Once a proof with the responder went through, its subscription is in place."""
     me = child.recv()["ready"]
-    with Client(bus.address) as c:     # its subscription is in place once it answers
-        c.prove(key, TIMEOUT)
+    with Client(bus.address) as c:
+        _prove_when_served(c, key)
     return me
+
+
+def _prove_when_served(c, key=KEY):
+    """``c.prove(key)``, asked again until the responder's subscription is in place."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        try:
+            return c.prove(key, 0.5)
+        except ProofError as exc:
+            assert exc.step == 2 and time.monotonic() < deadline
 
 
 @asroot
@@ -75,7 +87,7 @@ def test_other_messages_received_during_a_proof_stay_queued(start_broker):
             a.sync(TIMEOUT)
             other.publish_many((f"k/{i}", str(i)) for i in range(100))
             other.sync(TIMEOUT)
-            peer = a.prove(KEY, TIMEOUT)
+            peer = _prove_when_served(a)
             assert str(peer) == str(server.whoami())
             t.join(TIMEOUT)
             assert [str(p) for p in got] == [str(a.whoami())]
@@ -126,19 +138,19 @@ def _impostor_initiator(address, ctl, claim):
 def test_an_impostor_initiator_is_never_proved(open_broker, spawn):
     bus = open_broker()
     with Client(bus.address) as server, Client(bus.address) as a:
-        proofs = serve_proofs(server, KEY, 1)
+        proofs = serve_proofs(server, KEY, 2)
         got = []
         t = threading.Thread(target=lambda: got.extend(proofs))
         t.start()
-        a.sync(TIMEOUT)
+        _prove_when_served(a)       # the responder serves
         claim = str(a.whoami())
         assert spawn(lambda ctl: _impostor_initiator(bus.address, ctl, claim)).result(TIMEOUT)
         # The responder's step 2 went to ``a``'s credentials, which ignore it;
-        # the first peer it proves is the real one.
+        # the next peer it proves is the real one.
         with Client(bus.address) as real:
             real.prove(KEY, TIMEOUT)
             t.join(TIMEOUT)
-            assert [str(p) for p in got] == [str(real.whoami())]
+            assert [str(p) for p in got] == [claim, str(real.whoami())]
 
 
 def test_the_cli_proves_and_serves(start_broker):
@@ -187,3 +199,14 @@ def test_both_sides_on_asyncio_clients(start_broker):
 
     peers, proved, a_cred, b_cred = asyncio.run(run())
     assert peers == [b_cred, b_cred] and proved == [a_cred, a_cred]
+
+
+def test_a_broker_gone_mid_proof_ends_it_at_once(start_broker):
+    bus = start_broker()
+    with Client(bus.address) as a:
+        a.sync(TIMEOUT)
+        threading.Timer(0.3, bus.stop).start()
+        started = time.monotonic()
+        with pytest.raises(BusClosedError):
+            a.prove("svc/nobody", 60)
+        assert time.monotonic() - started < 30

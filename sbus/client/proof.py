@@ -34,6 +34,7 @@ import collections
 import time
 from typing import Any, Optional, Tuple
 
+from .._core.batch import pack_publish
 from ..errors import BusClosedError, MessageRefusedError, ProofError
 from .connection import WAIT, Connection, Plan
 from .private import PrivateInbox, new_id
@@ -69,19 +70,29 @@ def claim(payload: bytes) -> Optional[Tuple[str, bytes]]:
     return creds, key
 
 
-def _wait(waiter: Any, deadline: float, step: int, why: str) -> Plan:
+def _step(conn: Connection, step: int, key: Text, payload: bytes, reply_key: bytes,
+          waiter: Any, deadline: float, why: str) -> Plan:
+    """Send step ``step`` and return the answer, the next step, that comes
+    on ``reply_key``. Noted as a request: a lost connection fails it, and a
+    reconnecting client sends it again to the new broker."""
     try:
-        yield (WAIT, waiter, deadline, 0)
-    except TimeoutError:
-        raise ProofError(step, why) from None
-    return waiter.result()
-
-
-def _send(conn: Connection, step: int, key: bytes, payload: bytes) -> Plan:
-    try:
-        yield from conn.publish_many(((key, payload),), 0)
+        packet = pack_publish(key, payload, conn.max_message)
     except MessageRefusedError as exc:
         raise ProofError(step, f"the broker would refuse it: {exc}") from None
+    request = conn.ask(reply_key, packet, waiter)
+    try:
+        if conn.buffered:
+            yield from conn.send_packet(packet, 0)
+            yield from conn.flush()
+        else:
+            yield from conn.send_now(packet, 0)
+        try:
+            yield (WAIT, waiter, deadline, 0)
+        except TimeoutError:
+            raise ProofError(step + 1, why) from None
+        return waiter.result()
+    finally:
+        conn.unask(request)
 
 
 def prove(conn: Connection, key: Text, timeout: float) -> Plan:
@@ -94,16 +105,14 @@ def prove(conn: Connection, key: Text, timeout: float) -> Plan:
     w2, w4 = conn.new_waiter(), conn.new_waiter()
     k2, k4 = replies.expect(w2), replies.expect(w4)
     try:
-        yield from _send(conn, 1, encode(key), _join(me, k2))
-        answer = yield from _wait(w2, deadline, 2, (
+        answer = yield from _step(conn, 1, key, _join(me, k2), k2, w2, deadline, (
             f"nobody answered on {key!r} within {timeout:g} s (no responder serves it)"))
         claimed = claim(answer)
         if claimed is None:
             raise ProofError(2, f"a malformed answer: {answer[:200]!r}")
         peer, k3 = claimed
         nonce = new_id() + new_id()
-        yield from _send(conn, 3, k3, _join(nonce, k4))
-        back = yield from _wait(w4, deadline, 4, (
+        back = yield from _step(conn, 3, k3, _join(nonce, k4), k4, w4, deadline, (
             f"{peer} did not send the nonce back within {timeout:g} s: the answer at "
             f"step 2 came from a process without those credentials, or the peer is gone"))
         if back != nonce.encode():
