@@ -46,10 +46,16 @@ def sync(conn: Connection, timeout: float) -> Plan:
     box = Outbox(conn.max_message)
     for p in ((packet,) if conn.echo else (_ECHO_ON, packet, _ECHO_OFF)):
         box.add_packet(p)
-    # Noted as a request: a reconnecting client sends it again to the new broker.
-    request = conn.ask(key, packet, waiter)
+    # Noted as a request at once: it is read for (the asyncio client reads
+    # only while someone waits), and a lost connection fails it.
+    request = conn.ask(key, None, waiter)
     try:
+        # Sent, or kept behind the backlog while the broker is away, so it
+        # returns after the backlog. Once sent, a reconnecting client sends
+        # it again ahead of what was published after it.
         yield from conn.publish_packed(box, 0)
+        if conn.live:
+            request.packet = packet
         try:
             yield (WAIT, waiter, deadline, 0)
         except TimeoutError:

@@ -112,7 +112,8 @@ class Waiter:
 
 
 class Request:
-    """A query or request sent and not yet answered; ``waiter`` is None once its caller gave up."""
+    """A query or request sent and not yet answered; ``waiter`` is None once
+    its caller gave up, ``packet`` None if a reconnect must not send it again."""
 
     __slots__ = ("key", "packet", "waiter")
 
@@ -433,7 +434,7 @@ class Connection:
         self.failures = self.refusals = 0
         self.last_failure = None
         self.requests = collections.deque(r for r in self.requests if r.waiter is not None)
-        self.backlog.add_front(r.packet for r in self.requests)
+        self.backlog.add_front(r.packet for r in self.requests if r.packet is not None)
         if self.policy.on_reconnect is not None:
             self.policy.on_reconnect()
 
