@@ -98,6 +98,15 @@ class RequestTimeoutError(SbusError, TimeoutError):
     serves the key, or its server is slower than the timeout."""
 
 
+class ProofError(SbusError):
+    """The spec's four-step identity proof failed (docs/proof.md); ``step``
+    (1 to 4) is the step that did not happen, and the text says why."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(f"identity proof, step {step}: {message}")
+        self.step = step
+
+
 class HandlerError(SbusError):
     """The server's handler raised while answering a request; the text is the
     server's (``ExceptionType: message``). The server goes on serving."""

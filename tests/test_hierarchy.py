@@ -17,7 +17,9 @@ import time
 import pytest
 
 from sbus import Client
+from sbus.errors import ProofError
 
+from support import SBUS
 from support.conn import Conn
 from support.proof import check_proof
 from support.sbusd import Sbusd
@@ -751,3 +753,35 @@ def test_a_leaf_is_ready_once_its_link_is_and_sbus_ready_upstream_waits(tmp_path
         assert "is the upstream sbusd running?" in r.stderr
     finally:
         notify.close()
+
+
+def test_the_barrier_and_the_proof_calls_on_a_leaf_client(tmp_path):
+    """Client.sync() on a leaf goes up and back on the nested private key;
+    Client.prove from a leaf client to ``sbus whoami --serve-proofs`` upstream
+    (another process: a local-form key naming a pid connected to the leaf
+    stays on the leaf, docs/hierarchy.md)."""
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", upstream=up)
+    server = subprocess.Popen([SBUS, "-a", up.address, "whoami", "--serve-proofs", "who/leaf",
+                               "--count", "1"], stdout=subprocess.PIPE)
+    try:
+        with Client(leaf.address) as a:
+            assert "/!/cred/" in str(a.whoami())
+            a.subscribe("k/")
+            a.publish_many((f"k/{i}", str(i)) for i in range(100))
+            a.sync(10)
+            assert a.pending == 100
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    peer = a.prove("who/leaf", 1.0)
+                    break
+                except ProofError as exc:   # until the server's pattern is upstream
+                    assert exc.step == 2 and time.monotonic() < deadline
+            assert (peer.uid, peer.pid) == (os.geteuid(), server.pid)
+            assert server.communicate(timeout=10)[0].decode().split() == [str(a.whoami())]
+            assert [m.key for m in a.receive_many(1000, timeout=0)] == [
+                f"k/{i}".encode() for i in range(100)]
+    finally:
+        server.kill()
+        server.wait()

@@ -12,6 +12,7 @@
                                     other buses (sbus.cli.otherbuses), as every
                                     command that takes a pattern does
     sbus whoami                     print this client's credentials
+    sbus whoami --prove KEY         prove identities with whoever serves KEY (docs/proof.md)
     sbus top                        a live view of the broker's counters
     sbus bench pair|fanout N|latency
                                     measure this broker's throughput or latency
@@ -182,7 +183,17 @@ def cmd_consume(bus: Client, args: argparse.Namespace, stdin: BinaryIO,
 
 
 def cmd_whoami(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
-    stdout.write(str(bus.whoami(timeout=REPLY_TIMEOUT)).encode() + b"\n")
+    """This client's credentials; with --prove, a peer's, verified (docs/proof.md);
+    with --serve-proofs, each verified peer that proves to this one."""
+    if args.serve_proofs is not None:
+        from ..client.proof import serve_proofs
+        for peer in serve_proofs(bus, args.serve_proofs, args.count, args.timeout):
+            stdout.write(str(peer).encode() + b"\n")
+            stdout.flush()
+        return 0
+    who = (bus.prove(args.prove, args.timeout) if args.prove is not None
+           else bus.whoami(timeout=REPLY_TIMEOUT))
+    stdout.write(str(who).encode() + b"\n")
     return 0
 
 
@@ -329,6 +340,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     whoami = commands.add_parser("whoami", parents=[common],
                                  help="print this client's credentials (!/cred/GID/UID/PID)")
+    proving = whoami.add_mutually_exclusive_group()
+    proving.add_argument("--prove", metavar="KEY",
+                         help="run the spec's identity proof with whoever serves KEY and "
+                              "print their verified credentials (docs/proof.md)")
+    proving.add_argument("--serve-proofs", metavar="PATTERN",
+                         help="answer proofs asked on PATTERN; print each verified peer")
+    whoami.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds a proof may take (default 10)")
+    whoami.add_argument("--count", type=int, default=None,
+                        help="with --serve-proofs: exit after this many proofs")
     whoami.set_defaults(run=cmd_whoami)
 
     stats = commands.add_parser("stats", parents=[common],

@@ -112,7 +112,8 @@ class Waiter:
 
 
 class Request:
-    """A query or request sent and not yet answered; ``waiter`` is None once its caller gave up."""
+    """A query or request sent and not yet answered; ``waiter`` is None once
+    its caller gave up, ``packet`` None if a reconnect must not send it again."""
 
     __slots__ = ("key", "packet", "waiter")
 
@@ -152,6 +153,7 @@ class Connection:
         self.delivering = False
         self.closed = False
         self.eof = False        # the broker closed the connection (without a policy: for good)
+        self.echo = True        # the broker's default; the barrier (.barrier) needs it on
         self.out = Outbox(max_message)
         self.out_flags = 0
         self.parser = Inbox(max_message, Message, ControlMessage)
@@ -219,6 +221,8 @@ class Connection:
         self.too_large(packet)
         if packet.startswith(b"SUB !"):
             self.check_private(packet[4:])
+        elif packet.startswith(b"CMSG echo/"):
+            self.echo = not packet.startswith(b"CMSG echo/off")
         if self.session is None:
             return False
         if packet.startswith(b"SUB "):
@@ -430,7 +434,7 @@ class Connection:
         self.failures = self.refusals = 0
         self.last_failure = None
         self.requests = collections.deque(r for r in self.requests if r.waiter is not None)
-        self.backlog.add_front(r.packet for r in self.requests)
+        self.backlog.add_front(r.packet for r in self.requests if r.packet is not None)
         if self.policy.on_reconnect is not None:
             self.policy.on_reconnect()
 
@@ -729,12 +733,10 @@ class Connection:
                 yield (LOST, exc)
         yield (UNLOCK,)
 
-    def request(self, key: Text, payload: Text, timeout: float) -> Plan:
-        """A request to another client (docs/requests.md): the reply's body.
-        The reply is routed here by :meth:`triage`, for both drivers; a
-        reconnecting client asks again after a reconnect."""
-        from .requests import Replies, pack_request, parse_reply, timed_out
-        deadline = time.monotonic() + timeout
+    def open_replies(self, timeout: float, deadline: float) -> Plan:
+        """The reply inbox (:class:`sbus.client.requests.Replies`), subscribed
+        on its first use: where replies and the barrier (:mod:`.barrier`) return."""
+        from .requests import Replies
         replies = self.replies
         if replies is None:
             replies = Replies(self.new_waiter())
@@ -752,6 +754,15 @@ class Connection:
         elif not replies.opening.done():
             yield (WAIT, replies.opening, deadline, 0)
             replies.opening.result()
+        return replies
+
+    def request(self, key: Text, payload: Text, timeout: float) -> Plan:
+        """A request to another client (docs/requests.md): the reply's body.
+        The reply is routed here by :meth:`triage`, for both drivers; a
+        reconnecting client asks again after a reconnect."""
+        from .requests import pack_request, parse_reply, timed_out
+        deadline = time.monotonic() + timeout
+        replies = yield from self.open_replies(timeout, deadline)
         waiter = self.new_waiter()
         reply_to = replies.expect(waiter)
         packet = pack_publish(key, pack_request(reply_to, payload), self.max_message)

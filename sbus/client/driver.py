@@ -29,7 +29,9 @@ from ..errors import (
     ConnectError,
     NoBrokerError,
 )
+from . import barrier as _barrier
 from . import connection as c
+from . import proof as _proof
 from .connection import Connection
 from .protocol import Text, pack_control, pack_subscribe, pack_unsubscribe
 from .requests import REQUEST_TIMEOUT
@@ -257,7 +259,8 @@ class Driver:
     # -- asyncio one has them as coroutine functions (see awaited)
 
     PLANNED = ("send_packet", "subscribe", "unsubscribe", "send_cmsg", "publish_many", "query",
-               "whoami", "stats", "request")
+               "whoami", "stats", "request", "sync",
+               "prove")
 
     def send_packet(self, packet: bytes, flags: int = 0) -> Any:
         """Send one raw protocol packet with send(2) ``flags`` (MSG_NOSIGNAL is
@@ -318,6 +321,20 @@ class Driver:
         ``timeout`` seconds pass unanswered; HandlerError (the server's text)
         if the server's handler raised."""
         return self._run(self._conn.request(key, payload, timeout))
+
+    def sync(self, timeout: float = _barrier.SYNC_TIMEOUT) -> Any:
+        """A barrier: return once the broker has handled everything this
+        client sent before (publishes matched and queued, SUB and UNSUB in
+        place); buffered packets are sent first, and messages received
+        meanwhile stay queued. TimeoutError after ``timeout`` seconds.
+        What it proves and what not: docs/clients.md, "A barrier"."""
+        return self._run(_barrier.sync(self._conn, timeout))
+
+    def prove(self, key: Text, timeout: float = _proof.PROOF_TIMEOUT) -> Any:
+        """The spec's four-step identity proof with whoever serves ``key``
+        (:func:`sbus.client.proof.serve_proofs`): their verified Credentials,
+        or ProofError naming the step that failed (docs/proof.md)."""
+        return self._run(_proof.prove(self._conn, key, timeout))
 
 
 def awaited(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -112,10 +112,12 @@ class Replies:
     waiter). Made on a client's first request; the inbox is known once the
     broker said who the client is (:meth:`open`)."""
 
-    __slots__ = ("inbox", "waiting", "opening", "_prefix", "_reply_prefix", "_next")
+    __slots__ = ("inbox", "credentials", "waiting", "opening", "_prefix", "_reply_prefix",
+                 "_next")
 
     def __init__(self, opening: Any) -> None:
         self.inbox: Optional[PrivateInbox] = None
+        self.credentials: Optional[Credentials] = None
         self.waiting: Dict[bytes, Any] = {}
         self.opening = opening      # a waiter, done once the inbox is subscribed
         self._prefix = b"\xff"      # no key starts with it before open()
@@ -123,6 +125,7 @@ class Replies:
         self._next = 0
 
     def open(self, credentials: Credentials) -> None:
+        self.credentials = credentials
         self.inbox = PrivateInbox(credentials, KIND)
         # Replies are addressed to the inbox as whoami says (nested behind a
         # leaf or a private bridge) and arrive in the local form.

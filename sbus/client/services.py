@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, List, Optional, Protocol, Tuple, runtime_checkable
 
 from . import consume as _consume
+from . import proof as _proof
 from . import requests as _requests
 from . import store as _store
 from .protocol import Message, Text
@@ -68,6 +69,10 @@ class ServiceMethods:
         """``for`` the jobs of ``sbus queue`` on ``pattern``: :func:`sbus.client.consume.consume`."""
         return _consume.Consumer(self, pattern, prefetch)
 
+    def serve_proofs(self, pattern: Text, count: Optional[int] = None) -> _proof.Run:
+        """``for`` each peer proved on ``pattern``: :func:`sbus.client.proof.serve_proofs`."""
+        return _proof.serve_proofs(self, pattern, count)
+
 
 class AsyncServiceMethods:
     async def replay(self, pattern: Text, since=None, until=None, after=None,
@@ -87,3 +92,7 @@ class AsyncServiceMethods:
     def consume(self, pattern: str, prefetch: int = _consume.PREFETCH) -> _consume.Consumer:
         """``async for`` the jobs of ``sbus queue``: :func:`sbus.client.consume.consume`."""
         return _consume.Consumer(self, pattern, prefetch)
+
+    def serve_proofs(self, pattern: Text, count: Optional[int] = None) -> _proof.Run:
+        """``async for`` each peer proved on ``pattern``: :func:`sbus.client.proof.serve_proofs`."""
+        return _proof.serve_proofs(self, pattern, count)
