@@ -39,6 +39,7 @@ def test_after_sync_a_subscription_is_in_place_for_another_publisher(bus):
             a.unsubscribe("k/")
 
 
+@pytest.mark.alone     # it needs the race to happen: on a loaded machine it may not
 def test_without_the_barrier_the_same_publish_can_be_missed(bus):
     """What the test above holds would fail without sync(): the broker reads
     the other client's publish before the SUB queued behind the load."""
