@@ -59,11 +59,16 @@ class Events:
 
     def __init__(self):
         self.seen = []
+        self.up_at = []
 
     def policy(self, **kw):
         return Reconnect(initial_delay=0.01, max_delay=0.1, give_up_after=TIMEOUT,
                          on_disconnect=lambda exc: self.seen.append("down"),
-                         on_reconnect=lambda: self.seen.append("up"), **kw)
+                         on_reconnect=self._up, **kw)
+
+    def _up(self):
+        self.seen.append("up")
+        self.up_at.append(time.monotonic())
 
 
 def test_sync_clients_ride_out_a_restart(start_broker, backend):
@@ -238,13 +243,13 @@ def test_asyncio_clients_ride_out_a_restart(start_broker, backend):
         await sub.whoami()
         got = []
 
-        async def consume(n):
+        async def consume():
             async for m in sub:
                 got.append(m)
-                if len(got) == n:
+                if m.key == b"a/after":
                     return
 
-        consumer = asyncio.ensure_future(consume(20 + 100 + 1))
+        consumer = asyncio.ensure_future(consume())
         await pub.publish_many((f"a/before/{i}", b"") for i in range(20))
         await pub.flush()
         while len(got) < 20:
@@ -271,8 +276,16 @@ def test_asyncio_clients_ride_out_a_restart(start_broker, backend):
 
     got = arun(main())
     assert [m.key for m in got[:20]] == [b"a/before/%d" % i for i in range(20)]
-    assert got[20:120] == [Message(b"a/backlog/%d" % i, b"%d" % i) for i in range(100)]
-    assert got[120].key == b"a/after"
+    # Both clients come back in background tasks, in either order. What the
+    # publisher's backlog sent before the subscriber's SUB was restored is
+    # gone, as docs/clients.md says ("What is lost"); the rest arrives in
+    # order, once each, with nothing missing after it.
+    backlog = [Message(b"a/backlog/%d" % i, b"%d" % i) for i in range(100)]
+    arrived = got[20:-1]
+    assert arrived == backlog[len(backlog) - len(arrived):]
+    if len(arrived) < len(backlog):
+        assert pub_events.up_at[0] <= sub_events.up_at[0], "lost although the subscriber came back first"
+    assert got[-1].key == b"a/after"
 
 
 def test_asyncio_full_backlog_raises_and_reconnect_off_fails_at_once(start_broker):
