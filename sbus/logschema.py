@@ -320,7 +320,10 @@ BRIDGE_EVENT_FIELDS = {
 QUEUE_START = "queue_start"
 QUEUE_STOP = "queue_stop"
 QUEUE_CONSUMER_JOIN = "queue_consumer_join"
-QUEUE_CONSUMER_LEAVE = "queue_consumer_leave"    # reason: bye, lease or ack_timeout
+QUEUE_CONSUMER_LEAVE = "queue_consumer_leave"    # reason: bye, lease, ack_timeout or policy
+# The access policy (--policy) refused a consumer the jobs: inbox, uid (of the
+# identity refused; null: the inbox names none), rule (0: the default), reason.
+QUEUE_CONSUMER_REFUSED = "queue_consumer_refused"
 QUEUE_DROP = "queue_drop"        # jobs dropped: --max-held were waiting, or too large
 QUEUE_STATS = "queue_stats"      # every --stats-interval seconds, when something changed
 QUEUE_BUS_LOST = "queue_bus_lost"  # the broker went away
@@ -329,9 +332,16 @@ QUEUE_BAD_REQUEST = "queue_bad_request"  # (debug) a payload off the convention,
 QUEUE_CONSUMERS_LIST = "queue_consumers[]"  # JSON array: inbox, prefetch, in_flight,
 #                                             delivered, acked per consumer
 
+# What a service's policy_loaded and policy_refused records carry (sbusd's
+# are operational events, outside the schema).
+_POLICY_LOADED = (("path", STR), ("rules", INT), ("default", STR), ("reload", BOOL),
+                  ("identities", INT), ("revoked", INT))
+_POLICY_REFUSED = (("path", STR), ("reason", STR))
+
 _QUEUE_COUNTERS = tuple((name, INT) for name in (
     "received", "delivered", "redelivered", "acked", "nacked", "rejected", "dropped",
-    "oversize", "undelivered", "late_acks", "consumers_joined", "consumers_lost", "bad_requests"))
+    "oversize", "undelivered", "late_acks", "consumers_joined", "consumers_lost", "bad_requests",
+    "policy_refused"))
 _QUEUE_LEVELS = (("held", INT), ("in_flight", INT))
 
 QUEUE_EVENT_FIELDS = {
@@ -349,6 +359,9 @@ QUEUE_EVENT_FIELDS = {
     QUEUE_BUS_LOST: (("address", STR), ("error", STR)),
     QUEUE_BUS_BACK: (("address", STR),),
     QUEUE_BAD_REQUEST: (("key", STR), ("detail", STR)),
+    QUEUE_CONSUMER_REFUSED: (("inbox", STR), ("uid", INT), ("rule", INT), ("reason", STR)),
+    POLICY_LOADED: _POLICY_LOADED,
+    POLICY_REFUSED: _POLICY_REFUSED,
     SERVICE_READY: (("service", STR), ("pid", INT), ("pattern", STR)),
 }
 
@@ -375,7 +388,7 @@ _STORE_COUNTERS = tuple((name, INT) for name in (
     "recorded", "recorded_bytes", "gaps", "lost_flood", "lost_unknown", "missed_disk_full",
     "requests", "requests_refused", "sessions_opened", "sessions_expired", "answers",
     "replayed", "retention_segments", "retention_records", "retention_bytes",
-    "private_skipped", "segments", "bytes", "records", "first_seq", "last_seq", "keys",
+    "private_skipped", "policy_refused", "segments", "bytes", "records", "first_seq", "last_seq", "keys",
     "sessions", "syncs")) + (("disk_full", BOOL), ("missed_by_pattern", CONFIG),
                              ("uptime_s", FLOAT))
 
@@ -395,6 +408,8 @@ STORE_EVENT_FIELDS = {
     STORE_REQUEST_REFUSED: (("error", STR), ("reply", STR)),
     STORE_BROKER_LOST: (("address", STR), ("error", STR)),
     STORE_BROKER_BACK: (("address", STR),),
+    POLICY_LOADED: _POLICY_LOADED,
+    POLICY_REFUSED: _POLICY_REFUSED,
     SERVICE_READY: (("service", STR), ("pid", INT), ("request_key", STR)),
 }
 
