@@ -223,6 +223,14 @@ USER_FIELDS = (
     "max_queued_bytes",
 )
 
+# One uid's denials under the access policy since the broker started, kept
+# after its connections leave (``policy_uids`` in the stats reply, with a policy).
+POLICY_UID_FIELDS = (
+    "uid",
+    "denied",             # its publishes the policy denied
+    "subs_refused",       # its SUBs the policy refused
+)
+
 DROP_KINDS = ("drops_soft", "drops_hard", "drops_disconnect")
 
 # --- records ----------------------------------------------------------------
