@@ -88,7 +88,7 @@ UPSTREAM_EVENTS = (UPSTREAM_CONNECTED, UPSTREAM_DISCONNECTED, UPSTREAM_RETRY, UP
 OPERATIONAL_EVENTS = (CMSG_IGNORED, LOG_REOPENED, FD_EXHAUSTED, ACCEPT_PAUSED, ACCEPT_ERROR,
                       CONFIG_WARNING, *UPSTREAM_EVENTS, UPSTREAM_LINK_EXIT, UPSTREAM_LINK_FAILED,
                       UPSTREAM_LINK_RESTARTED, *UPGRADE_EVENTS,
-                      PUBLISH_DENIED, POLICY_LOADED, POLICY_REFUSED)
+                      POLICY_LOADED, POLICY_REFUSED)
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -260,6 +260,9 @@ EVENT_FIELDS = {
             ("clients", COUNTERS_LIST), ("users", USERS_LIST)),
     MESSAGE: _CLIENT_IDENTITY + (
         ("key", STR), ("size", INT), ("fanout", INT), ("sample_rate", FLOAT)),
+    # The access policy's denials: the analytics job's denials table.
+    PUBLISH_DENIED: _CLIENT_IDENTITY + (
+        ("gid", INT), ("key", STR), ("rule", INT), ("action", STR), ("suppressed", INT)),
 }
 
 # Fields that may be JSON null even though the event defines them.
