@@ -26,6 +26,9 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 from .compiled import Access
 from .model import MAX_ID, Policy, load
 
+# Decisions remembered (a queue consumer says hello every third of its
+# lease); past this many, forgotten all at once.
+MAX_REMEMBERED = 4096
 # One credentials form; the numbers as the broker writes them (no sign, no
 # spaces). A reply key that starts with none names nobody the service can judge.
 _FORM = re.compile(rb"!/cred/([0-9]{1,10})/([0-9]{1,10})/([0-9]{1,10})/")
@@ -72,12 +75,13 @@ class Askers:
         self.path = path
         self.policy: Policy = load(path)     # PolicyError: the service does not start
         self._access: Dict[Tuple[int, int], Access] = {}
+        self._decided: Dict[tuple, Optional[Refusal]] = {}
 
     def reload(self) -> Policy:
         """Read the file again; the new policy decides from now on. A file
         that does not load raises PolicyError and the policy in force stays."""
         policy = load(self.path)
-        self.policy, self._access = policy, {}
+        self.policy, self._access, self._decided = policy, {}, {}
         return policy
 
     def access(self, uid: int, gid: int) -> Access:
@@ -106,6 +110,15 @@ class Askers:
     def refusal(self, reply: bytes, pattern: bytes) -> Optional[Refusal]:
         """None if the service may answer ``pattern`` on ``reply``; else why not."""
         ids = identities(reply)
+        known = (tuple(ids), pattern)
+        if known in self._decided:
+            return self._decided[known]
+        if len(self._decided) >= MAX_REMEMBERED:
+            self._decided.clear()
+        refusal = self._decided[known] = self._decide(ids, pattern)
+        return refusal
+
+    def _decide(self, ids: List[Tuple[int, int]], pattern: bytes) -> Optional[Refusal]:
         if not ids:
             return Refusal(None, None, 0, "the reply key names no client "
                                           "(!/cred/GID/UID/PID/...), so the policy cannot "
