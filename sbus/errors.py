@@ -25,6 +25,12 @@ class PatternRefusedError(BusClosedError):
         self.patterns = patterns
 
 
+class ServiceRefusedError(SbusError):
+    """A service (``sbus queue``) will not serve this client: the access
+    policy does not let it read every key the service would hand it. The
+    message is the service's reason, naming the rule."""
+
+
 class ConnectError(SbusError, OSError):
     """connect(2) to the broker failed. ``errno``, ``strerror`` and
     ``filename`` (the address) are connect's; ``message`` (the str) says what

@@ -88,7 +88,7 @@ UPSTREAM_EVENTS = (UPSTREAM_CONNECTED, UPSTREAM_DISCONNECTED, UPSTREAM_RETRY, UP
 OPERATIONAL_EVENTS = (CMSG_IGNORED, LOG_REOPENED, FD_EXHAUSTED, ACCEPT_PAUSED, ACCEPT_ERROR,
                       CONFIG_WARNING, *UPSTREAM_EVENTS, UPSTREAM_LINK_EXIT, UPSTREAM_LINK_FAILED,
                       UPSTREAM_LINK_RESTARTED, *UPGRADE_EVENTS,
-                      PUBLISH_DENIED, POLICY_LOADED, POLICY_REFUSED)
+                      POLICY_LOADED, POLICY_REFUSED)
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -223,6 +223,14 @@ USER_FIELDS = (
     "max_queued_bytes",
 )
 
+# One uid's denials under the access policy since the broker started, kept
+# after its connections leave (``policy_uids`` in the stats reply, with a policy).
+POLICY_UID_FIELDS = (
+    "uid",
+    "denied",             # its publishes the policy denied
+    "subs_refused",       # its SUBs the policy refused
+)
+
 DROP_KINDS = ("drops_soft", "drops_hard", "drops_disconnect")
 
 # --- records ----------------------------------------------------------------
@@ -252,6 +260,9 @@ EVENT_FIELDS = {
             ("clients", COUNTERS_LIST), ("users", USERS_LIST)),
     MESSAGE: _CLIENT_IDENTITY + (
         ("key", STR), ("size", INT), ("fanout", INT), ("sample_rate", FLOAT)),
+    # The access policy's denials: the analytics job's denials table.
+    PUBLISH_DENIED: _CLIENT_IDENTITY + (
+        ("gid", INT), ("key", STR), ("rule", INT), ("action", STR), ("suppressed", INT)),
 }
 
 # Fields that may be JSON null even though the event defines them.
@@ -320,7 +331,10 @@ BRIDGE_EVENT_FIELDS = {
 QUEUE_START = "queue_start"
 QUEUE_STOP = "queue_stop"
 QUEUE_CONSUMER_JOIN = "queue_consumer_join"
-QUEUE_CONSUMER_LEAVE = "queue_consumer_leave"    # reason: bye, lease or ack_timeout
+QUEUE_CONSUMER_LEAVE = "queue_consumer_leave"    # reason: bye, lease, ack_timeout or policy
+# The access policy (--policy) refused a consumer the jobs: inbox, uid (of the
+# identity refused; null: the inbox names none), rule (0: the default), reason.
+QUEUE_CONSUMER_REFUSED = "queue_consumer_refused"
 QUEUE_DROP = "queue_drop"        # jobs dropped: --max-held were waiting, or too large
 QUEUE_STATS = "queue_stats"      # every --stats-interval seconds, when something changed
 QUEUE_BUS_LOST = "queue_bus_lost"  # the broker went away
@@ -329,9 +343,16 @@ QUEUE_BAD_REQUEST = "queue_bad_request"  # (debug) a payload off the convention,
 QUEUE_CONSUMERS_LIST = "queue_consumers[]"  # JSON array: inbox, prefetch, in_flight,
 #                                             delivered, acked per consumer
 
+# What a service's policy_loaded and policy_refused records carry (sbusd's
+# are operational events, outside the schema).
+_POLICY_LOADED = (("path", STR), ("rules", INT), ("default", STR), ("reload", BOOL),
+                  ("identities", INT), ("revoked", INT))
+_POLICY_REFUSED = (("path", STR), ("reason", STR))
+
 _QUEUE_COUNTERS = tuple((name, INT) for name in (
     "received", "delivered", "redelivered", "acked", "nacked", "rejected", "dropped",
-    "oversize", "undelivered", "late_acks", "consumers_joined", "consumers_lost", "bad_requests"))
+    "oversize", "undelivered", "late_acks", "consumers_joined", "consumers_lost", "bad_requests",
+    "policy_refused"))
 _QUEUE_LEVELS = (("held", INT), ("in_flight", INT))
 
 QUEUE_EVENT_FIELDS = {
@@ -349,6 +370,9 @@ QUEUE_EVENT_FIELDS = {
     QUEUE_BUS_LOST: (("address", STR), ("error", STR)),
     QUEUE_BUS_BACK: (("address", STR),),
     QUEUE_BAD_REQUEST: (("key", STR), ("detail", STR)),
+    QUEUE_CONSUMER_REFUSED: (("inbox", STR), ("uid", INT), ("rule", INT), ("reason", STR)),
+    POLICY_LOADED: _POLICY_LOADED,
+    POLICY_REFUSED: _POLICY_REFUSED,
     SERVICE_READY: (("service", STR), ("pid", INT), ("pattern", STR)),
 }
 
@@ -375,7 +399,7 @@ _STORE_COUNTERS = tuple((name, INT) for name in (
     "recorded", "recorded_bytes", "gaps", "lost_flood", "lost_unknown", "missed_disk_full",
     "requests", "requests_refused", "sessions_opened", "sessions_expired", "answers",
     "replayed", "retention_segments", "retention_records", "retention_bytes",
-    "private_skipped", "segments", "bytes", "records", "first_seq", "last_seq", "keys",
+    "private_skipped", "policy_refused", "segments", "bytes", "records", "first_seq", "last_seq", "keys",
     "sessions", "syncs")) + (("disk_full", BOOL), ("missed_by_pattern", CONFIG),
                              ("uptime_s", FLOAT))
 
@@ -395,6 +419,8 @@ STORE_EVENT_FIELDS = {
     STORE_REQUEST_REFUSED: (("error", STR), ("reply", STR)),
     STORE_BROKER_LOST: (("address", STR), ("error", STR)),
     STORE_BROKER_BACK: (("address", STR),),
+    POLICY_LOADED: _POLICY_LOADED,
+    POLICY_REFUSED: _POLICY_REFUSED,
     SERVICE_READY: (("service", STR), ("pid", INT), ("request_key", STR)),
 }
 

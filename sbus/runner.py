@@ -6,8 +6,9 @@ A signal handler only notes the signal: Python's C-level handler writes to a
 wakeup socket (which ends whatever the loop waits in: it polls that socket
 too) and the Python-level one appends the signal's number to a list. The
 loop takes the noted signals between two of its turns and acts on them there:
-SIGTERM and SIGINT stop the service, SIGHUP reopens its log file (sbusd
-adds SIGUSR1, reload the access policy, and SIGUSR2, the live upgrade). Nothing is
+SIGTERM and SIGINT stop the service, SIGHUP reopens its log file, SIGUSR1
+reloads the access policy (sbusd, and the services that take ``--policy``;
+sbusd adds SIGUSR2, the live upgrade). Nothing is
 logged, raised, opened or closed inside a handler, which may have interrupted
 a write to the very log a reopen would close, or a write to the disk a raise
 would leave half done.
@@ -137,11 +138,15 @@ class Signals:
 class Runner:
     """A service's signals and the log they reopen: SIGTERM and SIGINT stop
     it, SIGHUP reopens ``stream`` (a ``sbus.log.ReopenableStream``; a
-    process with no log file of its own, the leaf link, has none)."""
+    process with no log file of its own, the leaf link, has none). With
+    ``reload`` (the services that take ``--policy``), SIGUSR1 calls it,
+    between turns as the others."""
 
-    def __init__(self, stream=None) -> None:
+    def __init__(self, stream=None, reload: Optional[Callable[[], object]] = None) -> None:
         self.stream = stream
-        self.signals = Signals().catch(SERVICE_SIGNALS)
+        self.reload = reload
+        signums = SERVICE_SIGNALS + ((signal.SIGUSR1,) if reload is not None else ())
+        self.signals = Signals().catch(signums)
         self.stop_signal: Optional[int] = None
 
     def fileno(self) -> int:
@@ -158,6 +163,9 @@ class Runner:
                         self.stream.reopen()
                     except OSError:
                         pass    # it goes on where it was: a log file is no reason to stop
+            elif signum == signal.SIGUSR1:
+                if self.reload is not None:
+                    self.reload()
             elif self.stop_signal is None:
                 self.stop_signal = signum
         return self.stop_signal is not None
@@ -176,11 +184,17 @@ def run_async(name: str, address: str, args: argparse.Namespace, make) -> int:
     """Run an asyncio service of the ``sbus`` command (the bridge, the queue)
     with the log its ``--log-*`` options ask for, until SIGTERM or SIGINT;
     SIGHUP reopens the log file. ``make(logger)`` builds the service, which
-    has ``await run(stop_event) -> reason`` and ``stopped(reason)``. Returns
-    0, or 1 with the broker's error on stderr."""
+    has ``await run(stop_event) -> reason`` and ``stopped(reason)``, and
+    ``reload_policy()`` for SIGUSR1 if its command takes ``--policy``.
+    Returns 0, or 1 with the broker's error on stderr."""
     import asyncio
 
     stream, logger = configure_log(args)
+    made: list = []
+
+    def reload() -> None:
+        if made:
+            made[0].reload_policy()
 
     async def run(runner: Runner) -> int:
         stop = asyncio.Event()
@@ -191,6 +205,7 @@ def run_async(name: str, address: str, args: argparse.Namespace, make) -> int:
 
         asyncio.get_running_loop().add_reader(runner.fileno(), between_turns)
         service = make(logger)
+        made.append(service)
         try:
             reason = await service.run(stop)
         except OSError as exc:
@@ -201,5 +216,5 @@ def run_async(name: str, address: str, args: argparse.Namespace, make) -> int:
         return 0
 
     # Before asyncio.run: its own SIGINT handler then stays out of the way.
-    with Runner(stream) as runner:
+    with Runner(stream, reload if hasattr(args, "policy") else None) as runner:
         return asyncio.run(run(runner))

@@ -517,10 +517,13 @@ def test_policy_survives_a_live_upgrade_and_a_bad_file_refuses_it(policy_bus, sp
             kid.send("go")
             got, kept, denied = kid.result()
             assert [p.split(b"\0")[0] for p in root.collect()] == [b"MSG user/65534/after"]
-            totals = root.stats()["totals"]
+            stats = root.stats()
+            totals = stats["totals"]
         assert got == ["MSG user/65534/after\0"]
-        # The counters came across: one denial before the upgrades, one after.
+        # The counters came across: one denial before the upgrades, one after;
+        # per uid too (kept's refused '' came after).
         assert denied == 2 and totals["denied"] == 2
+        assert stats["policy_uids"] == [{"uid": NOBODY, "denied": 2, "subs_refused": 1}]
         assert kept == {"": False, "power/": True}
         loaded = bus.events("policy_loaded")
         assert [r["reload"] for r in loaded] == [False, False]

@@ -81,7 +81,7 @@ def test_logschema_is_one_consistent_schema():
     assert list(fields)[:5] == [name for name, _ in ls.COMMON_FIELDS]
     assert set(ls.EVENT_FIELDS) == {ls.BROKER_START, ls.BROKER_STOP, ls.CLIENT_CONNECT,
                                     ls.CLIENT_DISCONNECT, ls.SUBSCRIBE, ls.UNSUBSCRIBE,
-                                    ls.FLOOD, ls.STATS, ls.MESSAGE}
+                                    ls.FLOOD, ls.STATS, ls.MESSAGE, ls.PUBLISH_DENIED}
     assert set(ls.DELTA_FIELDS) <= set(ls.TOTALS_FIELDS)
     assert len(set(ls.DISCONNECT_REASONS)) == len(ls.DISCONNECT_REASONS)
 
@@ -270,6 +270,28 @@ def test_flood_actions(events):
             assert got[key][col] == w[col], (key, col)
         if w["flood_records"]:
             assert got[key]["max_queued_bytes"] == w["max_queued_bytes"]
+
+
+@pytest.mark.spark
+def test_publish_denials(events):
+    from sbus.analytics import publish_denials
+
+    want: dict = defaultdict(lambda: {"denials": 0, "keys": set(), "suppressed": 0, "at": []})
+    for r in of("publish_denied"):
+        w = want[(r["uid"], r["rule"], r["action"])]
+        w["denials"] += 1
+        w["keys"].add(r["key"])
+        w["suppressed"] += r["suppressed"]
+        w["at"].append(r["timestamp"])
+    assert len(want) >= 2
+    got = rows(publish_denials(events), key=lambda r: (r["uid"], r["rule"], r["action"]))
+    assert set(got) == set(want)
+    for k, w in want.items():
+        g = got[k]
+        assert (g["denials"], g["keys"], g["suppressed"]) == (
+            w["denials"], len(w["keys"]), w["suppressed"]), k
+        assert g["first_at"].strftime("%H:%M:%S.%f") == min(w["at"])[11:26], k
+        assert g["last_at"].strftime("%H:%M:%S.%f") == max(w["at"])[11:26], k
 
 
 @pytest.mark.spark

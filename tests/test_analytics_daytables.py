@@ -55,6 +55,12 @@ ODD_LINES = [
     _line("11:00:11", "message", key="x/y/z", size=5, fanout=None),         # no fan-out
     _line("11:00:12", "message", fanout=2, sample_rate=0.5),                # no key, no size
     _line("11:00:13", "message", key="x//", size=1, fanout=1, sample_rate=7.0),
+    _line("11:00:19", "publish_denied", client=2, uid=7, key="p/x", rule=0, action="drop",
+          suppressed=0),
+    *[_line("11:00:20", "publish_denied", client=2, uid=7, key="p/x", rule=0,
+            action="drop", suppressed=3)] * 2,                              # twice
+    _line("11:00:21", "publish_denied", client=2, uid=7, rule=0, action="drop"),  # no key
+    _line("11:00:22", "publish_denied", client=3, key="q", action="disconnect"),  # no uid, rule
     _line("11:00:14", "client_connect", client=10, uid=5),                  # publisher: no pid
     _line("11:00:15", "client_disconnect", client=10, uid=5, reason="eof",
           counters={"msgs_in": 4, "bytes_in": 40}),
@@ -160,7 +166,7 @@ def test_the_logs_are_small_enough_for_the_driver():
 @pytest.mark.parametrize("name", [
     "events", "traffic_by_prefix1", "traffic_by_prefix2", "traffic_by_key", "client_traffic",
     "throughput", "disconnect_reasons", "flood_actions", "top_publishers", "fanout",
-    "subscription_churn", "pattern_churn"])
+    "subscription_churn", "pattern_churn", "denials"])
 def test_driver_and_spark_write_the_same_table(spark, datasets, name):
     from sbus.analytics import TABLES
 

@@ -104,10 +104,12 @@ def open_dir():
 def test_every_event_type_appears_with_its_documented_fields(tmp_path, open_dir):
     sock = str(open_dir / "bus.socket")
     log = tmp_path / "sbusd.log"
+    policy = tmp_path / "policy.toml"       # for publish_denied: power/ only, the rest as without
+    policy.write_text('default = "allow"\n[[rule]]\ndeny = "publish"\npattern = "power/"\n')
     proc = subprocess.Popen(
         [SBUSD, "-f", "-go", "-a", sock, "-u", "0", "--log-file", str(log), "--log-level", "debug",
          "--stats-interval", "0.2", "--log-messages", "1", "--max-message", "4096",
-         "--max-subscriptions", "3"],
+         "--max-subscriptions", "3", "--policy", str(policy)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.read()
     try:
@@ -146,6 +148,8 @@ def test_every_event_type_appears_with_its_documented_fields(tmp_path, open_dir)
             pub.send(b"MSG flood\0" + b"z" * 1000)
         pub.sync()
         error.until_closed()
+        pub.send(b"MSG power/off\0")
+        pub.sync()
         assert not as_other_user(sock, Conn.sync)             # -u 0: uid 65534 is refused
         eof = Conn.to(sock)
         eof.sync()

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -11,7 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from sbus import logschema
 from sbus.cli.metrics import CLIENT, COUNTER, TOTALS, to_prometheus
 
-from support import SBUS
+from support import NOBODY, SBUS, Conn, Sbusd, asroot, make_public_dir
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "system-bus-policy.toml"
 
 TIMEOUT = 10.0
 
@@ -142,3 +146,33 @@ def test_stats_json_marks_the_asking_connection(start_broker):
     assert proc.returncode == 0, proc.stderr.decode()
     clients = json.loads(proc.stdout)["clients"]
     assert [x.get("asking", False) for x in clients] == [False, True]
+
+
+@asroot
+def test_policy_denials_per_uid_outlive_the_connection(tmp_path, spawn):
+    """uid 65534's denied publishes and refused SUB under the system-bus
+    example are counters labelled with its uid, still there once it has
+    gone; root, denied nothing, has no series."""
+    d = make_public_dir()
+    b = Sbusd.foreground(tmp_path, "-o", "--policy", str(EXAMPLE), address=d / "sbus.socket")
+    try:
+        def child(ctl):
+            with Conn.to(b.address) as c:
+                for key in ("power/off", "user/0/x", "x", "user/65534/ok"):
+                    c.packet(b"MSG " + key.encode() + b"\0")
+                c.sync()
+            with Conn.to(b.address) as c:
+                return c.sub_ok("")
+
+        assert spawn(child).result() is False
+        m = scrape(b.address)
+        assert m["sbus_user_policy_denied"].type == "counter"
+        assert [s.name for s in m["sbus_user_policy_denied"].samples] == [
+            "sbus_user_policy_denied_total"]
+        assert value(m["sbus_user_policy_denied"], uid=NOBODY) == 3
+        assert value(m["sbus_user_policy_subscriptions_refused"], uid=NOBODY) == 1
+        assert not samples(m["sbus_user_policy_denied"], uid=0)
+        assert value(m["sbus_policy_denied"]) == 3
+    finally:
+        b.stop()
+        shutil.rmtree(d, ignore_errors=True)

@@ -76,6 +76,8 @@ cdef class Hub:
     cdef dict tables                # Access -> acl.Table, one per identity
     cdef dict user_names            # uid -> name or None, when the policy uses %u
     cdef uint64_t denied            # publishes it denied since start
+    cdef dict policy_uids           # uid -> [publishes denied, SUBs refused], kept after
+    #                                 its connections leave: the per-uid counters
     cdef double deny_window         # the second publish_denied records are counted in
     cdef uint32_t deny_logged       # ...records written in it
     cdef uint64_t deny_suppressed   # records left out since the last one written
@@ -99,6 +101,7 @@ cdef class Hub:
     cdef int give_access(self, Conn *c) except -1   # c.access: its identity's table
     cdef int deny_publish(self, Conn *c, const char *key, size_t klen,
                           int decided) except -1    # count, log, drop or close
+    cdef int count_for_uid(self, uint32_t uid, int which) except -1   # 0 publish, 1 SUB
     cdef int grow_lists(self, uint32_t need) except -1   # one entry per connection
     cdef int subscribe(self, Conn *c, const char *pat, size_t n) except -1    # refused: close
     cdef int unsubscribe(self, Conn *c, const char *pat, size_t n) except -1  # '!' misuse: close

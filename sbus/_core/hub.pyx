@@ -12,7 +12,7 @@ from libc.stdlib cimport realloc, free
 from sbus._core cimport report
 from sbus._core.acl cimport Table, ACL_DISCONNECT, acl_flags, acl_rule
 from sbus._core.conn cimport (
-    Conn, MODE_QUEUE, R_FLOOD, R_SHUTDOWN, R_POLICY_DENIED, R_POLICY_REVOKED)
+    Conn, MODE_QUEUE, R_FLOOD, R_SHUTDOWN, R_POLICY_DENIED, R_POLICY_REFUSED, R_POLICY_REVOKED)
 from sbus._core.control cimport (
     Control, CTL_ANSWER, CTL_STATS, CTL_MODES, CTL_IGNORED, CTL_LOG, stats_reply)
 from sbus._core.flood cimport (
@@ -37,7 +37,8 @@ import pwd
 
 from sbus.logschema import (
     ACCEPT_ERROR, ACCEPT_PAUSED, CLIENT_CONNECT, CLIENT_DISCONNECT, CMSG_IGNORED,
-    DELTA_FIELDS, FD_EXHAUSTED, PUBLISH_DENIED, PUBLISH_DENIED_PER_S, SUBSCRIBE, UNSUBSCRIBE)
+    DELTA_FIELDS, FD_EXHAUSTED, POLICY_UID_FIELDS, PUBLISH_DENIED, PUBLISH_DENIED_PER_S,
+    SUBSCRIBE, UNSUBSCRIBE)
 from sbus._core.policy import MODE_NAMES
 
 
@@ -82,6 +83,7 @@ cdef class Hub:
         self.last_totals = None
         self.tables = {}
         self.user_names = {}
+        self.policy_uids = {}
         self.grow_lists(64)
         self.poller.set(listen_fd, EV_READ)
         if wakeup_fd >= 0:
@@ -253,6 +255,7 @@ cdef class Hub:
         cdef uint32_t rule = acl_rule(c.access, decided)
         c.denied += 1
         self.denied += 1
+        self.count_for_uid(c.uid, 0)
         action = "disconnect" if flags & ACL_DISCONNECT else "drop"
         if self.now - self.deny_window >= 1.0:
             self.deny_window = self.now
@@ -313,6 +316,21 @@ cdef class Hub:
         del old
         return len(self.tables), revoked
 
+    cdef int count_for_uid(self, uint32_t uid, int which) except -1:
+        """One more denial (0: a publish, 1: a SUB) for uid: on the denial
+        paths only, never on a delivered message's."""
+        counts = self.policy_uids.get(uid)
+        if counts is None:
+            counts = self.policy_uids[uid] = [0, 0]
+        counts[which] += 1
+        return 0
+
+    def policy_by_uid(self):
+        """Each uid the policy denied something since the broker started
+        (``logschema.POLICY_UID_FIELDS``), by uid."""
+        return [dict(zip(POLICY_UID_FIELDS, (uid, *counts)))
+                for uid, counts in sorted(self.policy_uids.items())]
+
     def policy_counts(self):
         """The policy's counters, for a live upgrade (handover.pyx)."""
         cdef int fd
@@ -323,7 +341,8 @@ cdef class Hub:
             if c != NULL and c.denied:
                 conns[str(c.id)] = c.denied
         return {"denied": self.denied, "subs_refused": self.subs.policy_refused,
-                "conns": conns}
+                "conns": conns,
+                "uids": {str(uid): counts for uid, counts in self.policy_uids.items()}}
 
     def restore_policy_counts(self, counts):
         """policy_counts() of the old process, once its connections are restored."""
@@ -333,6 +352,8 @@ cdef class Hub:
             return
         self.denied = counts["denied"]
         self.subs.policy_refused = counts["subs_refused"]
+        # Absent from an sbusd before the per-uid counters.
+        self.policy_uids = {int(uid): list(n) for uid, n in counts.get("uids", {}).items()}
         conns = counts["conns"]
         for fd in range(self.peers.cap):
             c = self.peers.conns[fd]
@@ -367,6 +388,8 @@ cdef class Hub:
         if record is not None:
             self.emit(SUBSCRIBE, record)
         if reason:
+            if reason == R_POLICY_REFUSED:
+                self.count_for_uid(c.uid, 1)
             return self.mark_closing(c, reason, detail)
         if self.ctl.link != NULL and c != self.ctl.link:
             self.link_note(b"CMSG link/sub\0" + stored)
@@ -560,6 +583,8 @@ cdef class Hub:
                 "totals": self.totals(),
                 "clients": report.entries(self.peers.conns, self.peers.cap),
                 "users": self.users(),
+                **({"policy_uids": self.policy_by_uid()} if self.policy is not None
+                   or self.policy_uids else {}),
                 **({"upstream": upstream} if upstream is not None else {})}
 
     def users(self):

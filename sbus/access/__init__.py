@@ -6,6 +6,8 @@
 - ``keysets``: patterns as sets of keys, compared (the subscribe check).
 - ``compiled``: one client's compiled policy (``Policy.compile_for``), with
   the flat table the C core reads.
+- ``askers``: the policy in a service (``sbus store``, ``sbus queue``):
+  whether the clients a reply key names may read a pattern.
 
 ``sbusd --policy FILE`` enforces it: the broker core copies each identity's
 compiled publish table into C (``sbus._core.acl``) and asks ``may_subscribe``

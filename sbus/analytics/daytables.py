@@ -3,7 +3,7 @@
 ``transforms`` defines every table in Spark: for notebooks, for the merged
 view across days, and for days too large to collect.  But a run's new days
 usually hold a few thousand stored rows (``job._stored()``: message records
-summed, every other record once with its count ``_n``), and finishing twelve
+summed, every other record once with its count ``_n``), and finishing thirteen
 tables from them as ~20 small Spark queries costs more than the pass over the
 log itself: in a new JVM most of it is HotSpot compiling Spark's planner for
 them.  So the job collects those rows once and finishes the tables here, in
@@ -375,3 +375,25 @@ def pattern_churn(s: Stored) -> pa.Table:
     rows = [(*k, *v[:-1], len(v[-1])) for k, v in sums.items()]
     return _table({DAY: pa.date32(), "pattern": STR, **{f: LONG for f in SUB_SUMS},
                    "clients": LONG}, rows, _in_order)
+
+
+def denials(s: Stored) -> pa.Table:
+    by_key: dict = {}
+    for day, uid, rule, action, key, t, suppressed, n in s.of(
+            [ls.PUBLISH_DENIED], DAY, "uid", "rule", "action", "key", "timestamp",
+            "suppressed", COUNT):
+        acc = by_key.setdefault((day, uid, rule, action, key), [0, None, t, t])
+        acc[0] += n
+        acc[1] = add(acc[1], times(suppressed, n))
+        acc[2], acc[3] = min(acc[2], t), max(acc[3], t)
+    groups: dict = {}
+    for (day, uid, rule, action, key), (n, suppressed, first, last) in by_key.items():
+        g = groups.setdefault((day, uid, rule, action), [0, 0, None, first, last])
+        g[0] += n
+        g[1] += key is not None
+        g[2] = add(g[2], suppressed)
+        g[3], g[4] = min(g[3], first), max(g[4], last)
+    rows = [(*k, *v) for k, v in groups.items()]
+    return _table({DAY: pa.date32(), "uid": LONG, "rule": LONG, "action": STR, "denials": LONG,
+                   "keys": LONG, "suppressed": LONG, "first_at": TIME, "last_at": TIME},
+                  rows, lambda r: _in_order(r, 4))

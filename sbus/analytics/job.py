@@ -91,7 +91,8 @@ STATS = Partial("throughput", lambda e, by: tf.throughput_partial(e, BUCKET, by)
 DISCONNECTS = Partial("disconnects", tf.disconnect_partial)
 FLOODS = Partial("floods", tf.flood_partial)
 SUBSCRIPTIONS = Partial("subscriptions", lambda e, by: tf.subscription_partial(e, BUCKET, by))
-PARTIAL_SET = (EVENTS, MESSAGES, CLIENTS, STATS, DISCONNECTS, FLOODS, SUBSCRIPTIONS)
+DENIALS = Partial("denials", tf.denial_partial)
+PARTIAL_SET = (EVENTS, MESSAGES, CLIENTS, STATS, DISCONNECTS, FLOODS, SUBSCRIPTIONS, DENIALS)
 
 TABLES: tuple[Table, ...] = (
     Table("events", EVENTS, tf.event_table, tf.EVENT_ORDER, "records per event",
@@ -124,6 +125,8 @@ TABLES: tuple[Table, ...] = (
     Table("pattern_churn", SUBSCRIPTIONS, tf.pattern_table, tf.PATTERN_ORDER,
           "per pattern: subscribes, unsubscribes, distinct connections",
           daytables.pattern_churn),
+    Table("denials", DENIALS, tf.denial_table, tf.DENIAL_ORDER,
+          "publishes the access policy denied, per uid, rule and action", daytables.denials),
 )
 
 

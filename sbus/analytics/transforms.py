@@ -49,6 +49,7 @@ __all__ = [
     "flood_actions",
     "key_prefix",
     "pattern_churn",
+    "publish_denials",
     "subscription_churn",
     "throughput",
     "top_publishers",
@@ -59,7 +60,7 @@ __all__ = [
 COLUMNS = ("timestamp", "event", "broker_pid", "client", "pid", "uid", "gid", "key", "size",
            "fanout", "sample_rate", "reason", "duration_s", "counters", "delta", "clients",
            "pattern", "accepted", "drops_soft", "drops_hard", "blocks", "queued_msgs",
-           "queued_bytes", "soft", "hard")
+           "queued_bytes", "soft", "hard", "rule", "action", "suppressed")
 
 TRAFFIC = ("msgs_in", "bytes_in", "msgs_out", "bytes_out")
 # client_traffic's counters, from a connection's latest report (traffic first).
@@ -492,3 +493,56 @@ PATTERN_ORDER = ("-subscribed", "pattern")
 def pattern_churn(events: DataFrame) -> DataFrame:
     """Per pattern: accepted subscribes and unsubscribes, refusals, distinct connections."""
     return ordered(pattern_table(subscription_merge(subscription_partial(events))), PATTERN_ORDER)
+
+
+# --- the access policy ----------------------------------------------------------------------
+
+DENIAL_SUMS = ("denials", "suppressed")
+
+
+def denial_partial(events: DataFrame, by: By = ()) -> DataFrame:
+    """Logged ``publish_denied`` records per (uid, rule, action, key): the key
+    is kept so that distinct ones can be counted."""
+    return (
+        _only(events, ls.PUBLISH_DENIED)
+        .groupBy(*by, "uid", "rule", "action", "key")
+        .agg(
+            F.count(F.lit(1)).alias("denials"),
+            F.sum("suppressed").alias("suppressed"),
+            F.min("timestamp").alias("first_at"),
+            F.max("timestamp").alias("last_at"),
+        )
+    )
+
+
+def denial_merge(partials: DataFrame, by: By = ()) -> DataFrame:
+    return partials.groupBy(*by, "uid", "rule", "action", "key").agg(
+        *[F.sum(c).alias(c) for c in DENIAL_SUMS],
+        F.min("first_at").alias("first_at"), F.max("last_at").alias("last_at"))
+
+
+def denial_table(merged: DataFrame, by: By = ()) -> DataFrame:
+    return merged.groupBy(*by, "uid", "rule", "action").agg(
+        F.sum("denials").alias("denials"),
+        F.count("key").alias("keys"),
+        F.sum("suppressed").alias("suppressed"),
+        F.min("first_at").alias("first_at"),
+        F.max("last_at").alias("last_at"),
+    )
+
+
+DENIAL_ORDER = ("-denials", "uid", "rule", "action")
+
+
+def publish_denials(events: DataFrame) -> DataFrame:
+    """Publishes the access policy denied, per uid, deciding rule (0: the
+    default) and action (drop or disconnect): the ``publish_denied`` records,
+    how many distinct keys they name, and when the first and last were.
+
+    The broker logs at most ``logschema.PUBLISH_DENIED_PER_S`` denials a
+    second; ``suppressed`` sums what these records say was left out before
+    each of them (of any uid), so ``denials`` is a floor whenever it is not
+    zero. The exact count per uid is the broker's ``policy_uids`` (``CMSG
+    stats``, ``sbus_user_policy_denied_total``).
+    """
+    return ordered(denial_table(denial_merge(denial_partial(events))), DENIAL_ORDER)

@@ -5,7 +5,8 @@ collector reads it as is (``sbus stats --format prometheus > x.prom.$$ &&
 mv x.prom.$$ /var/lib/node_exporter/sbus.prom``). Metric names are
 ``sbus_…``; counters are typed ``counter`` and end in ``_total``, as the
 Prometheus naming conventions ask; per-client series carry the labels
-``client``, ``pid`` and ``uid``, per-user series ``uid``. Every field the
+``client``, ``pid`` and ``uid``, per-user series ``uid`` (budget use, and
+the access policy's denials, which outlive the uid's connections). Every field the
 broker reports (``logschema``) has its name and type here; one the stats
 reply gains later is still exported, as a gauge named after it.
 """
@@ -48,6 +49,13 @@ TOTALS = {
                             "SUBs the access policy refused"),
 }
 CLIENT = dict(_TRAFFIC)
+# The stats reply's policy_uids (logschema.POLICY_UID_FIELDS), labelled uid.
+POLICY_UID = {
+    "denied": ("policy_denied_total", COUNTER,
+               "publishes of this uid the access policy denied, since the broker started"),
+    "subs_refused": ("policy_subscriptions_refused_total", COUNTER,
+                     "SUBs of this uid the access policy refused, since the broker started"),
+}
 # Fields that are labels or identity, not values.
 _NOT_VALUES = {"client", "pid", "uid", "gid", "soft", "hard", "order", "echo"}
 
@@ -130,6 +138,9 @@ def to_prometheus(stats: Dict[str, Any], clients: bool = True) -> str:
     for user in _users(stats):
         labels = (("uid", user.get("uid")),)
         _values(f, "sbus_user_", {}, user, labels, "per-uid budget use:")
+    for user in stats.get("policy_uids", ()):
+        _values(f, "sbus_user_", POLICY_UID, user, (("uid", user.get("uid")),),
+                "per-uid access policy:")
     if clients:
         for c in stats.get("clients", ()):
             labels = (("client", c.get("client")), ("pid", c.get("pid")), ("uid", c.get("uid")))

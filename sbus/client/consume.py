@@ -42,7 +42,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Generator, List, Optional, Tuple
 
 from .._core.jobs import Acks, Job, jobs_from
-from ..errors import SbusError
+from ..errors import SbusError, ServiceRefusedError
 from ..queue import wire
 from ..queue.defaults import PREFETCH, RENEWALS_PER_LEASE
 from .private import PrivateInbox
@@ -135,6 +135,11 @@ class _Session:
                 elif suffix == b"expired" and message.payload.decode("ascii", "replace") == self.token:
                     self.token = None   # forgotten: the next hello, at once, makes us known again
                     self._settle = None
+                elif suffix == b"refused":
+                    # Said again at every hello: waiting would not change it.
+                    raise ServiceRefusedError(
+                        f"sbus queue {self.pattern!r} refused us: "
+                        f"{message.payload.decode('utf-8', 'replace')}")
             except ValueError:
                 pass    # only the service writes to the inbox; it does not send garbage
         return out

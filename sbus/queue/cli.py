@@ -33,6 +33,10 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
                    default=STATS_INTERVAL,
                    help=f"seconds between queue_stats records, written when something "
                         f"changed (default {STATS_INTERVAL:g}; 0: none)")
+    p.add_argument("--policy", metavar="FILE",
+                   help="hand jobs only to consumers that may read every key PATTERN matches "
+                        "under this access policy (sbusd's; docs/policy.md); reloaded on "
+                        "SIGUSR1")
     add_log_options(p)
     p.set_defaults(standalone=main)
 
@@ -48,8 +52,17 @@ def main(args: argparse.Namespace, address: str) -> int:
     except MessageRefusedError as exc:
         sys.stderr.write(f"sbus queue: PATTERN {args.pattern!r}: {exc}\n")
         return 2
+    askers = None
+    if args.policy:
+        from ..access import PolicyError
+        from ..access.askers import Askers
+        try:
+            askers = Askers(args.policy)
+        except PolicyError as exc:
+            sys.stderr.write(f"sbus queue: {exc}\n")
+            return 1
     settings = Settings(address=address, pattern=args.pattern, prefetch=args.prefetch,
                         ack_timeout=args.ack_timeout, lease=args.lease,
                         max_held=args.max_held, stats_interval=args.stats_interval,
-                        max_message=args.max_message)
+                        max_message=args.max_message, askers=askers)
     return run_async("queue", address, args, lambda logger: QueueService(settings, logger))

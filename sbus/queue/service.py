@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 from .. import __version__
 from .. import logschema as schema
 from .._core.jobs import Intake, pack_jobs, parse_tags
+from ..access import askers as access
 from ..client.aio import Client
 from ..client.private import PrivateInbox
 from ..client.protocol import MAX_MESSAGE
@@ -43,6 +44,10 @@ TICK_FRACTION = 0.25
 MAX_TICK = 1.0
 # Seconds between queue_drop records of one reason (drops in between are summed).
 DROP_LOG_INTERVAL = 1.0
+# A consumer the policy refuses may say hello every second: its refusal is
+# logged once a REFUSAL_LOG_INTERVAL (counted every time).
+REFUSAL_LOG_INTERVAL = 60.0
+MAX_REFUSALS_LOGGED = 1024
 # Why jobs were dropped (queue_drop.reason).
 DROP_FULL = "full"          # --max-held were waiting
 DROP_OVERSIZE = "oversize"  # too large to deliver within the broker's --max-message
@@ -60,6 +65,7 @@ class Settings:
     max_held: int = MAX_HELD
     stats_interval: float = STATS_INTERVAL
     max_message: int = MAX_MESSAGE
+    askers: Optional[access.Askers] = None   # --policy FILE, loaded (docs/policy.md)
 
 
 class QueueService:
@@ -81,6 +87,7 @@ class QueueService:
         self._last_stats: Optional[dict] = None
         self._drops: Dict[str, list] = {}     # reason -> [count, first key, its size]
         self._drops_logged = float("-inf")
+        self._refusals_logged: Dict[str, float] = {}   # inbox -> when its refusal was logged
 
     async def _open(self) -> None:
         s = self.settings
@@ -144,6 +151,8 @@ class QueueService:
                 prefetch, inbox, pattern, batch = wire.parse_hello(payload)
                 if pattern != self.pattern:
                     return
+                if self.settings.askers is not None and self._refused(inbox, now):
+                    return
                 c, new = q.join(inbox, prefetch, now, batch)
                 if new:
                     self.log.info(schema.QUEUE_CONSUMER_JOIN, inbox=inbox, prefetch=c.prefetch)
@@ -172,6 +181,44 @@ class QueueService:
         except wire.WireError as exc:
             self._bad(self._control, exc)
 
+    # -- the access policy ---------------------------------------------------------
+
+    def _refused(self, inbox: str, now: float) -> bool:
+        """Whether the policy refuses the consumer at ``inbox`` the jobs: it
+        must be allowed to read every key the queue's pattern matches, as a
+        subscription to it would be. A refused consumer is told why (and
+        leaves, if it was here); its refusal is logged once a minute at most,
+        as it may say hello again and again."""
+        refusal = self.settings.askers.refusal(inbox.encode("ascii", "surrogateescape"),
+                                               self.pattern)
+        if refusal is None:
+            return False
+        q = self.queue
+        q.counts["policy_refused"] += 1
+        known = q.at_inbox(inbox)
+        if known is not None:
+            self._left(q.revoke(known))
+        if now - self._refusals_logged.get(inbox, float("-inf")) >= REFUSAL_LOG_INTERVAL:
+            if len(self._refusals_logged) >= MAX_REFUSALS_LOGGED:
+                self._refusals_logged.clear()
+            self._refusals_logged[inbox] = now
+            self.log.warning(schema.QUEUE_CONSUMER_REFUSED, inbox=inbox, uid=refusal.uid,
+                             rule=refusal.rule, reason=refusal.why)
+        self._send(inbox + wire.REFUSED, refusal.why.encode())
+        return True
+
+    def reload_policy(self) -> bool:
+        """SIGUSR1, between turns: the file again, and every consumer it no
+        longer lets read the jobs is told so and leaves; its jobs go to others."""
+        def revoke() -> int:
+            now = time.monotonic()
+            before = self.queue.counts["policy_refused"]
+            for c in list(self.queue.consumers.values()):
+                self._refused(c.inbox, now)
+            self._dispatch(now)
+            return self.queue.counts["policy_refused"] - before
+        return access.reload(self.settings.askers, self.log, revoke)
+
     def _bad(self, key: bytes, exc: Exception) -> None:
         self.queue.counts["bad_requests"] += 1
         self.log.debug(schema.QUEUE_BAD_REQUEST, key=key.decode("utf-8", "replace"), detail=str(exc))
@@ -181,7 +228,7 @@ class QueueService:
         level = self.log.info if reason == st.LEFT_BYE else self.log.warning
         level(schema.QUEUE_CONSUMER_LEAVE, inbox=c.inbox, reason=reason, requeued=requeued,
               delivered=c.delivered, acked=c.acked)
-        if reason != st.LEFT_BYE:
+        if reason not in (st.LEFT_BYE, st.LEFT_POLICY):
             # A consumer that is alive after all learns to say hello again.
             self._send(c.inbox + wire.EXPIRED, c.token.encode())
 

@@ -18,7 +18,8 @@ from ..client.private import new_id
 LEFT_BYE = "bye"                  # it said so
 LEFT_LEASE = "lease"              # no word from it for a whole lease
 LEFT_ACK_TIMEOUT = "ack_timeout"  # a job it held went unacknowledged for --ack-timeout
-LEAVE_REASONS = (LEFT_BYE, LEFT_LEASE, LEFT_ACK_TIMEOUT)
+LEFT_POLICY = "policy"            # a reloaded access policy no longer lets it read the jobs
+LEAVE_REASONS = (LEFT_BYE, LEFT_LEASE, LEFT_ACK_TIMEOUT, LEFT_POLICY)
 
 # Cumulative counters since the service started (the log and the state reply).
 COUNTERS = (
@@ -35,6 +36,7 @@ COUNTERS = (
     "consumers_joined",
     "consumers_lost",  # consumers that left by lease or ack timeout, not by bye
     "bad_requests",  # payloads that do not follow the convention
+    "policy_refused",  # hellos the access policy refused, and consumers a reload revoked
 )
 
 
@@ -262,6 +264,14 @@ class Queue:
 
     def bye(self, c: Consumer) -> Departure:
         return self._leave(c, LEFT_BYE)
+
+    def revoke(self, c: Consumer) -> Departure:
+        """The policy no longer lets ``c`` read the jobs: its jobs go back."""
+        return self._leave(c, LEFT_POLICY)
+
+    def at_inbox(self, inbox: str) -> Optional[Consumer]:
+        token = self._by_inbox.get(inbox)
+        return None if token is None else self.consumers[token]
 
     def expire(self, now: float) -> List[Departure]:
         """Consumers whose lease ran out or who held a job past --ack-timeout;

@@ -23,6 +23,7 @@ JOB = "job"            # <tag> <deliveries> <key>\0<payload>
 JOBS = "jobs"          # records <size> <job payload>, back to back (consumers that said batch)
 EXPIRED = "expired"    # <token>: the service forgot this consumer; say hello again
 STATE = "state"        # the service's state as JSON
+REFUSED = "refused"    # <reason>: the access policy does not let this consumer read the jobs
 # Suffix of the service's inbox: its control key (consumer -> service).
 CONTROL = "ctl"
 

@@ -106,6 +106,10 @@ def add_parsers(commands, common: argparse.ArgumentParser) -> None:
     p.add_argument("--stats-interval", type=argtypes.seconds, default=DEFAULT_STATS_INTERVAL,
                    metavar="SECONDS", help="seconds between store_stats log records "
                                            f"(default {DEFAULT_STATS_INTERVAL:g}; 0: none)")
+    p.add_argument("--policy", metavar="FILE",
+                   help="answer a replay or last request only if the asker may read every "
+                        "key its pattern matches under this access policy (sbusd's; "
+                        "docs/policy.md); reloaded on SIGUSR1")
     p.add_argument("--stats", action="store_true",
                    help="do not run a store: print the running store's counters as JSON")
     add_log_options(p)
@@ -198,15 +202,20 @@ def main(args: argparse.Namespace, address: str) -> int:
         patterns=[p.encode("utf-8", "surrogateescape") for p in args.record],
         fsync=args.fsync, segment_bytes=args.segment_bytes, max_bytes=args.max_bytes,
         max_age_s=args.max_age, request_key=args.request_key.encode("utf-8", "surrogateescape"),
-        stats_interval=args.stats_interval, max_message=args.max_message, flood=args.flood)
+        stats_interval=args.stats_interval, max_message=args.max_message, flood=args.flood,
+        policy=args.policy)
+    from ..access import PolicyError
     stream, logger = configure_log(args)
     try:
         store = Store(settings, logger)
+    except PolicyError as exc:
+        sys.stderr.write(f"sbus store: {exc}\n")
+        return 1
     except OSError as exc:
         sys.stderr.write(f"sbus store: {args.dir}: {exc.strerror or exc}\n")
         return 1
     reason = STOPPED
-    with Runner(stream) as runner:
+    with Runner(stream, store.reload_policy) as runner:
         try:
             # A write in progress finishes first: the loop looks between batches.
             reason = store.run(runner.between_turns, wake=runner.fileno())

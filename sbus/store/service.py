@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import logschema as schema
+from ..access import askers as access
+from ..access.askers import Askers
 from ..client.protocol import MAX_MESSAGE, Message
 from ..client.reconnect import Reconnect
 from ..client.sync import Client
@@ -49,6 +51,7 @@ class Settings:
     stats_interval: float = 10.0
     max_message: int = MAX_MESSAGE
     flood: str = "discard"      # or "block": the broker's hard mode for the data connection
+    policy: Optional[str] = None    # --policy FILE: who may be answered what (docs/policy.md)
 
 
 @dataclass
@@ -74,7 +77,7 @@ class Counters(dict):
     NAMES = ("recorded", "recorded_bytes", "gaps", "lost_flood", "lost_unknown",
              "missed_disk_full", "requests", "requests_refused", "sessions_opened",
              "sessions_expired", "answers", "replayed", "retention_segments",
-             "retention_records", "retention_bytes", "private_skipped")
+             "retention_records", "retention_bytes", "private_skipped", "policy_refused")
 
     def __init__(self) -> None:
         super().__init__((n, 0) for n in self.NAMES)
@@ -84,6 +87,9 @@ class Store:
     def __init__(self, settings: Settings, logger) -> None:
         self.s = settings
         self.logger = logger
+        # Loaded before anything else: a file that does not load stops the
+        # store before it opens its log (PolicyError, FILE:LINE: reason).
+        self.askers = Askers(settings.policy) if settings.policy else None
         self.started = time.monotonic()
         self.recording = PatternSet(settings.patterns)
         self.counters = Counters()
@@ -369,6 +375,30 @@ class Store:
         self.counters["answers"] += 1
         self.requests.publish(reply, payload)
 
+    # -- the access policy (SIGUSR1, between turns) ------------------------------------
+
+    def reload_policy(self) -> bool:
+        return access.reload(self.askers, self.logger, self.revoke)
+
+    def revoke(self) -> int:
+        """End, with an error answer, every session the policy now in force
+        refuses: a follower stops getting what it may no longer read at once,
+        as a subscription sbusd's reload revokes does."""
+        ended = 0
+        for token, session in list(self.sessions.items()):
+            req = session.request
+            refusal = self.askers.refusal(req.reply, req.pattern)
+            if refusal is None:
+                continue
+            del self.sessions[token]
+            ended += 1
+            self.counters["policy_refused"] += 1
+            self.emit(schema.STORE_REQUEST_REFUSED, error=str(refusal),
+                      reply=req.reply.decode("utf-8", "backslashreplace"))
+            self.answer(req.reply, wire.answer(wire.ERROR, req.id, 0,
+                                               str(refusal).encode()))
+        return ended
+
     def on_ack(self, req: wire.Request) -> None:
         session = self.sessions.get(req.session)
         if session is None:
@@ -383,6 +413,11 @@ class Store:
                     req.pattern.decode("utf-8", "backslashreplace"),
                     ", ".join(repr(p.decode("utf-8", "backslashreplace"))
                               for p in self.recording.patterns)))
+        if self.askers is not None:
+            refusal = self.askers.refusal(req.reply, req.pattern)
+            if refusal is not None:
+                self.counters["policy_refused"] += 1
+                raise wire.RequestError(str(refusal))
         if len(self.sessions) >= MAX_SESSIONS:
             raise wire.RequestError(f"busy: {MAX_SESSIONS} sessions open")
         token = secrets.token_hex(8).encode()

@@ -121,6 +121,12 @@ class BrokerSim:
                   client=c["client"], pid=c["pid"], uid=c["uid"], gid=c["gid"], reason=reason,
                   detail=detail, duration_s=round(self.t - c["_since"], 6), counters=counters)
 
+    def deny(self, c, key, rule, action="drop", suppressed=0):
+        """A publish the access policy denied (logged at most 10 a second:
+        ``suppressed`` were left out before it)."""
+        self.emit(ls.PUBLISH_DENIED, "warning", client=c["client"], pid=c["pid"], uid=c["uid"],
+                  gid=c["gid"], key=key, rule=rule, action=action, suppressed=suppressed)
+
     def refuse_user(self):
         cid, self.next_id = self.next_id, self.next_id + 1
         self.emit(ls.CLIENT_DISCONNECT, "warning", client=cid, pid=4000 + cid, uid=666, gid=666,
@@ -209,6 +215,12 @@ def build_log():
     rng = random.Random(20261121)
     a = BrokerSim(rng, broker_pid=100, sample_rate=1.0)
     a.run(150, ["eof", "eof", "protocol_error", "flood_error", "oversize", "bang_misuse"])
+    # Denials by the access policy: no randomness, so the other records stay as they were.
+    first, last = list(a.clients.values())[0], list(a.clients.values())[-1]
+    for key, rule, suppressed in (("power/off", 0, 0), ("power/off", 0, 4), ("power/on", 0, 0),
+                                  ("billing/x", 3, 0)):
+        a.deny(first, key, rule, suppressed=suppressed)
+    a.deny(last, "billing/x", 3, "disconnect")
     for c in list(a.clients.values())[:-1]:
         a.disconnect(c, ls.DISCONNECT_SHUTDOWN)
     a.stats()
