@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import subprocess
 import textwrap
 
@@ -559,6 +560,19 @@ def test_explain_publish_and_subscribe():
 def test_explain_needs_a_gid_for_an_unknown_uid():
     r = sbus("explain", str(EXAMPLE), "--user", "4000000000", "publish", "x")
     assert r.returncode == 1 and "give --gid" in r.stderr
+
+
+def test_explain_into_a_closed_pipe_exits_quietly():
+    # As `sbus policy explain ... | head -c0`: the reader is gone before we write.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([SBUS, "policy", "explain", str(EXAMPLE), "--user", "0", "publish",
+                            "power/off"], stdout=write_end, stderr=subprocess.PIPE, text=True,
+                           timeout=60)
+    finally:
+        os.close(write_end)
+    assert (r.returncode, r.stderr) == (0, "")
 
 
 def test_the_docs_show_the_example_file_as_shipped():

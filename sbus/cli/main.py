@@ -433,6 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_gone(stdout) -> int:
+    """Our stdout went away (sbus sub | head): exit quietly, and keep the
+    interpreter from complaining when it flushes stdout at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -452,8 +459,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         except OSError as exc:
             return _fail(f"pub --file {args.file}: {exc.strerror or exc}")
     where = from_environment(args.address)
-    if hasattr(args, "standalone"):     # a long-running command with its own client (bridge, queue)
-        return args.standalone(args, where)
+    if hasattr(args, "standalone"):     # a command with its own client or none (bridge, policy)
+        try:
+            return args.standalone(args, where)
+        except BrokenPipeError:
+            return _stdout_gone(sys.stdout.buffer)
     stdout = sys.stdout.buffer
     reconnect = None
     if args.command == "sub" and args.reconnect:
@@ -473,10 +483,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        # Our stdout went away (sbus sub | head): exit quietly, and keep the
-        # interpreter from complaining when it flushes stdout at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
-        return 0
+        return _stdout_gone(stdout)
     except PatternRefusedError as exc:
         return _fail(str(exc))      # names the refused patterns and where it connected
     except BusClosedError:
