@@ -31,7 +31,7 @@ from sbus._core.growbuf cimport Buf, buf_append, buf_reserve
 from sbus._core.hub cimport Carried
 from sbus._core.includes.sys cimport ucred
 from sbus._core.index cimport Sub
-from sbus._core.peers cimport conn_open, restore_counts, restore_queued
+from sbus._core.peers cimport restore_counts, restore_queued
 from sbus._core.sendq cimport Packet, PacketStats, get_packet_stats, packet_new, sq_at
 from sbus._core.subs cimport prebuild_sub, discard_sub, restore_sub, restore_refused
 
@@ -482,9 +482,9 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
             cred.pid = <int>pid
             cred.uid = <unsigned int>uid
             cred.gid = <unsigned int>gid
-            # Charged to its uid's account by the rule admission and
-            # attach_link use (peers.account_for).
-            c = conn_open(&b.peers, fd, &cred, link, b.now)
+            # As admission and attach_link open one: the broker's lists grown
+            # for it, charged to its uid's account (peers.account_for).
+            c = b.open_conn(fd, &cred, link)
             c.id = conn_id
             c.pid = pid
             c.uid = uid
