@@ -507,9 +507,27 @@ def test_more_connections_than_a_fresh_broker_holds(buses):
         c.close()
     wait_until(lambda: bus.stats()["totals"]["clients"] == 2, TIMEOUT)  # pub, the probe
     assert alive(new_pid) and bus.pids[-1] == new_pid
-    os.kill(new_pid, signal.SIGTERM)
-    assert wait_gone(new_pid, TIMEOUT)
-    assert bus.records("broker_stop")
+
+
+def test_a_new_sbusd_with_many_connections_stops_cleanly(buses):
+    """Stopping closes every connection in one turn, each through the
+    closing list and out of the index: the list must hold all the restored
+    ones. Before, it wrote past its end, and the new sbusd crashed in
+    index_remove before it logged broker_stop."""
+    bus = buses()
+    clients = [bus.connect() for _ in range(200)]
+    for i, c in enumerate(clients):
+        c.sub(f"own/{i}/")
+    barrier(*clients)
+    upgraded(bus)
+    os.kill(bus.pid, signal.SIGTERM)
+    assert wait_gone(bus.pid, TIMEOUT)
+    (stop,) = bus.records("broker_stop")
+    assert stop["reason"] == "SIGTERM"
+    shutdown = [r for r in bus.records("client_disconnect") if r.get("reason") == "shutdown"]
+    assert len(shutdown) == len(clients)
+    for c in clients:
+        c.close()
 
 
 def test_upgrade_while_a_client_holds_the_bus(buses):
