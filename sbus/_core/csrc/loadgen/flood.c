@@ -104,6 +104,42 @@ out:
 	_exit(0);
 }
 
+/* The publisher: BATCH packets built once, each stamped with its sequence
+ * number before it goes. */
+struct flood_pub {
+	int fd;
+	size_t hdr;
+	uint64_t seq;
+	struct iovec iov[BATCH];
+	struct mmsghdr msgs[BATCH];
+};
+
+static void
+flood_send(void *ctx, uint64_t n)
+{
+	struct flood_pub *f = ctx;
+	while (n) {
+		int k = n < BATCH ? (int)n : BATCH;
+		for (int i = 0; i < k; i++) {
+			uint64_t seq = f->seq + i;
+			if (payload_size >= SEQ_BYTES)
+				memcpy((char *)f->iov[i].iov_base + f->hdr, &seq, sizeof(seq));
+		}
+		int done = 0;
+		while (done < k) {
+			int r = sendmmsg(f->fd, f->msgs + done, k - done, 0);
+			if (r < 0) {
+				if (errno == EINTR)
+					continue;
+				die("sendmmsg:");
+			}
+			done += r;
+		}
+		f->seq += k;
+		n -= k;
+	}
+}
+
 int
 flood(void)
 {
@@ -129,71 +165,30 @@ flood(void)
 		usleep(1000);
 	}
 
+	struct flood_pub pub = {.fd = fd};
 	char *bufs = malloc(BATCH * (payload_size + 128));
-	struct iovec iov[BATCH];
-	struct mmsghdr msgs[BATCH];
-	size_t hdr = (size_t)snprintf(NULL, 0, "MSG %s", BENCH_KEY) + 1;
+	if (!bufs)
+		die("out of memory");
+	pub.hdr = (size_t)snprintf(NULL, 0, "MSG %s", BENCH_KEY) + 1;
 	for (int i = 0; i < BATCH; i++) {
 		char *b = bufs + i * (payload_size + 128);
-		iov[i].iov_base = b;
-		iov[i].iov_len = build_packet(b, BENCH_KEY);
-		memset(&msgs[i], 0, sizeof(msgs[i]));
-		msgs[i].msg_hdr.msg_iov = &iov[i];
-		msgs[i].msg_hdr.msg_iovlen = 1;
+		pub.iov[i].iov_base = b;
+		pub.iov[i].iov_len = build_packet(b, BENCH_KEY);
+		memset(&pub.msgs[i], 0, sizeof(pub.msgs[i]));
+		pub.msgs[i].msg_hdr.msg_iov = &pub.iov[i];
+		pub.msgs[i].msg_hdr.msg_iovlen = 1;
 	}
 
 	double cpu0 = server_cpu();
-	double t0 = now(), deadline = t0 + duration, last_progress = t0;
-	uint64_t sent = 0, last_lo = 0, waits = 0;
-	int stalled = 0;
-	for (;;) {
-		if (now() >= deadline || (max_count && sent >= max_count))
-			break;
-		uint64_t lo = min_progress();
-		if (lo != last_lo) {
-			last_lo = lo;
-			last_progress = now();
-		}
-		uint64_t inflight = sent - (lo < sent ? lo : sent);
-		if (inflight + window / 4 > window) {
-			/* Sleep until a subscriber has drained to half the window. */
-			atomic_store(&sh->pub_waiting, 1);
-			uint32_t v = atomic_load(&sh->wake);
-			lo = min_progress();
-			if (sent - (lo < sent ? lo : sent) + window / 4 > window) {
-				struct timespec ts = {0, 100 * 1000 * 1000};
-				futex(&sh->wake, FUTEX_WAIT, v, &ts);
-				waits++;
-			}
-			atomic_store(&sh->pub_waiting, 0);
-			if (now() - last_progress > 5.0) {
-				stalled = 1;
-				break;
-			}
-			continue;
-		}
-		uint64_t room = window - inflight;
-		if (max_count && room > max_count - sent)
-			room = max_count - sent;
-		int n = room < BATCH ? (int)room : BATCH;
-		for (int i = 0; i < n; i++) {
-			uint64_t seq = sent + i;
-			if (payload_size >= SEQ_BYTES)
-				memcpy((char *)iov[i].iov_base + hdr, &seq, sizeof(seq));
-		}
-		int done = 0;
-		while (done < n) {
-			int r = sendmmsg(fd, msgs + done, n - done, 0);
-			if (r < 0) {
-				if (errno == EINTR)
-					continue;
-				die("sendmmsg:");
-			}
-			done += r;
-		}
-		sent += n;
-		atomic_store_explicit(&sh->sent, sent, memory_order_release);
-	}
+	double t0 = now();
+	/* Sleeps until a subscriber has drained to half the window once less
+	 * than a quarter of it is free; sends up to BATCH in one sendmmsg. */
+	struct pacing pace = {.t0 = t0, .deadline = t0 + duration,
+			      .quota = max_count ? max_count : UINT64_MAX,
+			      .need = window / 4, .most = BATCH};
+	uint64_t waits = 0;
+	uint64_t sent = publish(&pace, flood_send, &pub, &waits);
+	int stalled = atomic_load(&sh->stalled);
 	atomic_store(&sh->total, sent);
 	atomic_store(&sh->done, 1);
 

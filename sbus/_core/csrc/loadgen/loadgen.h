@@ -2,7 +2,8 @@
  * The load generator's contract between its files (see main.c for what it
  * does): the options every mode reads, the memory its processes share, the
  * helpers for talking to the broker (connect.c) and for timing and
- * reporting (measure.c), and one entry point per mode (flood.c, manypubs.c,
+ * reporting (measure.c), the publisher loop flood and manypubs share
+ * (publish.c), and one entry point per mode (flood.c, manypubs.c,
  * roundtrip.c for latency and wake, hold.c).
  */
 #ifndef SBUS_LOADGEN_H
@@ -113,6 +114,22 @@ double own_cpu(void);
 uint64_t min_progress(void);
 void print_common(const char *mode, double seconds, double cpu);
 void print_percentiles(double *rtt, size_t n);
+
+/* publish.c: how one publisher process paces its messages. */
+struct pacing {
+	double t0, deadline;	/* the run's start and end (now() seconds) */
+	double rate;		/* messages/s this process offers; 0: the window paces */
+	uint64_t quota;		/* messages this process sends at most */
+	uint64_t need;		/* window pacing: room awaited before a chunk is sent */
+	uint64_t most;		/* window pacing: messages in one chunk at most */
+};
+
+/* Sends chunks of messages through send(ctx, n) as p paces them, counting
+ * them in sh->sent first, until the deadline, the quota or a stall (then
+ * sh->stalled is set); the messages sent. waits: the times it slept on the
+ * window. */
+uint64_t publish(const struct pacing *p, void (*send)(void *ctx, uint64_t n), void *ctx,
+		 uint64_t *waits);
 
 /* The modes: each returns the process's exit status. */
 int flood(void);

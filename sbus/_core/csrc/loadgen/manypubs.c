@@ -135,49 +135,47 @@ out:
 	_exit(0);
 }
 
-/* Waits until the window has room for `chunk` more messages; 0 when the
- * subscribers made no progress for 5 s (stalled). */
-static int
-wait_window(uint64_t chunk)
+/* Publishers first..first+count-1 of a manypubs run, all in this process:
+ * one message on each connection in turn. */
+struct pubs {
+	int first, count, next_fd;
+	int *fds;
+	uint64_t *seq;		/* each publisher's next sequence number */
+	char *pkt;
+	size_t len, hdr;
+};
+
+static void
+pubs_send(void *ctx, uint64_t n)
 {
-	double since = now();
-	uint64_t last = min_progress();
-	for (;;) {
-		uint64_t sent = atomic_load(&sh->sent), lo = min_progress();
-		if (sent - (lo < sent ? lo : sent) + chunk <= window)
-			return 1;
-		if (lo != last) {
-			last = lo;
-			since = now();
-		} else if (now() - since > 5.0)
-			return 0;
-		atomic_fetch_add(&sh->pub_waiting, 1);
-		uint32_t v = atomic_load(&sh->wake);
-		sent = atomic_load(&sh->sent);
-		lo = min_progress();
-		if (sent - (lo < sent ? lo : sent) + chunk > window) {
-			struct timespec ts = {0, 100 * 1000 * 1000};
-			futex(&sh->wake, FUTEX_WAIT, v, &ts);
-		}
-		atomic_fetch_sub(&sh->pub_waiting, 1);
+	struct pubs *g = ctx;
+	for (uint64_t k = 0; k < n; k++) {
+		uint32_t pub = (uint32_t)(g->first + g->next_fd);
+		uint64_t ns = mono_ns();
+		memcpy(g->pkt + g->hdr, &g->seq[g->next_fd], 8);
+		memcpy(g->pkt + g->hdr + 8, &pub, 4);
+		memcpy(g->pkt + g->hdr + 12, &ns, 8);
+		send_packet(g->fds[g->next_fd], g->pkt, g->len);
+		g->seq[g->next_fd]++;
+		g->next_fd = g->next_fd + 1 == g->count ? 0 : g->next_fd + 1;
 	}
 }
 
-/* Publishers first..first+count-1 of a manypubs run, all in this process:
- * one message on each connection in turn, paced by the window or by the
- * offered rate. */
+/* Paced by the window, or by the offered rate (this process's share). */
 static void
 pub_proc(int first, int count, uint64_t quota)
 {
-	int *fds = malloc(count * sizeof(int));
-	uint64_t *seq = calloc(count, sizeof(uint64_t));
-	char *pkt = malloc(payload_size + 128);
-	if (!fds || !seq || !pkt)
+	struct pubs g = {.first = first, .count = count};
+	g.fds = malloc(count * sizeof(int));
+	g.seq = calloc(count, sizeof(uint64_t));
+	g.pkt = malloc(payload_size + 128);
+	if (!g.fds || !g.seq || !g.pkt)
 		die("out of memory");
 	for (int i = 0; i < count; i++)
-		fds[i] = connect_bus();
-	sync_clients(fds, count, 4000000 + first);
-	size_t len = build_packet(pkt, BENCH_KEY), hdr = len - payload_size;
+		g.fds[i] = connect_bus();
+	sync_clients(g.fds, count, 4000000 + first);
+	g.len = build_packet(g.pkt, BENCH_KEY);
+	g.hdr = g.len - payload_size;
 	atomic_fetch_add(&sh->ready, 1);
 	while (!atomic_load(&sh->go))
 		if (atomic_load(&sh->finish))
@@ -185,50 +183,16 @@ pub_proc(int first, int count, uint64_t quota)
 		else
 			usleep(200);
 
-	double t0 = sh->t0, deadline = t0 + duration;
-	double rate = offered_rate * count / n_pubs;	/* this process's share */
-	uint64_t sent = 0;
-	int next_fd = 0;
-	for (;;) {
-		double t = now();
-		if (t >= deadline || sent >= quota)
-			break;
-		uint64_t chunk;
-		if (rate > 0) {
-			uint64_t due = (uint64_t)((t - t0) * rate);
-			if (due <= sent) {
-				double wait = t0 + (sent + 1) / rate - t;
-				struct timespec ts = {(time_t)wait, (long)((wait - (time_t)wait) * 1e9)};
-				nanosleep(&ts, NULL);
-				continue;
-			}
-			chunk = due - sent;
-		} else {
-			chunk = count < 64 ? (uint64_t)count : 64;
-			if (chunk > window / 4)
-				chunk = window / 4;
-			if (!wait_window(chunk)) {
-				atomic_store(&sh->stalled, 1);
-				break;
-			}
-		}
-		if (chunk > quota - sent)
-			chunk = quota - sent;
-		atomic_fetch_add_explicit(&sh->sent, chunk, memory_order_release);
-		for (uint64_t k = 0; k < chunk; k++) {
-			uint32_t pub = (uint32_t)(first + next_fd);
-			uint64_t ns = mono_ns();
-			memcpy(pkt + hdr, &seq[next_fd], 8);
-			memcpy(pkt + hdr + 8, &pub, 4);
-			memcpy(pkt + hdr + 12, &ns, 8);
-			send_packet(fds[next_fd], pkt, len);
-			seq[next_fd]++;
-			next_fd = next_fd + 1 == count ? 0 : next_fd + 1;
-		}
-		sent += chunk;
-	}
+	uint64_t chunk = count < 64 ? (uint64_t)count : 64;
+	if (chunk > window / 4)
+		chunk = window / 4;
+	struct pacing pace = {.t0 = sh->t0, .deadline = sh->t0 + duration,
+			      .rate = offered_rate * count / n_pubs, .quota = quota,
+			      .need = chunk, .most = chunk};
+	uint64_t waits = 0;
+	publish(&pace, pubs_send, &g, &waits);
 	for (int i = 0; i < count; i++)
-		sh->pub_sent[first + i] = seq[i];
+		sh->pub_sent[first + i] = g.seq[i];
 	_exit(0);
 }
 
