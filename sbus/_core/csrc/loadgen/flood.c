@@ -2,14 +2,37 @@
  * IDLE clients holding patterns that never match (manysubs, manywild). */
 #include "loadgen.h"
 
+/* A flood subscriber's count: one sequence of numbers, from 0. */
+static void
+flood_take(struct receiver *r, const char *payload, uint64_t t_ns)
+{
+	(void)t_ns;
+	uint64_t seq;
+	memcpy(&seq, payload, sizeof(seq));
+	r->slot->received++;
+	if (seq == r->progress)
+		r->progress++;
+	else if (seq > r->progress) {
+		r->slot->lost += seq - r->progress;
+		r->progress = seq + 1;
+	} else
+		r->slot->reordered++;
+}
+
+static void
+flood_tail(struct receiver *r)
+{
+	uint64_t total = atomic_load(&sh->total);
+	r->slot->lost += total - r->progress;
+	r->slot->tail += total - r->progress;
+	r->progress = total;
+}
+
 static void
 subscriber(int idx, int slow)
 {
-	struct sub_slot *slot = &sh->sub[idx];
+	struct receiver r = {.slot = &sh->sub[idx], .take = flood_take, .tail = flood_tail};
 	int fd = connect_bus();
-	char pkt_template[256];
-	size_t hdr = (size_t)sprintf(pkt_template, "MSG %s", BENCH_KEY) + 1;
-	size_t pkt_len = hdr + payload_size;
 
 	send_cmd(fd, "SUB", BENCH_KEY);
 	if (slow) {
@@ -24,84 +47,8 @@ subscriber(int idx, int slow)
 			usleep(20000);
 		_exit(0);
 	}
-
-	size_t bufsize = pkt_len + 64;
-	char *bufs = malloc(bufsize * BATCH);
-	struct iovec iov[BATCH];
-	struct mmsghdr msgs[BATCH];
-	for (int i = 0; i < BATCH; i++) {
-		iov[i].iov_base = bufs + i * bufsize;
-		iov[i].iov_len = bufsize;
-		memset(&msgs[i], 0, sizeof(msgs[i]));
-		msgs[i].msg_hdr.msg_iov = &iov[i];
-		msgs[i].msg_hdr.msg_iovlen = 1;
-	}
-	set_timeout(fd, 0.1);
-
-	uint64_t next = 0;
-	double idle_since = 0;
-	for (;;) {
-		int n = recvmmsg(fd, msgs, BATCH, MSG_WAITFORONE, NULL);
-		if (n < 0) {
-			if (errno == EINTR)
-				continue;
-			if (errno != EAGAIN && errno != EWOULDBLOCK)
-				die("recvmmsg:");
-			if (atomic_load(&sh->finish))
-				break;
-			if (atomic_load(&sh->done)) {
-				uint64_t total = atomic_load(&sh->total);
-				if (next >= total)
-					break;
-				if (!idle_since)
-					idle_since = now();
-				else if (now() - idle_since > 1.0) {
-					/* The tail never came: the broker stalled or dropped it. */
-					slot->lost += total - next;
-					slot->tail += total - next;
-					next = total;
-					break;
-				}
-			}
-			continue;
-		}
-		idle_since = 0;
-		for (int i = 0; i < n; i++) {
-			const char *p = iov[i].iov_base;
-			if (msgs[i].msg_len == 0) {
-				slot->eof = 1;
-				goto out;
-			}
-			if (msgs[i].msg_len != pkt_len || (msgs[i].msg_hdr.msg_flags & MSG_TRUNC) ||
-			    memcmp(p, pkt_template, hdr)) {
-				slot->bad++;
-				continue;
-			}
-			uint64_t seq;
-			memcpy(&seq, p + hdr, sizeof(seq));
-			slot->received++;
-			if (seq == next)
-				next++;
-			else if (seq > next) {
-				slot->lost += seq - next;
-				next = seq + 1;
-			} else
-				slot->reordered++;
-		}
-		slot->t_last = now();
-		atomic_store_explicit(&slot->next, next, memory_order_seq_cst);
-		if (atomic_load(&sh->pub_waiting) &&
-		    atomic_load_explicit(&sh->sent, memory_order_relaxed) - next <= window / 2) {
-			atomic_fetch_add(&sh->wake, 1);
-			futex(&sh->wake, FUTEX_WAKE, INT_MAX, NULL);
-		}
-		if (atomic_load(&sh->done) && next >= atomic_load(&sh->total))
-			break;
-	}
-out:
-	slot->finished = 1;
-	atomic_store(&slot->next, UINT64_MAX / 2);	/* never hold the publisher back again */
-	_exit(0);
+	receive(fd, &r);
+	leave(r.slot);
 }
 
 /* The publisher: BATCH packets built once, each stamped with its sequence

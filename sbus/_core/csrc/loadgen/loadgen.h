@@ -2,9 +2,9 @@
  * The load generator's contract between its files (see main.c for what it
  * does): the options every mode reads, the memory its processes share, the
  * helpers for talking to the broker (connect.c) and for timing and
- * reporting (measure.c), the publisher loop flood and manypubs share
- * (publish.c), and one entry point per mode (flood.c, manypubs.c,
- * roundtrip.c for latency and wake, hold.c).
+ * reporting (measure.c), the publisher and subscriber loops flood and
+ * manypubs share (publish.c, subscribe.c), and one entry point per mode
+ * (flood.c, manypubs.c, roundtrip.c for latency and wake, hold.c).
  */
 #ifndef SBUS_LOADGEN_H
 #define SBUS_LOADGEN_H
@@ -130,6 +130,24 @@ struct pacing {
  * window. */
 uint64_t publish(const struct pacing *p, void (*send)(void *ctx, uint64_t n), void *ctx,
 		 uint64_t *waits);
+
+/* subscribe.c: one subscriber process. The mode embeds a receiver first in
+ * its own struct, and counts what arrives in take and tail. */
+struct receiver {
+	struct sub_slot *slot;
+	uint64_t progress;	/* messages accounted for: what the window sees */
+	int timed;		/* take is given the batch's time of receipt (mono_ns) */
+	/* One packet as the publishers send it: its payload. */
+	void (*take)(struct receiver *r, const char *payload, uint64_t t_ns);
+	/* Everything was sent, and what is missing never came. */
+	void (*tail)(struct receiver *r);
+};
+
+/* Receives on fd until everything sent arrived, the tail is given up on or
+ * the run finishes (EOF: slot->eof). */
+void receive(int fd, struct receiver *r);
+/* The subscriber is finished: it holds no publisher back; exits. */
+void leave(struct sub_slot *slot) __attribute__((noreturn));
 
 /* The modes: each returns the process's exit status. */
 int flood(void);

@@ -17,122 +17,77 @@ cmp_float(const void *a, const void *b)
 }
 
 /* A manypubs subscriber: counts loss and order per publisher and times each
- * delivery from the publisher's send.  Its progress (slot->next) is the sum
- * of every publisher's next expected sequence number. */
+ * delivery from the publisher's send.  Its progress is the sum of every
+ * publisher's next expected sequence number. */
+struct pubs_receiver {
+	struct receiver r;	/* first: take and tail are given it */
+	uint64_t *next;		/* each publisher's next sequence number expected */
+	float *lat;		/* publish-to-delivery latencies, in microseconds */
+	size_t nlat;
+};
+
+static void
+pubs_take(struct receiver *r, const char *payload, uint64_t t_ns)
+{
+	struct pubs_receiver *s = (struct pubs_receiver *)r;
+	uint64_t seq, sent_ns;
+	uint32_t pub;
+	memcpy(&seq, payload, 8);
+	memcpy(&pub, payload + 8, 4);
+	memcpy(&sent_ns, payload + 12, 8);
+	if (pub >= (uint32_t)n_pubs) {
+		r->slot->bad++;
+		return;
+	}
+	r->slot->received++;
+	if (seq == s->next[pub]) {
+		s->next[pub]++;
+		r->progress++;
+	} else if (seq > s->next[pub]) {
+		r->slot->lost += seq - s->next[pub];
+		r->progress += seq + 1 - s->next[pub];
+		s->next[pub] = seq + 1;
+	} else
+		r->slot->reordered++;
+	if (s->nlat < LAT_SAMPLES)
+		s->lat[s->nlat++] = t_ns > sent_ns ? (t_ns - sent_ns) * 1e-3f : 0;
+}
+
+static void
+pubs_tail(struct receiver *r)
+{
+	struct pubs_receiver *s = (struct pubs_receiver *)r;
+	for (int p = 0; p < n_pubs; p++)
+		if (s->next[p] < sh->pub_sent[p]) {
+			r->slot->lost += sh->pub_sent[p] - s->next[p];
+			r->slot->tail += sh->pub_sent[p] - s->next[p];
+		}
+}
+
 static void
 pubs_subscriber(int idx)
 {
 	static const char block[] = "CMSG blocking/hard/block";
-	struct sub_slot *slot = &sh->sub[idx];
-	int fd = connect_bus();
-	char pkt_template[256];
-	size_t hdr = (size_t)sprintf(pkt_template, "MSG %s", BENCH_KEY) + 1;
-	size_t pkt_len = hdr + payload_size;
-	uint64_t *next = calloc(n_pubs, sizeof(uint64_t));
-	float *lat = malloc(LAT_SAMPLES * sizeof(float));
-	size_t nlat = 0;
-	if (!next || !lat)
+	struct pubs_receiver s = {
+		.r = {.slot = &sh->sub[idx], .timed = 1, .take = pubs_take, .tail = pubs_tail},
+		.next = calloc(n_pubs, sizeof(uint64_t)),
+		.lat = malloc(LAT_SAMPLES * sizeof(float)),
+	};
+	if (!s.next || !s.lat)
 		die("out of memory");
+	int fd = connect_bus();
 
 	send_cmd(fd, "SUB", BENCH_KEY);
 	send_packet(fd, block, sizeof(block) - 1);
 	sync_clients(&fd, 1, 1000000 + idx);
 	atomic_fetch_add(&sh->ready, 1);
 
-	size_t bufsize = pkt_len + 64;
-	char *bufs = malloc(bufsize * BATCH);
-	struct iovec iov[BATCH];
-	struct mmsghdr msgs[BATCH];
-	for (int i = 0; i < BATCH; i++) {
-		iov[i].iov_base = bufs + i * bufsize;
-		iov[i].iov_len = bufsize;
-		memset(&msgs[i], 0, sizeof(msgs[i]));
-		msgs[i].msg_hdr.msg_iov = &iov[i];
-		msgs[i].msg_hdr.msg_iovlen = 1;
-	}
-	set_timeout(fd, 0.1);
-
-	uint64_t progress = 0;
-	double idle_since = 0;
-	for (;;) {
-		int n = recvmmsg(fd, msgs, BATCH, MSG_WAITFORONE, NULL);
-		if (n < 0) {
-			if (errno == EINTR)
-				continue;
-			if (errno != EAGAIN && errno != EWOULDBLOCK)
-				die("recvmmsg:");
-			if (atomic_load(&sh->finish))
-				break;
-			if (atomic_load(&sh->done)) {
-				if (progress >= atomic_load(&sh->total))
-					break;
-				if (!idle_since)
-					idle_since = now();
-				else if (now() - idle_since > 1.0) {
-					/* The tails never came: the broker stalled or dropped them. */
-					for (int p = 0; p < n_pubs; p++)
-						if (next[p] < sh->pub_sent[p]) {
-							slot->lost += sh->pub_sent[p] - next[p];
-							slot->tail += sh->pub_sent[p] - next[p];
-						}
-					break;
-				}
-			}
-			continue;
-		}
-		idle_since = 0;
-		uint64_t t_now = mono_ns();
-		for (int i = 0; i < n; i++) {
-			const char *p = iov[i].iov_base;
-			if (msgs[i].msg_len == 0) {
-				slot->eof = 1;
-				goto out;
-			}
-			uint64_t seq, sent_ns;
-			uint32_t pub;
-			if (msgs[i].msg_len != pkt_len || (msgs[i].msg_hdr.msg_flags & MSG_TRUNC) ||
-			    memcmp(p, pkt_template, hdr)) {
-				slot->bad++;
-				continue;
-			}
-			memcpy(&seq, p + hdr, 8);
-			memcpy(&pub, p + hdr + 8, 4);
-			memcpy(&sent_ns, p + hdr + 12, 8);
-			if (pub >= (uint32_t)n_pubs) {
-				slot->bad++;
-				continue;
-			}
-			slot->received++;
-			if (seq == next[pub]) {
-				next[pub]++;
-				progress++;
-			} else if (seq > next[pub]) {
-				slot->lost += seq - next[pub];
-				progress += seq + 1 - next[pub];
-				next[pub] = seq + 1;
-			} else
-				slot->reordered++;
-			if (nlat < LAT_SAMPLES)
-				lat[nlat++] = t_now > sent_ns ? (t_now - sent_ns) * 1e-3f : 0;
-		}
-		slot->t_last = now();
-		atomic_store_explicit(&slot->next, progress, memory_order_seq_cst);
-		if (atomic_load(&sh->pub_waiting) &&
-		    atomic_load_explicit(&sh->sent, memory_order_relaxed) - progress <= window / 2) {
-			atomic_fetch_add(&sh->wake, 1);
-			futex(&sh->wake, FUTEX_WAKE, INT_MAX, NULL);
-		}
-		if (atomic_load(&sh->done) && progress >= atomic_load(&sh->total))
-			break;
-	}
-out:
-	qsort(lat, nlat, sizeof(float), cmp_float);
-	slot->p50_us = percentile(lat, nlat, 50);
-	slot->p99_us = percentile(lat, nlat, 99);
-	slot->max_us = nlat ? lat[nlat - 1] : 0;
-	slot->finished = 1;
-	atomic_store(&slot->next, UINT64_MAX / 2);	/* never hold the publishers back again */
-	_exit(0);
+	receive(fd, &s.r);
+	qsort(s.lat, s.nlat, sizeof(float), cmp_float);
+	s.r.slot->p50_us = percentile(s.lat, s.nlat, 50);
+	s.r.slot->p99_us = percentile(s.lat, s.nlat, 99);
+	s.r.slot->max_us = s.nlat ? s.lat[s.nlat - 1] : 0;
+	leave(s.r.slot);
 }
 
 /* Publishers first..first+count-1 of a manypubs run, all in this process:
