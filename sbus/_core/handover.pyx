@@ -23,7 +23,7 @@ lists for it).
 """
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport malloc, realloc, free
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcpy
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 
 from sbus._core.broker cimport Broker
@@ -41,7 +41,7 @@ from sbus._core.sendq cimport (
     Packet, get_packet_stats, packet_restore, restore_peak, sq_bytes, sq_live, sq_next)
 from sbus._core.subs cimport (
     charged, conn_pattern, conn_sub_bytes, conn_subs, discard_sub, prebuild_sub,
-    refused_count, restore_refused, restore_sub)
+    refused_count, restore_refused, restore_sub, stores)
 
 import json
 import zlib
@@ -533,7 +533,7 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
                     k = get_u32(&r)
                     pat = get_span(&r, k)
                     sub = pre.subs[first + j]
-                    if sub == NULL or sub.len != k or memcmp(sub.pattern, pat, k) != 0:
+                    if sub == NULL or not stores(sub, pat, k):
                         same = False
                         break
                 r.p = mark
