@@ -72,6 +72,7 @@ cdef int give_sndbuf(Peers *t, int fd) noexcept          # room for the largest 
 # unlimited for sbusd's own uid and for the link (docs/security.md).
 cdef Account *account_for(Peers *t, int64_t uid, bint link) except NULL
 # A record for fd in the table, in the default modes, charged to its account.
+# Only through Hub.open_conn: the broker's per-connection lists must grow first.
 cdef Conn *conn_open(Peers *t, int fd, ucred *cred, bint link, double now) except NULL
 # Out of the table: fd closed, queue dropped (returns how many packets),
 # account uncharged. Its subscriptions must be gone already; conn_free frees it.
