@@ -149,22 +149,9 @@ flood(void)
 	for (int i = n_subs; i < n_subs + n_slow; i++)
 		waitpid(pids[i], NULL, 0);
 
-	double t_end = t0;
-	uint64_t received = 0, lost = 0, reordered = 0, bad = 0, tail = 0;
-	int eof = 0, unfinished = 0;
-	for (int i = 0; i < n_subs; i++) {
-		struct sub_slot *s = &sh->sub[i];
-		if (s->t_last > t_end)
-			t_end = s->t_last;
-		received += s->received;
-		lost += s->lost;
-		reordered += s->reordered;
-		bad += s->bad;
-		tail += s->tail;
-		eof += s->eof;
-		unfinished += !s->finished;
-	}
-	double seconds = t_end - t0;
+	struct sub_totals st;
+	sum_subscribers(t0, &st);
+	double seconds = st.t_end - t0;
 	double cpu = cpu0 >= 0 && cpu1 >= 0 ? cpu1 - cpu0 : -1;
 	print_common("flood", seconds, cpu);
 	printf(",\"subscribers\":%d,\"slow\":%d,\"idle_clients\":%d,\"idle_patterns\":%d,"
@@ -173,14 +160,14 @@ flood(void)
 	       "\"stalled\":%s,\"publisher_waits\":%llu,\"msgs_per_s\":%.1f,\"deliveries_per_s\":%.1f,"
 	       "\"server_cpu_us_per_delivery\":%.4f,\"server_cpu_us_per_msg\":%.4f}\n",
 	       n_subs, n_slow, n_idle, n_idle ? n_pats : 0, (unsigned long long)window,
-	       (unsigned long long)sent, (unsigned long long)received,
-	       (unsigned long long)sent * n_subs, (unsigned long long)lost, (unsigned long long)tail,
-	       (unsigned long long)reordered, (unsigned long long)bad, eof, unfinished,
+	       (unsigned long long)sent, (unsigned long long)st.received,
+	       (unsigned long long)sent * n_subs, (unsigned long long)st.lost, (unsigned long long)st.tail,
+	       (unsigned long long)st.reordered, (unsigned long long)st.bad, st.eof, st.unfinished,
 	       stalled ? "true" : "false", (unsigned long long)waits,
-	       seconds > 0 ? sent / seconds : 0, seconds > 0 ? received / seconds : 0,
-	       cpu >= 0 && received ? cpu * 1e6 / received : -1, cpu >= 0 && sent ? cpu * 1e6 / sent : -1);
+	       seconds > 0 ? sent / seconds : 0, seconds > 0 ? st.received / seconds : 0,
+	       cpu >= 0 && st.received ? cpu * 1e6 / st.received : -1, cpu >= 0 && sent ? cpu * 1e6 / sent : -1);
 	fflush(stdout);
 	for (int i = 0; i < n_idle; i++)
 		close(idle[i]);
-	return stalled || lost || reordered || bad || eof || unfinished ? 2 : 0;
+	return stalled || st.lost || st.reordered || st.bad || st.eof || st.unfinished ? 2 : 0;
 }

@@ -149,6 +149,16 @@ void receive(int fd, struct receiver *r);
 /* The subscriber is finished: it holds no publisher back; exits. */
 void leave(struct sub_slot *slot) __attribute__((noreturn));
 
+/* What the subscribers counted, together; latencies are the worst one's. */
+struct sub_totals {
+	double t_end;		/* the last receipt, or t0 */
+	uint64_t received, lost, reordered, bad, tail;
+	int eof, unfinished;
+	double p50_us, p99_us, max_us;
+};
+
+void sum_subscribers(double t0, struct sub_totals *out);
+
 /* The modes: each returns the process's exit status. */
 int flood(void);
 int manypubs(void);

@@ -213,26 +213,11 @@ manypubs(void)
 	double cpu1 = server_cpu();
 	atomic_store(&sh->finish, 1);
 
-	double t0 = sh->t0, t_end = t0, p50 = 0, p99 = 0, worst = 0;
-	uint64_t received = 0, lost = 0, reordered = 0, bad = 0, tail = 0;
-	int eof = 0, unfinished = 0, stalled = atomic_load(&sh->stalled);
-	for (int i = 0; i < n_subs; i++) {
-		struct sub_slot *s = &sh->sub[i];
-		if (s->t_last > t_end)
-			t_end = s->t_last;
-		received += s->received;
-		lost += s->lost;
-		reordered += s->reordered;
-		bad += s->bad;
-		tail += s->tail;
-		eof += s->eof;
-		unfinished += !s->finished;
-		/* the worst subscriber's */
-		p50 = s->p50_us > p50 ? s->p50_us : p50;
-		p99 = s->p99_us > p99 ? s->p99_us : p99;
-		worst = s->max_us > worst ? s->max_us : worst;
-	}
-	double seconds = t_end - t0;
+	double t0 = sh->t0;
+	int stalled = atomic_load(&sh->stalled);
+	struct sub_totals st;
+	sum_subscribers(t0, &st);
+	double seconds = st.t_end - t0;
 	double cpu = cpu0 >= 0 && cpu1 >= 0 ? cpu1 - cpu0 : -1;
 	print_common("manypubs", seconds, cpu);
 	printf(",\"publishers\":%d,\"publisher_procs\":%d,\"offered_rate\":%.1f,\"subscribers\":%d,"
@@ -242,13 +227,13 @@ manypubs(void)
 	       "\"server_cpu_us_per_delivery\":%.4f,\"server_cpu_us_per_msg\":%.4f,"
 	       "\"p50_us\":%.2f,\"p99_us\":%.2f,\"max_us\":%.2f}\n",
 	       n_pubs, n_pub_procs, offered_rate, n_subs, (unsigned long long)window,
-	       (unsigned long long)sent, (unsigned long long)received,
-	       (unsigned long long)sent * n_subs, (unsigned long long)lost, (unsigned long long)tail,
-	       (unsigned long long)reordered, (unsigned long long)bad, eof, unfinished,
+	       (unsigned long long)sent, (unsigned long long)st.received,
+	       (unsigned long long)sent * n_subs, (unsigned long long)st.lost, (unsigned long long)st.tail,
+	       (unsigned long long)st.reordered, (unsigned long long)st.bad, st.eof, st.unfinished,
 	       stalled ? "true" : "false",
-	       seconds > 0 ? sent / seconds : 0, seconds > 0 ? received / seconds : 0,
-	       cpu >= 0 && received ? cpu * 1e6 / received : -1, cpu >= 0 && sent ? cpu * 1e6 / sent : -1,
-	       p50, p99, worst);
+	       seconds > 0 ? sent / seconds : 0, seconds > 0 ? st.received / seconds : 0,
+	       cpu >= 0 && st.received ? cpu * 1e6 / st.received : -1, cpu >= 0 && sent ? cpu * 1e6 / sent : -1,
+	       st.p50_us, st.p99_us, st.max_us);
 	fflush(stdout);
-	return stalled || lost || reordered || bad || eof || unfinished ? 2 : 0;
+	return stalled || st.lost || st.reordered || st.bad || st.eof || st.unfinished ? 2 : 0;
 }

@@ -85,3 +85,25 @@ leave(struct sub_slot *slot)
 	atomic_store(&slot->next, UINT64_MAX / 2);	/* never hold a publisher back again */
 	_exit(0);
 }
+
+void
+sum_subscribers(double t0, struct sub_totals *out)
+{
+	memset(out, 0, sizeof(*out));
+	out->t_end = t0;
+	for (int i = 0; i < n_subs; i++) {
+		struct sub_slot *s = &sh->sub[i];
+		if (s->t_last > out->t_end)
+			out->t_end = s->t_last;
+		out->received += s->received;
+		out->lost += s->lost;
+		out->reordered += s->reordered;
+		out->bad += s->bad;
+		out->tail += s->tail;
+		out->eof += s->eof;
+		out->unfinished += !s->finished;
+		out->p50_us = s->p50_us > out->p50_us ? s->p50_us : out->p50_us;
+		out->p99_us = s->p99_us > out->p99_us ? s->p99_us : out->p99_us;
+		out->max_us = s->max_us > out->max_us ? s->max_us : out->max_us;
+	}
+}
