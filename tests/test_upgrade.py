@@ -478,6 +478,58 @@ def test_every_connections_modes_and_counters_cross(buses):
     assert dead_now()["drops_disconnect"] == dead_entry["drops_disconnect"] + 1
 
 
+def test_more_connections_than_a_fresh_broker_holds(buses):
+    """A fresh broker sizes its per-connection lists (a message's recipients,
+    the turn's touched and closing connections, the paused) for 64
+    connections; the new process must grow them for every connection it
+    restores. They once stayed at 64: fanning out to the restored clients
+    wrote past them, and the new sbusd crashed (in index_remove, or malloc
+    aborting on the corrupted heap) as clients came, subscribed and left."""
+    bus = buses()
+    many = 200
+    clients = [bus.connect() for _ in range(many)]
+    for c in clients:
+        c.sub("all/")
+    barrier(*clients)
+    pub = bus.connect()
+    upgraded(bus)
+    new_pid = bus.pid
+    for round_ in range(3):
+        pub.pub(f"all/{round_}", b"x")
+        for c in clients:
+            assert c.recv(1 << 16) == b"MSG all/%d\0x" % round_
+        # Newcomers grow the lists from where the restore left them.
+        clients += [bus.connect() for _ in range(many)]
+        for c in clients[-many:]:
+            c.sub("all/")
+        barrier(pub, *clients)
+    for c in clients:
+        c.close()
+    wait_until(lambda: bus.stats()["totals"]["clients"] == 2, TIMEOUT)  # pub, the probe
+    assert alive(new_pid) and bus.pids[-1] == new_pid
+
+
+def test_a_new_sbusd_with_many_connections_stops_cleanly(buses):
+    """Stopping closes every connection in one turn, each through the
+    closing list and out of the index: the list must hold all the restored
+    ones. Before, it wrote past its end, and the new sbusd crashed in
+    index_remove before it logged broker_stop."""
+    bus = buses()
+    clients = [bus.connect() for _ in range(200)]
+    for i, c in enumerate(clients):
+        c.sub(f"own/{i}/")
+    barrier(*clients)
+    upgraded(bus)
+    os.kill(bus.pid, signal.SIGTERM)
+    assert wait_gone(bus.pid, TIMEOUT)
+    (stop,) = bus.records("broker_stop")
+    assert stop["reason"] == "SIGTERM"
+    shutdown = [r for r in bus.records("client_disconnect") if r.get("reason") == "shutdown"]
+    assert len(shutdown) == len(clients)
+    for c in clients:
+        c.close()
+
+
 def test_upgrade_while_a_client_holds_the_bus(buses):
     """A client in blocking/soft/block mode with a full socket holds the bus
     and the publisher is paused: both states cross, and once it reads,

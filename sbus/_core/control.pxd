@@ -36,11 +36,24 @@ cdef class Control:
     # The length of "<upstream credentials>/" that starts a pattern in the
     # nested form under this leaf's own upstream identity, else 0.
     cdef size_t nested_prefix(self, const char *pat, size_t n) noexcept
-    # The hand-over: what the old process's Control knew.
+    # The hand-over: what the old process's Control knew, as carry gives it
+    # (upstream_cred, upstream_state, ignored).
+    cdef tuple carry(self)
     cdef int restore(self, bytes upstream_cred, dict upstream_state, uint64_t ignored) except -1
     cdef bint restore_link(self, Conn *c) noexcept   # False: it has one already
 
 
 cdef bytes stats_reply(dict snapshot, size_t max_message)
-# Whether a connection's modes are ones it could have set (the hand-over).
-cdef bint modes_valid(uint8_t soft, uint8_t hard, uint8_t order) noexcept
+
+
+# A connection's modes, as its CMSGs set them (the hand-over carries them).
+cdef struct Modes:
+    uint8_t soft            # conn Mode
+    uint8_t hard            # conn Mode, never MODE_QUEUE
+    uint8_t order           # sendq Order
+    uint8_t echo
+
+
+cdef void modes_of(const Conn *c, Modes *out) noexcept
+# False, c unchanged: modes no connection could have set.
+cdef bint restore_modes(Conn *c, const Modes *m) noexcept

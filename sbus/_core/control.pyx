@@ -1,6 +1,6 @@
 # cython: language_level=3
 """Control messages and the upstream link (see control.pxd)."""
-from libc.stdint cimport uint8_t, uint64_t, int64_t
+from libc.stdint cimport uint64_t, int64_t
 from libc.string cimport memcmp
 
 from sbus._core cimport report
@@ -145,6 +145,9 @@ cdef class Control:
             return olen + 1
         return 0
 
+    cdef tuple carry(self):
+        return self.upstream_cred, self.upstream_state, self.ignored
+
     cdef int restore(self, bytes upstream_cred, dict upstream_state, uint64_t ignored) except -1:
         self.upstream_cred = upstream_cred
         self.upstream_state = upstream_state
@@ -166,5 +169,19 @@ cdef bytes stats_reply(dict snapshot, size_t max_message):
     return b"CMSG stats\0" + body
 
 
-cdef bint modes_valid(uint8_t soft, uint8_t hard, uint8_t order) noexcept:
-    return soft <= MODE_ERROR and MODE_QUEUE < hard <= MODE_ERROR and order <= ORDER_RANDOM
+cdef void modes_of(const Conn *c, Modes *out) noexcept:
+    out.soft = c.soft
+    out.hard = c.hard
+    out.order = c.order
+    out.echo = c.echo
+
+
+cdef bint restore_modes(Conn *c, const Modes *m) noexcept:
+    if not (m.soft <= MODE_ERROR and MODE_QUEUE < m.hard <= MODE_ERROR and
+            m.order <= ORDER_RANDOM):
+        return False
+    c.soft = m.soft
+    c.hard = m.hard
+    c.order = m.order
+    c.echo = m.echo
+    return True

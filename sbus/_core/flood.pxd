@@ -34,7 +34,15 @@ cdef Conn *next_resumed(Flood *f) noexcept            # a paused one, unpaused; 
 cdef void forget(Flood *f, Conn *c) noexcept          # a closing one out of the paused
 cdef bint timed_out(Flood *f, Conn *c, double now) noexcept   # held the bus block_timeout
 cdef str timeout_detail(Flood *f)
-# The hand-over: c held the bus (since) in the old process.
+# The hand-over: whether c holds the bus, and since when; whether it is
+# paused (Hub.pause pauses it again); c held the bus (since) in the old process.
+cdef inline bint holds_since(const Conn *c, double *since) noexcept nogil:
+    since[0] = c.block_since
+    return c.blocking
+
+cdef inline bint is_paused(const Conn *c) noexcept nogil:
+    return c.paused
+
 cdef void restore_blocking(Flood *f, Conn *c, double since) noexcept
 
 

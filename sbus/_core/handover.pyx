@@ -14,26 +14,34 @@ queued for many recipients is shared again after the restore. What can be
 recomputed is: the index, the per-uid accounts and the subscription bytes,
 which are checked against the figures the old process wrote.
 
-The broker's state is reached through its rooms' functions (peers, subs,
-flood, control) and Hub's hand-over methods (carry, restore_carried), so
-what the broker keeps consistent stays consistent.
+The broker's state is reached only through its rooms' functions (peers,
+subs, flood, control, sendq: their .pxd's "hand-over" parts) and Hub's
+methods (carry, restore_carried, open_conn, pause), never their fields, so
+what the broker keeps consistent stays consistent: a restored connection
+joins the table as an accepted one does (Hub.open_conn grows the broker's
+lists for it).
 """
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport malloc, realloc, free
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcpy
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 
 from sbus._core.broker cimport Broker
 from sbus._core.conn cimport Conn, Counters
-from sbus._core.control cimport modes_valid
-from sbus._core.flood cimport restore_blocking
+from sbus._core.control cimport Modes, modes_of, restore_modes
+from sbus._core.flood cimport holds_since, is_paused, restore_blocking
 from sbus._core.growbuf cimport Buf, buf_append, buf_reserve
 from sbus._core.hub cimport Carried
 from sbus._core.includes.sys cimport ucred
 from sbus._core.index cimport Sub
-from sbus._core.peers cimport conn_open, restore_counts, restore_queued
-from sbus._core.sendq cimport Packet, PacketStats, get_packet_stats, packet_new, sq_at
-from sbus._core.subs cimport prebuild_sub, discard_sub, restore_sub, restore_refused
+from sbus._core.peers cimport (
+    ConnRecord, PeerCounts, carry_counts, conn_carry, conn_count, conn_restore, listener,
+    next_conn, restore_counts, restore_queued, watchable)
+from sbus._core.sendq cimport (
+    Packet, get_packet_stats, packet_restore, restore_peak, sq_bytes, sq_live, sq_next)
+from sbus._core.subs cimport (
+    charged, conn_pattern, conn_sub_bytes, conn_subs, discard_sub, prebuild_sub,
+    refused_count, restore_refused, restore_sub, stores)
 
 import json
 import zlib
@@ -89,6 +97,17 @@ cdef int put_blob(Buf *o, bytes data) except -1:
     return buf_append(o, PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
 
 
+cdef int put_patterns(Buf *o, const Conn *c) except -1:
+    cdef uint32_t i, n
+    cdef const char *pat
+    put_u32(o, conn_subs(c))
+    for i in range(conn_subs(c)):
+        pat = conn_pattern(c, i, &n)
+        put_u32(o, n)
+        buf_append(o, pat, n)
+    return 0
+
+
 def export_state(Broker b):
     """(blob, fds) of a quiesced broker (see quiesce): fds[0] is the
     listening socket, the others its connections in the blob's order. The
@@ -97,44 +116,52 @@ def export_state(Broker b):
     cdef Conn *c
     cdef Packet *p
     cdef int fd
-    cdef uint32_t i, nconns = 0
+    cdef uint32_t pos, nconns = 0
     cdef size_t at
     cdef dict packet_ids = {}
     cdef list packets = []
-    cdef list fds = [b.peers.listen_fd]
-    cdef PacketStats *ps = get_packet_stats()
+    cdef list fds = [listener(&b.peers)]
     cdef Carried car
+    cdef PeerCounts pc
+    cdef ConnRecord k
+    cdef Modes m
+    cdef double block_since
+    cdef bint blocking
     if not b.at_safe_point():
         raise HandoverError("the broker is not at a safe point (call quiesce first)")
     last_totals = b.carry(&car)
+    carry_counts(&b.peers, &pc)
+    upstream_cred, upstream_state, ignored = b.ctl.carry()
     # Every distinct queued packet, numbered in the order first met.
-    for fd in range(b.peers.cap):
-        c = b.peers.conns[fd]
-        if c == NULL:
-            continue
-        for i in range(c.q.count):
-            p = sq_at(&c.q, i)
-            if p != NULL and <size_t>p not in packet_ids:
+    fd = 0
+    c = next_conn(&b.peers, &fd)
+    while c != NULL:
+        pos = 0
+        p = sq_next(&c.q, &pos)
+        while p != NULL:
+            if <size_t>p not in packet_ids:
                 packet_ids[<size_t>p] = len(packets)
                 packets.append(<size_t>p)
+            p = sq_next(&c.q, &pos)
+        c = next_conn(&b.peers, &fd)
     o.p = NULL
     o.len = o.cap = 0
     try:
         buf_reserve(&o, HEADER_BYTES)
         o.len = HEADER_BYTES
         put_counters(&o, &car.tot)
-        for v in (b.peers.connects, b.peers.disconnects, car.trimmed_at, b.ctl.ignored,
-                  b.peers.next_id, car.seq, b.subs.bytes, b.peers.refused, b.subs.refused,
-                  ps.bytes_peak):
+        for v in (pc.connects, pc.disconnects, car.trimmed_at, ignored, pc.next_id, car.seq,
+                  charged(&b.subs), pc.refused, refused_count(&b.subs),
+                  get_packet_stats().bytes_peak):
             put_u64(&o, v)
         put_f64(&o, car.started)
-        put_u8(&o, b.peers.had_client)
-        if b.ctl.upstream_cred is None:
+        put_u8(&o, pc.had_client)
+        if upstream_cred is None:
             put_u32(&o, NO_CRED)
         else:
-            put_blob(&o, b.ctl.upstream_cred)
+            put_blob(&o, upstream_cred)
         put_blob(&o, json.dumps({"last_totals": last_totals,
-                                 "upstream_state": b.ctl.upstream_state,
+                                 "upstream_state": upstream_state,
                                  "policy": b.policy_counts()}).encode())
         put_u32(&o, <uint32_t>len(packets))
         for addr in packets:
@@ -145,46 +172,47 @@ def export_state(Broker b):
             buf_append(&o, p.data, p.len)
         at = o.len
         put_u32(&o, 0)      # the connection count, written once known
-        for fd in range(b.peers.cap):
-            c = b.peers.conns[fd]
-            if c == NULL:
-                continue
+        fd = 0
+        c = next_conn(&b.peers, &fd)
+        while c != NULL:
             nconns += 1
             put_u32(&o, <uint32_t>len(fds))
-            fds.append(c.fd)
-            put_u64(&o, c.id)
-            put_i64(&o, c.pid)
-            put_i64(&o, c.uid)
-            put_i64(&o, c.gid)
-            put_u8(&o, c.soft)
-            put_u8(&o, c.hard)
-            put_u8(&o, c.order)
-            put_u8(&o, c.echo)
-            put_u8(&o, c.link)
-            put_u8(&o, c.paused)
-            put_u8(&o, c.blocking)
-            put_u8(&o, c.write_dead)
-            put_f64(&o, c.connected_at)
-            put_f64(&o, c.block_since)
-            put_counters(&o, &c.counts)
-            put_counters(&o, &c.reported)
-            put_counters(&o, &c.listed.counts)
-            put_u64(&o, c.listed.queued_bytes)
-            put_u32(&o, c.listed.queued_msgs)
-            put_u32(&o, c.listed.nsubs)
-            put_u8(&o, c.listed.modes)
-            put_u8(&o, c.listed.ever)
-            put_u64(&o, c.sub_bytes)
-            put_u32(&o, c.nsubs)
-            for i in range(c.nsubs):
-                put_u32(&o, c.subs[i].len)
-                buf_append(&o, c.subs[i].pattern, c.subs[i].len)
-            put_u64(&o, c.q.bytes)
-            put_u32(&o, c.q.live)
-            for i in range(c.q.count):
-                p = sq_at(&c.q, i)
-                if p != NULL:
-                    put_u32(&o, packet_ids[<size_t>p])
+            fds.append(fd - 1)      # next_conn left fd just past c's
+            conn_carry(c, &k)
+            modes_of(c, &m)
+            blocking = holds_since(c, &block_since)
+            put_u64(&o, k.id)
+            put_i64(&o, k.pid)
+            put_i64(&o, k.uid)
+            put_i64(&o, k.gid)
+            put_u8(&o, m.soft)
+            put_u8(&o, m.hard)
+            put_u8(&o, m.order)
+            put_u8(&o, m.echo)
+            put_u8(&o, k.link)
+            put_u8(&o, is_paused(c))
+            put_u8(&o, blocking)
+            put_u8(&o, k.write_dead)
+            put_f64(&o, k.connected_at)
+            put_f64(&o, block_since)
+            put_counters(&o, &k.counts)
+            put_counters(&o, &k.reported)
+            put_counters(&o, &k.listed.counts)
+            put_u64(&o, k.listed.queued_bytes)
+            put_u32(&o, k.listed.queued_msgs)
+            put_u32(&o, k.listed.nsubs)
+            put_u8(&o, k.listed.modes)
+            put_u8(&o, k.listed.ever)
+            put_u64(&o, conn_sub_bytes(c))
+            put_patterns(&o, c)
+            put_u64(&o, sq_bytes(&c.q))
+            put_u32(&o, sq_live(&c.q))
+            pos = 0
+            p = sq_next(&c.q, &pos)
+            while p != NULL:
+                put_u32(&o, packet_ids[<size_t>p])
+                p = sq_next(&c.q, &pos)
+            c = next_conn(&b.peers, &fd)
         memcpy(o.p + at, &nconns, 4)
         blob = PyBytes_FromStringAndSize(o.p, o.len)
     finally:
@@ -206,23 +234,21 @@ def export_subscriptions(Broker b):
     hand-over itself only checks them."""
     cdef Buf o
     cdef Conn *c
-    cdef int fd
-    cdef uint32_t i, nconns = 0
+    cdef int fd = 0
+    cdef uint32_t nconns = 0
+    cdef ConnRecord k
     o.p = NULL
     o.len = o.cap = 0
     try:
         buf_reserve(&o, HEADER_BYTES + 4)
         o.len = HEADER_BYTES + 4
-        for fd in range(b.peers.cap):
-            c = b.peers.conns[fd]
-            if c == NULL:
-                continue
+        c = next_conn(&b.peers, &fd)
+        while c != NULL:
             nconns += 1
-            put_u64(&o, c.id)
-            put_u32(&o, c.nsubs)
-            for i in range(c.nsubs):
-                put_u32(&o, c.subs[i].len)
-                buf_append(&o, c.subs[i].pattern, c.subs[i].len)
+            conn_carry(c, &k)
+            put_u64(&o, k.id)
+            put_patterns(&o, c)
+            c = next_conn(&b.peers, &fd)
         memcpy(o.p + HEADER_BYTES, &nconns, 4)
         blob = PyBytes_FromStringAndSize(o.p, o.len)
     finally:
@@ -397,35 +423,35 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
     cdef bint same
     cdef ucred cred
     cdef Carried car
+    cdef PeerCounts pc
+    cdef ConnRecord rec
+    cdef Modes m
     cdef uint64_t sub_bytes, q_bytes
-    cdef uint64_t connects, disconnects, ignored, next_id, peak, conns_refused, subs_refused
+    cdef uint64_t ignored, peak, subs_refused
     cdef uint64_t budget_sub_bytes
-    cdef int64_t pid, uid, gid
-    cdef uint64_t conn_id, seq
-    cdef uint8_t reply, paused, soft, hard, order, echo, link, blocking, write_dead
-    cdef double connected_at, block_since
-    cdef bint had_client
-    cdef PacketStats *ps = get_packet_stats()
+    cdef uint64_t seq
+    cdef uint8_t reply, paused, blocking
+    cdef double block_since
     check_header(blob)
-    if not fds or fds[0] != b.peers.listen_fd:
+    if not fds or fds[0] != listener(&b.peers):
         raise HandoverError("the first descriptor is not the broker's listening socket")
-    if b.peers.n:
+    if conn_count(&b.peers):
         raise HandoverError("the broker has connections of its own already")
     r.p = PyBytes_AS_STRING(blob) + HEADER_BYTES
     r.end = PyBytes_AS_STRING(blob) + PyBytes_GET_SIZE(blob)
     get_counters(&r, &car.tot)
-    connects = get_u64(&r)
-    disconnects = get_u64(&r)
+    pc.connects = get_u64(&r)
+    pc.disconnects = get_u64(&r)
     car.trimmed_at = get_u64(&r)
     ignored = get_u64(&r)
-    next_id = get_u64(&r)
+    pc.next_id = get_u64(&r)
     car.seq = get_u64(&r)
     budget_sub_bytes = get_u64(&r)
-    conns_refused = get_u64(&r)
+    pc.refused = get_u64(&r)
     subs_refused = get_u64(&r)
     peak = get_u64(&r)
     car.started = get_f64(&r)
-    had_client = get_u8(&r)
+    pc.had_client = get_u8(&r)
     n = get_u32(&r)
     upstream_cred = None if n == NO_CRED else get_span(&r, n)[:n]
     try:
@@ -448,10 +474,9 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
             seq = get_u64(&r)
             reply = get_u8(&r)
             pat = get_span(&r, n)
-            p = packet_new(pat, n, seq)
+            p = packet_restore(pat, n, seq, reply)
             if p == NULL:
                 raise MemoryError()
-            p.reply = reply
             pkts[i] = p
         nconns = get_u32(&r)
         for i in range(nconns):
@@ -460,55 +485,46 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
                 raise HandoverError(f"connection {i}: bad descriptor index {fd_index}")
             used.add(fd_index)
             fd = fds[fd_index]
-            if fd >= b.peers.fd_limit:
+            if not watchable(&b.peers, fd):
                 raise HandoverError(f"descriptor {fd} is beyond what the {b.backend} "
                                     f"backend can watch")
-            conn_id = get_u64(&r)
-            pid = get_i64(&r)
-            uid = get_i64(&r)
-            gid = get_i64(&r)
-            soft = get_u8(&r)
-            hard = get_u8(&r)
-            order = get_u8(&r)
-            echo = get_u8(&r)
-            link = get_u8(&r)
+            rec.id = get_u64(&r)
+            rec.pid = get_i64(&r)
+            rec.uid = get_i64(&r)
+            rec.gid = get_i64(&r)
+            m.soft = get_u8(&r)
+            m.hard = get_u8(&r)
+            m.order = get_u8(&r)
+            m.echo = get_u8(&r)
+            rec.link = get_u8(&r)
             paused = get_u8(&r)
             blocking = get_u8(&r)
-            write_dead = get_u8(&r)
-            if not modes_valid(soft, hard, order):
-                raise HandoverError(f"connection {conn_id}: bad modes")
-            connected_at = get_f64(&r)
+            rec.write_dead = get_u8(&r)
+            rec.connected_at = get_f64(&r)
             block_since = get_f64(&r)
-            cred.pid = <int>pid
-            cred.uid = <unsigned int>uid
-            cred.gid = <unsigned int>gid
-            # Charged to its uid's account by the rule admission and
-            # attach_link use (peers.account_for).
-            c = conn_open(&b.peers, fd, &cred, link, b.now)
-            c.id = conn_id
-            c.pid = pid
-            c.uid = uid
-            c.gid = gid
-            c.soft = soft
-            c.hard = hard
-            c.order = order
-            c.echo = echo
-            c.write_dead = write_dead
-            c.connected_at = connected_at
-            get_counters(&r, &c.counts)
-            get_counters(&r, &c.reported)
-            get_counters(&r, &c.listed.counts)
-            c.listed.queued_bytes = get_u64(&r)
-            c.listed.queued_msgs = get_u32(&r)
-            c.listed.nsubs = get_u32(&r)
-            c.listed.modes = get_u8(&r)
-            c.listed.ever = get_u8(&r)
-            if link and not b.ctl.restore_link(c):
+            get_counters(&r, &rec.counts)
+            get_counters(&r, &rec.reported)
+            get_counters(&r, &rec.listed.counts)
+            rec.listed.queued_bytes = get_u64(&r)
+            rec.listed.queued_msgs = get_u32(&r)
+            rec.listed.nsubs = get_u32(&r)
+            rec.listed.modes = get_u8(&r)
+            rec.listed.ever = get_u8(&r)
+            cred.pid = <int>rec.pid
+            cred.uid = <unsigned int>rec.uid
+            cred.gid = <unsigned int>rec.gid
+            # As admission and attach_link open one: the broker's lists grown
+            # for it, charged to its uid's account (peers.account_for).
+            c = b.open_conn(fd, &cred, rec.link)
+            conn_restore(c, &rec)
+            if not restore_modes(c, &m):
+                raise HandoverError(f"connection {rec.id}: bad modes")
+            if rec.link and not b.ctl.restore_link(c):
                 raise HandoverError("two upstream links")
             sub_bytes = get_u64(&r)
             n = get_u32(&r)
             # Prebuilt for this connection and still the same: take them over.
-            span = pre.spans.get(conn_id) if pre is not None else None
+            span = pre.spans.get(rec.id) if pre is not None else None
             same = span is not None and span[1] == n
             if same:
                 first = span[0]
@@ -517,7 +533,7 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
                     k = get_u32(&r)
                     pat = get_span(&r, k)
                     sub = pre.subs[first + j]
-                    if sub == NULL or sub.len != k or memcmp(sub.pattern, pat, k) != 0:
+                    if sub == NULL or not stores(sub, pat, k):
                         same = False
                         break
                 r.p = mark
@@ -529,19 +545,19 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
                     sub = pre.subs[first + j]
                     pre.subs[first + j] = NULL
                 restore_sub(&b.subs, c, pat, k, sub)
-            if c.sub_bytes != sub_bytes:
-                raise HandoverError(f"connection {conn_id}: its subscriptions cost "
-                                    f"{c.sub_bytes} bytes, the state says {sub_bytes}")
+            if conn_sub_bytes(c) != sub_bytes:
+                raise HandoverError(f"connection {rec.id}: its subscriptions cost "
+                                    f"{conn_sub_bytes(c)} bytes, the state says {sub_bytes}")
             q_bytes = get_u64(&r)
             nq = get_u32(&r)
             for _slot in range(nq):
                 k = get_u32(&r)
                 if k >= npackets:
-                    raise HandoverError(f"connection {conn_id}: bad packet index {k}")
+                    raise HandoverError(f"connection {rec.id}: bad packet index {k}")
                 restore_queued(c, pkts[k])
-            if c.q.bytes != q_bytes:
-                raise HandoverError(f"connection {conn_id}: its queue holds {c.q.bytes} "
-                                    f"bytes, the state says {q_bytes}")
+            if sq_bytes(&c.q) != q_bytes:
+                raise HandoverError(f"connection {rec.id}: its queue holds "
+                                    f"{sq_bytes(&c.q)} bytes, the state says {q_bytes}")
             if blocking:
                 restore_blocking(&b.flood, c, block_since)
             if paused:
@@ -552,18 +568,17 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
             raise HandoverError(f"{r.end - r.p} bytes after the last connection")
         if pre is not None:
             pre.discard(b)      # what is no connection's any more
-        if b.subs.bytes != budget_sub_bytes:
-            raise HandoverError(f"the subscriptions cost {b.subs.bytes} bytes, "
+        if charged(&b.subs) != budget_sub_bytes:
+            raise HandoverError(f"the subscriptions cost {charged(&b.subs)} bytes, "
                                 f"the state says {budget_sub_bytes}")
         for i in range(npackets):
             if pkts[i].refs == 0:
                 raise HandoverError(f"packet {i} is in no queue")
     finally:
         free(pkts)
-    restore_counts(&b.peers, connects, disconnects, next_id, conns_refused, had_client)
+    restore_counts(&b.peers, &pc)
     b.restore_policy_counts(policy_counts)
-    if peak > ps.bytes_peak:
-        ps.bytes_peak = peak
+    restore_peak(peak)
     return None
 
 

@@ -97,7 +97,10 @@ cdef class Hub:
 
     # ---- acting on the rooms' decisions
     cdef int accept_clients(self) except -1      # up to ACCEPT_BATCH per event
-    cdef int admit(self, int fd, ucred *cred) except -1   # peers.refusal, else conn_open
+    cdef int admit(self, int fd, ucred *cred) except -1   # peers.refusal, else open_conn
+    # The one way a connection joins the table (admit, attach_link, the
+    # hand-over): the lists grown for it first, then peers.conn_open.
+    cdef Conn *open_conn(self, int fd, ucred *cred, bint link) except NULL
     cdef int give_access(self, Conn *c) except -1   # c.access: its identity's table
     cdef int deny_publish(self, Conn *c, const char *key, size_t klen,
                           int decided) except -1    # count, log, drop or close

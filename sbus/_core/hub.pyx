@@ -8,6 +8,7 @@ surface. broker.pyx's Broker is a Hub with the message path and the loop.
 from libc.errno cimport errno
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport realloc, free
+from posix.unistd cimport close
 
 from sbus._core cimport report
 from sbus._core.acl cimport Table, ACL_DISCONNECT, acl_flags, acl_rule
@@ -204,8 +205,7 @@ cdef class Hub:
         if record is not None:
             return self.emit(CLIENT_DISCONNECT, record)
         give_sndbuf(&self.peers, fd)
-        self.grow_lists(self.peers.n + 1)
-        c = conn_open(&self.peers, fd, cred, False, self.now)
+        c = self.open_conn(fd, cred, False)
         if self.policy is not None:
             self.give_access(c)
         if self.flood.nblocking:
@@ -216,6 +216,17 @@ cdef class Hub:
         if self.ctl.link != NULL:
             self.link_note(b"CMSG link/conn\0%d/%d/%d" % (c.gid, c.uid, c.pid))
         return 0
+
+    cdef Conn *open_conn(self, int fd, ucred *cred, bint link) except NULL:
+        """The message path writes a message's recipients, the turn's touched
+        and closing connections and the paused into lists it never bounds
+        (grow_lists): every connection in the table must have its entry."""
+        try:
+            self.grow_lists(self.peers.n + 1)
+        except MemoryError:
+            close(fd)
+            raise
+        return conn_open(&self.peers, fd, cred, link, self.now)
 
     # ---- the access policy (sbus.access; the decisions are its own) -------
 
@@ -425,8 +436,7 @@ cdef class Hub:
         cred.uid = self.peers.own_uid
         cred.gid = self.peers.own_gid
         give_sndbuf(&self.peers, fd)
-        self.grow_lists(self.peers.n + 1)
-        c = conn_open(&self.peers, fd, &cred, True, self.now)
+        c = self.open_conn(fd, &cred, True)
         self.ctl.attach(c)
         self.update_interest(c)
         self.emit(CLIENT_CONNECT, report.ident(c))

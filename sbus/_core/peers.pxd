@@ -7,7 +7,7 @@
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 
 from sbus._core.budget cimport Account, Accounts
-from sbus._core.conn cimport Conn
+from sbus._core.conn cimport Conn, Counters, Listed
 from sbus._core.includes.sys cimport ucred
 from sbus._core.sendq cimport Packet
 
@@ -72,13 +72,57 @@ cdef int give_sndbuf(Peers *t, int fd) noexcept          # room for the largest 
 # unlimited for sbusd's own uid and for the link (docs/security.md).
 cdef Account *account_for(Peers *t, int64_t uid, bint link) except NULL
 # A record for fd in the table, in the default modes, charged to its account.
+# Only through Hub.open_conn: the broker's per-connection lists must grow first.
 cdef Conn *conn_open(Peers *t, int fd, ucred *cred, bint link, double now) except NULL
 # Out of the table: fd closed, queue dropped (returns how many packets),
 # account uncharged. Its subscriptions must be gone already; conn_free frees it.
 cdef uint64_t conn_close(Peers *t, Conn *c) noexcept
 cdef void conn_free(Conn *c) noexcept
 
-# The hand-over: the table's counters as the old process left them.
-cdef void restore_counts(Peers *t, uint64_t connects, uint64_t disconnects, uint64_t next_id,
-                         uint64_t refused, bint had_client) noexcept
+# Every connection: fd = 0, then while (c := next_conn(t, &fd)) != NULL.
+cdef Conn *next_conn(Peers *t, int *fd) noexcept nogil  # at *fd or after, *fd past it
+
+
+# ---- the hand-over (handover.pyx)
+
+# The table's counters as they cross.
+cdef struct PeerCounts:
+    uint64_t connects
+    uint64_t disconnects
+    uint64_t next_id
+    uint64_t refused
+    bint had_client
+
+
+# A connection's record as it crosses: who it is, whether its peer stopped
+# reading (the message path's write_dead), what it counted. Its modes
+# (control), the bus (flood), its subscriptions (subs) and its queue cross
+# through their own rooms.
+cdef struct ConnRecord:
+    uint64_t id
+    int64_t pid
+    int64_t uid
+    int64_t gid
+    uint8_t link
+    uint8_t write_dead
+    double connected_at
+    Counters counts
+    Counters reported
+    Listed listed
+
+
+cdef inline int listener(const Peers *t) noexcept nogil:
+    return t.listen_fd
+
+cdef inline bint watchable(const Peers *t, int fd) noexcept nogil:
+    return fd < t.fd_limit
+
+cdef inline uint32_t conn_count(const Peers *t) noexcept nogil:
+    return t.n
+
+cdef void carry_counts(const Peers *t, PeerCounts *out) noexcept
+cdef void restore_counts(Peers *t, const PeerCounts *k) noexcept
+cdef void conn_carry(const Conn *c, ConnRecord *out) noexcept
+# Onto a record conn_open made with k's credentials (Hub.open_conn).
+cdef void conn_restore(Conn *c, const ConnRecord *k) noexcept
 cdef int restore_queued(Conn *c, Packet *p) except -1   # p queued for c, charged to its uid

@@ -265,13 +265,55 @@ cdef void conn_free(Conn *c) noexcept:
     free(c)
 
 
-cdef void restore_counts(Peers *t, uint64_t connects, uint64_t disconnects, uint64_t next_id,
-                         uint64_t refused, bint had_client) noexcept:
-    t.connects = connects
-    t.disconnects = disconnects
-    t.next_id = next_id
-    t.refused = refused
-    t.had_client = had_client or t.had_client
+cdef Conn *next_conn(Peers *t, int *fd) noexcept nogil:
+    cdef Conn *c
+    while fd[0] < t.cap:
+        c = t.conns[fd[0]]
+        fd[0] += 1
+        if c != NULL:
+            return c
+    return NULL
+
+
+# ---- the hand-over -------------------------------------------------------------
+
+cdef void carry_counts(const Peers *t, PeerCounts *out) noexcept:
+    out.connects = t.connects
+    out.disconnects = t.disconnects
+    out.next_id = t.next_id
+    out.refused = t.refused
+    out.had_client = t.had_client
+
+
+cdef void restore_counts(Peers *t, const PeerCounts *k) noexcept:
+    t.connects = k.connects
+    t.disconnects = k.disconnects
+    t.next_id = k.next_id
+    t.refused = k.refused
+    t.had_client = k.had_client or t.had_client
+
+
+cdef void conn_carry(const Conn *c, ConnRecord *out) noexcept:
+    out.id = c.id
+    out.pid = c.pid
+    out.uid = c.uid
+    out.gid = c.gid
+    out.link = c.link
+    out.write_dead = c.write_dead
+    out.connected_at = c.connected_at
+    out.counts = c.counts
+    out.reported = c.reported
+    out.listed = c.listed
+
+
+cdef void conn_restore(Conn *c, const ConnRecord *k) noexcept:
+    # Identity, credentials and link are conn_open's, from k.
+    c.id = k.id
+    c.write_dead = k.write_dead
+    c.connected_at = k.connected_at
+    c.counts = k.counts
+    c.reported = k.reported
+    c.listed = k.listed
 
 
 cdef int restore_queued(Conn *c, Packet *p) except -1:

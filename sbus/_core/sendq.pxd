@@ -48,6 +48,18 @@ cdef uint32_t sq_select(SendQueue *q, int order, uint32_t *positions,
                         Packet **out, uint32_t max_n) noexcept nogil
 cdef void sq_consume(SendQueue *q, uint32_t *positions, uint32_t n) noexcept nogil
 cdef uint32_t sq_clear(SendQueue *q) noexcept nogil
-# The packet pos slots from the oldest (pos < count), or NULL for a hole:
-# a walk over the queue in ring order that does not know the ring.
-cdef Packet *sq_at(const SendQueue *q, uint32_t pos) noexcept nogil
+
+# The hand-over (handover.pyx).
+cdef inline uint64_t sq_bytes(const SendQueue *q) noexcept nogil:   # queued, in bytes
+    return q.bytes
+
+cdef inline uint32_t sq_live(const SendQueue *q) noexcept nogil:    # packets queued
+    return q.live
+
+# A walk over the queue from the oldest, holes skipped, that does not know
+# the ring: the packet at *pos or after (*pos moved past it); NULL at the end.
+cdef Packet *sq_next(const SendQueue *q, uint32_t *pos) noexcept nogil
+# A packet as the old process held it: packet_new's, marked a control reply or not.
+cdef Packet *packet_restore(const char *data, size_t n, uint64_t seq, bint reply) noexcept nogil
+# The broker-wide peak of packet bytes goes on from the old process's.
+cdef void restore_peak(uint64_t peak) noexcept nogil

@@ -50,8 +50,26 @@ cdef inline uint32_t ring(SendQueue *q, uint32_t pos) noexcept nogil:
     return (q.head + pos) & (q.cap - 1)
 
 
-cdef Packet *sq_at(const SendQueue *q, uint32_t pos) noexcept nogil:
-    return q.slots[(q.head + pos) & (q.cap - 1)]
+cdef Packet *sq_next(const SendQueue *q, uint32_t *pos) noexcept nogil:
+    cdef Packet *p
+    while pos[0] < q.count:
+        p = q.slots[(q.head + pos[0]) & (q.cap - 1)]
+        pos[0] += 1
+        if p != NULL:
+            return p
+    return NULL
+
+
+cdef Packet *packet_restore(const char *data, size_t n, uint64_t seq, bint reply) noexcept nogil:
+    cdef Packet *p = packet_new(data, n, seq)
+    if p != NULL:
+        p.reply = reply
+    return p
+
+
+cdef void restore_peak(uint64_t peak) noexcept nogil:
+    if peak > packet_stats.bytes_peak:
+        packet_stats.bytes_peak = peak
 
 
 cdef int compact_or_grow(SendQueue *q) noexcept nogil:

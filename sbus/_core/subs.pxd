@@ -7,6 +7,7 @@
 # log record or None, reason the connection's close Reason or 0, and stored
 # the pattern as stored or removed (for the link), or None.
 from libc.stdint cimport uint32_t, uint64_t
+from libc.string cimport memcmp
 
 from sbus._core.conn cimport Conn
 from sbus._core.index cimport Index, Sub
@@ -40,7 +41,27 @@ cdef void drop_all(Subs *s, Conn *c) noexcept
 cdef tuple policy_refusal(access, bytes pattern)
 
 # The hand-over (handover.pyx): patterns as stored, checked by the old process.
+# c's subscriptions in order, as stored (pattern i of conn_subs, *n bytes).
+cdef inline uint32_t conn_subs(const Conn *c) noexcept nogil:
+    return c.nsubs
+
+cdef inline const char *conn_pattern(const Conn *c, uint32_t i, uint32_t *n) noexcept nogil:
+    n[0] = c.subs[i].len
+    return c.subs[i].pattern
+
+cdef inline uint64_t conn_sub_bytes(const Conn *c) noexcept nogil:
+    return c.sub_bytes
+
+cdef inline uint64_t charged(const Subs *s) noexcept nogil:     # broker-wide
+    return s.bytes
+
+cdef inline uint64_t refused_count(const Subs *s) noexcept nogil:
+    return s.refused
+
 cdef Sub *prebuild_sub(Subs *s, const char *pat, size_t n) except NULL   # no owner yet
+# Whether sub (prebuild_sub's) stores exactly pat.
+cdef inline bint stores(const Sub *sub, const char *pat, size_t n) noexcept nogil:
+    return sub.len == n and memcmp(sub.pattern, pat, n) == 0
 cdef void discard_sub(Subs *s, Sub *sub) noexcept
 # c's next subscription: prebuilt (prebuild_sub's, same pattern) or NULL to index it now.
 cdef int restore_sub(Subs *s, Conn *c, const char *pat, size_t n, Sub *prebuilt) except -1

@@ -2,14 +2,37 @@
  * IDLE clients holding patterns that never match (manysubs, manywild). */
 #include "loadgen.h"
 
+/* A flood subscriber's count: one sequence of numbers, from 0. */
+static void
+flood_take(struct receiver *r, const char *payload, uint64_t t_ns)
+{
+	(void)t_ns;
+	uint64_t seq;
+	memcpy(&seq, payload, sizeof(seq));
+	r->slot->received++;
+	if (seq == r->progress)
+		r->progress++;
+	else if (seq > r->progress) {
+		r->slot->lost += seq - r->progress;
+		r->progress = seq + 1;
+	} else
+		r->slot->reordered++;
+}
+
+static void
+flood_tail(struct receiver *r)
+{
+	uint64_t total = atomic_load(&sh->total);
+	r->slot->lost += total - r->progress;
+	r->slot->tail += total - r->progress;
+	r->progress = total;
+}
+
 static void
 subscriber(int idx, int slow)
 {
-	struct sub_slot *slot = &sh->sub[idx];
+	struct receiver r = {.slot = &sh->sub[idx], .take = flood_take, .tail = flood_tail};
 	int fd = connect_bus();
-	char pkt_template[256];
-	size_t hdr = (size_t)sprintf(pkt_template, "MSG %s", BENCH_KEY) + 1;
-	size_t pkt_len = hdr + payload_size;
 
 	send_cmd(fd, "SUB", BENCH_KEY);
 	if (slow) {
@@ -24,84 +47,44 @@ subscriber(int idx, int slow)
 			usleep(20000);
 		_exit(0);
 	}
+	receive(fd, &r);
+	leave(r.slot);
+}
 
-	size_t bufsize = pkt_len + 64;
-	char *bufs = malloc(bufsize * BATCH);
+/* The publisher: BATCH packets built once, each stamped with its sequence
+ * number before it goes. */
+struct flood_pub {
+	int fd;
+	size_t hdr;
+	uint64_t seq;
 	struct iovec iov[BATCH];
 	struct mmsghdr msgs[BATCH];
-	for (int i = 0; i < BATCH; i++) {
-		iov[i].iov_base = bufs + i * bufsize;
-		iov[i].iov_len = bufsize;
-		memset(&msgs[i], 0, sizeof(msgs[i]));
-		msgs[i].msg_hdr.msg_iov = &iov[i];
-		msgs[i].msg_hdr.msg_iovlen = 1;
-	}
-	set_timeout(fd, 0.1);
+};
 
-	uint64_t next = 0;
-	double idle_since = 0;
-	for (;;) {
-		int n = recvmmsg(fd, msgs, BATCH, MSG_WAITFORONE, NULL);
-		if (n < 0) {
-			if (errno == EINTR)
-				continue;
-			if (errno != EAGAIN && errno != EWOULDBLOCK)
-				die("recvmmsg:");
-			if (atomic_load(&sh->finish))
-				break;
-			if (atomic_load(&sh->done)) {
-				uint64_t total = atomic_load(&sh->total);
-				if (next >= total)
-					break;
-				if (!idle_since)
-					idle_since = now();
-				else if (now() - idle_since > 1.0) {
-					/* The tail never came: the broker stalled or dropped it. */
-					slot->lost += total - next;
-					slot->tail += total - next;
-					next = total;
-					break;
-				}
-			}
-			continue;
+static void
+flood_send(void *ctx, uint64_t n)
+{
+	struct flood_pub *f = ctx;
+	while (n) {
+		int k = n < BATCH ? (int)n : BATCH;
+		for (int i = 0; i < k; i++) {
+			uint64_t seq = f->seq + i;
+			if (payload_size >= SEQ_BYTES)
+				memcpy((char *)f->iov[i].iov_base + f->hdr, &seq, sizeof(seq));
 		}
-		idle_since = 0;
-		for (int i = 0; i < n; i++) {
-			const char *p = iov[i].iov_base;
-			if (msgs[i].msg_len == 0) {
-				slot->eof = 1;
-				goto out;
+		int done = 0;
+		while (done < k) {
+			int r = sendmmsg(f->fd, f->msgs + done, k - done, 0);
+			if (r < 0) {
+				if (errno == EINTR)
+					continue;
+				die("sendmmsg:");
 			}
-			if (msgs[i].msg_len != pkt_len || (msgs[i].msg_hdr.msg_flags & MSG_TRUNC) ||
-			    memcmp(p, pkt_template, hdr)) {
-				slot->bad++;
-				continue;
-			}
-			uint64_t seq;
-			memcpy(&seq, p + hdr, sizeof(seq));
-			slot->received++;
-			if (seq == next)
-				next++;
-			else if (seq > next) {
-				slot->lost += seq - next;
-				next = seq + 1;
-			} else
-				slot->reordered++;
+			done += r;
 		}
-		slot->t_last = now();
-		atomic_store_explicit(&slot->next, next, memory_order_seq_cst);
-		if (atomic_load(&sh->pub_waiting) &&
-		    atomic_load_explicit(&sh->sent, memory_order_relaxed) - next <= window / 2) {
-			atomic_fetch_add(&sh->wake, 1);
-			futex(&sh->wake, FUTEX_WAKE, INT_MAX, NULL);
-		}
-		if (atomic_load(&sh->done) && next >= atomic_load(&sh->total))
-			break;
+		f->seq += k;
+		n -= k;
 	}
-out:
-	slot->finished = 1;
-	atomic_store(&slot->next, UINT64_MAX / 2);	/* never hold the publisher back again */
-	_exit(0);
 }
 
 int
@@ -129,71 +112,30 @@ flood(void)
 		usleep(1000);
 	}
 
+	struct flood_pub pub = {.fd = fd};
 	char *bufs = malloc(BATCH * (payload_size + 128));
-	struct iovec iov[BATCH];
-	struct mmsghdr msgs[BATCH];
-	size_t hdr = (size_t)snprintf(NULL, 0, "MSG %s", BENCH_KEY) + 1;
+	if (!bufs)
+		die("out of memory");
+	pub.hdr = (size_t)snprintf(NULL, 0, "MSG %s", BENCH_KEY) + 1;
 	for (int i = 0; i < BATCH; i++) {
 		char *b = bufs + i * (payload_size + 128);
-		iov[i].iov_base = b;
-		iov[i].iov_len = build_packet(b, BENCH_KEY);
-		memset(&msgs[i], 0, sizeof(msgs[i]));
-		msgs[i].msg_hdr.msg_iov = &iov[i];
-		msgs[i].msg_hdr.msg_iovlen = 1;
+		pub.iov[i].iov_base = b;
+		pub.iov[i].iov_len = build_packet(b, BENCH_KEY);
+		memset(&pub.msgs[i], 0, sizeof(pub.msgs[i]));
+		pub.msgs[i].msg_hdr.msg_iov = &pub.iov[i];
+		pub.msgs[i].msg_hdr.msg_iovlen = 1;
 	}
 
 	double cpu0 = server_cpu();
-	double t0 = now(), deadline = t0 + duration, last_progress = t0;
-	uint64_t sent = 0, last_lo = 0, waits = 0;
-	int stalled = 0;
-	for (;;) {
-		if (now() >= deadline || (max_count && sent >= max_count))
-			break;
-		uint64_t lo = min_progress();
-		if (lo != last_lo) {
-			last_lo = lo;
-			last_progress = now();
-		}
-		uint64_t inflight = sent - (lo < sent ? lo : sent);
-		if (inflight + window / 4 > window) {
-			/* Sleep until a subscriber has drained to half the window. */
-			atomic_store(&sh->pub_waiting, 1);
-			uint32_t v = atomic_load(&sh->wake);
-			lo = min_progress();
-			if (sent - (lo < sent ? lo : sent) + window / 4 > window) {
-				struct timespec ts = {0, 100 * 1000 * 1000};
-				futex(&sh->wake, FUTEX_WAIT, v, &ts);
-				waits++;
-			}
-			atomic_store(&sh->pub_waiting, 0);
-			if (now() - last_progress > 5.0) {
-				stalled = 1;
-				break;
-			}
-			continue;
-		}
-		uint64_t room = window - inflight;
-		if (max_count && room > max_count - sent)
-			room = max_count - sent;
-		int n = room < BATCH ? (int)room : BATCH;
-		for (int i = 0; i < n; i++) {
-			uint64_t seq = sent + i;
-			if (payload_size >= SEQ_BYTES)
-				memcpy((char *)iov[i].iov_base + hdr, &seq, sizeof(seq));
-		}
-		int done = 0;
-		while (done < n) {
-			int r = sendmmsg(fd, msgs + done, n - done, 0);
-			if (r < 0) {
-				if (errno == EINTR)
-					continue;
-				die("sendmmsg:");
-			}
-			done += r;
-		}
-		sent += n;
-		atomic_store_explicit(&sh->sent, sent, memory_order_release);
-	}
+	double t0 = now();
+	/* Sleeps until a subscriber has drained to half the window once less
+	 * than a quarter of it is free; sends up to BATCH in one sendmmsg. */
+	struct pacing pace = {.t0 = t0, .deadline = t0 + duration,
+			      .quota = max_count ? max_count : UINT64_MAX,
+			      .need = window / 4, .most = BATCH};
+	uint64_t waits = 0;
+	uint64_t sent = publish(&pace, flood_send, &pub, &waits);
+	int stalled = atomic_load(&sh->stalled);
 	atomic_store(&sh->total, sent);
 	atomic_store(&sh->done, 1);
 
@@ -207,22 +149,9 @@ flood(void)
 	for (int i = n_subs; i < n_subs + n_slow; i++)
 		waitpid(pids[i], NULL, 0);
 
-	double t_end = t0;
-	uint64_t received = 0, lost = 0, reordered = 0, bad = 0, tail = 0;
-	int eof = 0, unfinished = 0;
-	for (int i = 0; i < n_subs; i++) {
-		struct sub_slot *s = &sh->sub[i];
-		if (s->t_last > t_end)
-			t_end = s->t_last;
-		received += s->received;
-		lost += s->lost;
-		reordered += s->reordered;
-		bad += s->bad;
-		tail += s->tail;
-		eof += s->eof;
-		unfinished += !s->finished;
-	}
-	double seconds = t_end - t0;
+	struct sub_totals st;
+	sum_subscribers(t0, &st);
+	double seconds = st.t_end - t0;
 	double cpu = cpu0 >= 0 && cpu1 >= 0 ? cpu1 - cpu0 : -1;
 	print_common("flood", seconds, cpu);
 	printf(",\"subscribers\":%d,\"slow\":%d,\"idle_clients\":%d,\"idle_patterns\":%d,"
@@ -231,14 +160,14 @@ flood(void)
 	       "\"stalled\":%s,\"publisher_waits\":%llu,\"msgs_per_s\":%.1f,\"deliveries_per_s\":%.1f,"
 	       "\"server_cpu_us_per_delivery\":%.4f,\"server_cpu_us_per_msg\":%.4f}\n",
 	       n_subs, n_slow, n_idle, n_idle ? n_pats : 0, (unsigned long long)window,
-	       (unsigned long long)sent, (unsigned long long)received,
-	       (unsigned long long)sent * n_subs, (unsigned long long)lost, (unsigned long long)tail,
-	       (unsigned long long)reordered, (unsigned long long)bad, eof, unfinished,
+	       (unsigned long long)sent, (unsigned long long)st.received,
+	       (unsigned long long)sent * n_subs, (unsigned long long)st.lost, (unsigned long long)st.tail,
+	       (unsigned long long)st.reordered, (unsigned long long)st.bad, st.eof, st.unfinished,
 	       stalled ? "true" : "false", (unsigned long long)waits,
-	       seconds > 0 ? sent / seconds : 0, seconds > 0 ? received / seconds : 0,
-	       cpu >= 0 && received ? cpu * 1e6 / received : -1, cpu >= 0 && sent ? cpu * 1e6 / sent : -1);
+	       seconds > 0 ? sent / seconds : 0, seconds > 0 ? st.received / seconds : 0,
+	       cpu >= 0 && st.received ? cpu * 1e6 / st.received : -1, cpu >= 0 && sent ? cpu * 1e6 / sent : -1);
 	fflush(stdout);
 	for (int i = 0; i < n_idle; i++)
 		close(idle[i]);
-	return stalled || lost || reordered || bad || eof || unfinished ? 2 : 0;
+	return stalled || st.lost || st.reordered || st.bad || st.eof || st.unfinished ? 2 : 0;
 }

@@ -2,8 +2,9 @@
  * The load generator's contract between its files (see main.c for what it
  * does): the options every mode reads, the memory its processes share, the
  * helpers for talking to the broker (connect.c) and for timing and
- * reporting (measure.c), and one entry point per mode (flood.c, manypubs.c,
- * roundtrip.c for latency and wake, hold.c).
+ * reporting (measure.c), the publisher and subscriber loops flood and
+ * manypubs share (publish.c, subscribe.c), and one entry point per mode
+ * (flood.c, manypubs.c, roundtrip.c for latency and wake, hold.c).
  */
 #ifndef SBUS_LOADGEN_H
 #define SBUS_LOADGEN_H
@@ -113,6 +114,50 @@ double own_cpu(void);
 uint64_t min_progress(void);
 void print_common(const char *mode, double seconds, double cpu);
 void print_percentiles(double *rtt, size_t n);
+
+/* publish.c: how one publisher process paces its messages. */
+struct pacing {
+	double t0, deadline;	/* the run's start and end (now() seconds) */
+	double rate;		/* messages/s this process offers; 0: the window paces */
+	uint64_t quota;		/* messages this process sends at most */
+	uint64_t need;		/* window pacing: room awaited before a chunk is sent */
+	uint64_t most;		/* window pacing: messages in one chunk at most */
+};
+
+/* Sends chunks of messages through send(ctx, n) as p paces them, counting
+ * them in sh->sent first, until the deadline, the quota or a stall (then
+ * sh->stalled is set); the messages sent. waits: the times it slept on the
+ * window. */
+uint64_t publish(const struct pacing *p, void (*send)(void *ctx, uint64_t n), void *ctx,
+		 uint64_t *waits);
+
+/* subscribe.c: one subscriber process. The mode embeds a receiver first in
+ * its own struct, and counts what arrives in take and tail. */
+struct receiver {
+	struct sub_slot *slot;
+	uint64_t progress;	/* messages accounted for: what the window sees */
+	int timed;		/* take is given the batch's time of receipt (mono_ns) */
+	/* One packet as the publishers send it: its payload. */
+	void (*take)(struct receiver *r, const char *payload, uint64_t t_ns);
+	/* Everything was sent, and what is missing never came. */
+	void (*tail)(struct receiver *r);
+};
+
+/* Receives on fd until everything sent arrived, the tail is given up on or
+ * the run finishes (EOF: slot->eof). */
+void receive(int fd, struct receiver *r);
+/* The subscriber is finished: it holds no publisher back; exits. */
+void leave(struct sub_slot *slot) __attribute__((noreturn));
+
+/* What the subscribers counted, together; latencies are the worst one's. */
+struct sub_totals {
+	double t_end;		/* the last receipt, or t0 */
+	uint64_t received, lost, reordered, bad, tail;
+	int eof, unfinished;
+	double p50_us, p99_us, max_us;
+};
+
+void sum_subscribers(double t0, struct sub_totals *out);
 
 /* The modes: each returns the process's exit status. */
 int flood(void);

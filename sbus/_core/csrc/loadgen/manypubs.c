@@ -17,167 +17,120 @@ cmp_float(const void *a, const void *b)
 }
 
 /* A manypubs subscriber: counts loss and order per publisher and times each
- * delivery from the publisher's send.  Its progress (slot->next) is the sum
- * of every publisher's next expected sequence number. */
+ * delivery from the publisher's send.  Its progress is the sum of every
+ * publisher's next expected sequence number. */
+struct pubs_receiver {
+	struct receiver r;	/* first: take and tail are given it */
+	uint64_t *next;		/* each publisher's next sequence number expected */
+	float *lat;		/* publish-to-delivery latencies, in microseconds */
+	size_t nlat;
+};
+
+static void
+pubs_take(struct receiver *r, const char *payload, uint64_t t_ns)
+{
+	struct pubs_receiver *s = (struct pubs_receiver *)r;
+	uint64_t seq, sent_ns;
+	uint32_t pub;
+	memcpy(&seq, payload, 8);
+	memcpy(&pub, payload + 8, 4);
+	memcpy(&sent_ns, payload + 12, 8);
+	if (pub >= (uint32_t)n_pubs) {
+		r->slot->bad++;
+		return;
+	}
+	r->slot->received++;
+	if (seq == s->next[pub]) {
+		s->next[pub]++;
+		r->progress++;
+	} else if (seq > s->next[pub]) {
+		r->slot->lost += seq - s->next[pub];
+		r->progress += seq + 1 - s->next[pub];
+		s->next[pub] = seq + 1;
+	} else
+		r->slot->reordered++;
+	if (s->nlat < LAT_SAMPLES)
+		s->lat[s->nlat++] = t_ns > sent_ns ? (t_ns - sent_ns) * 1e-3f : 0;
+}
+
+static void
+pubs_tail(struct receiver *r)
+{
+	struct pubs_receiver *s = (struct pubs_receiver *)r;
+	for (int p = 0; p < n_pubs; p++)
+		if (s->next[p] < sh->pub_sent[p]) {
+			r->slot->lost += sh->pub_sent[p] - s->next[p];
+			r->slot->tail += sh->pub_sent[p] - s->next[p];
+		}
+}
+
 static void
 pubs_subscriber(int idx)
 {
 	static const char block[] = "CMSG blocking/hard/block";
-	struct sub_slot *slot = &sh->sub[idx];
-	int fd = connect_bus();
-	char pkt_template[256];
-	size_t hdr = (size_t)sprintf(pkt_template, "MSG %s", BENCH_KEY) + 1;
-	size_t pkt_len = hdr + payload_size;
-	uint64_t *next = calloc(n_pubs, sizeof(uint64_t));
-	float *lat = malloc(LAT_SAMPLES * sizeof(float));
-	size_t nlat = 0;
-	if (!next || !lat)
+	struct pubs_receiver s = {
+		.r = {.slot = &sh->sub[idx], .timed = 1, .take = pubs_take, .tail = pubs_tail},
+		.next = calloc(n_pubs, sizeof(uint64_t)),
+		.lat = malloc(LAT_SAMPLES * sizeof(float)),
+	};
+	if (!s.next || !s.lat)
 		die("out of memory");
+	int fd = connect_bus();
 
 	send_cmd(fd, "SUB", BENCH_KEY);
 	send_packet(fd, block, sizeof(block) - 1);
 	sync_clients(&fd, 1, 1000000 + idx);
 	atomic_fetch_add(&sh->ready, 1);
 
-	size_t bufsize = pkt_len + 64;
-	char *bufs = malloc(bufsize * BATCH);
-	struct iovec iov[BATCH];
-	struct mmsghdr msgs[BATCH];
-	for (int i = 0; i < BATCH; i++) {
-		iov[i].iov_base = bufs + i * bufsize;
-		iov[i].iov_len = bufsize;
-		memset(&msgs[i], 0, sizeof(msgs[i]));
-		msgs[i].msg_hdr.msg_iov = &iov[i];
-		msgs[i].msg_hdr.msg_iovlen = 1;
-	}
-	set_timeout(fd, 0.1);
-
-	uint64_t progress = 0;
-	double idle_since = 0;
-	for (;;) {
-		int n = recvmmsg(fd, msgs, BATCH, MSG_WAITFORONE, NULL);
-		if (n < 0) {
-			if (errno == EINTR)
-				continue;
-			if (errno != EAGAIN && errno != EWOULDBLOCK)
-				die("recvmmsg:");
-			if (atomic_load(&sh->finish))
-				break;
-			if (atomic_load(&sh->done)) {
-				if (progress >= atomic_load(&sh->total))
-					break;
-				if (!idle_since)
-					idle_since = now();
-				else if (now() - idle_since > 1.0) {
-					/* The tails never came: the broker stalled or dropped them. */
-					for (int p = 0; p < n_pubs; p++)
-						if (next[p] < sh->pub_sent[p]) {
-							slot->lost += sh->pub_sent[p] - next[p];
-							slot->tail += sh->pub_sent[p] - next[p];
-						}
-					break;
-				}
-			}
-			continue;
-		}
-		idle_since = 0;
-		uint64_t t_now = mono_ns();
-		for (int i = 0; i < n; i++) {
-			const char *p = iov[i].iov_base;
-			if (msgs[i].msg_len == 0) {
-				slot->eof = 1;
-				goto out;
-			}
-			uint64_t seq, sent_ns;
-			uint32_t pub;
-			if (msgs[i].msg_len != pkt_len || (msgs[i].msg_hdr.msg_flags & MSG_TRUNC) ||
-			    memcmp(p, pkt_template, hdr)) {
-				slot->bad++;
-				continue;
-			}
-			memcpy(&seq, p + hdr, 8);
-			memcpy(&pub, p + hdr + 8, 4);
-			memcpy(&sent_ns, p + hdr + 12, 8);
-			if (pub >= (uint32_t)n_pubs) {
-				slot->bad++;
-				continue;
-			}
-			slot->received++;
-			if (seq == next[pub]) {
-				next[pub]++;
-				progress++;
-			} else if (seq > next[pub]) {
-				slot->lost += seq - next[pub];
-				progress += seq + 1 - next[pub];
-				next[pub] = seq + 1;
-			} else
-				slot->reordered++;
-			if (nlat < LAT_SAMPLES)
-				lat[nlat++] = t_now > sent_ns ? (t_now - sent_ns) * 1e-3f : 0;
-		}
-		slot->t_last = now();
-		atomic_store_explicit(&slot->next, progress, memory_order_seq_cst);
-		if (atomic_load(&sh->pub_waiting) &&
-		    atomic_load_explicit(&sh->sent, memory_order_relaxed) - progress <= window / 2) {
-			atomic_fetch_add(&sh->wake, 1);
-			futex(&sh->wake, FUTEX_WAKE, INT_MAX, NULL);
-		}
-		if (atomic_load(&sh->done) && progress >= atomic_load(&sh->total))
-			break;
-	}
-out:
-	qsort(lat, nlat, sizeof(float), cmp_float);
-	slot->p50_us = percentile(lat, nlat, 50);
-	slot->p99_us = percentile(lat, nlat, 99);
-	slot->max_us = nlat ? lat[nlat - 1] : 0;
-	slot->finished = 1;
-	atomic_store(&slot->next, UINT64_MAX / 2);	/* never hold the publishers back again */
-	_exit(0);
-}
-
-/* Waits until the window has room for `chunk` more messages; 0 when the
- * subscribers made no progress for 5 s (stalled). */
-static int
-wait_window(uint64_t chunk)
-{
-	double since = now();
-	uint64_t last = min_progress();
-	for (;;) {
-		uint64_t sent = atomic_load(&sh->sent), lo = min_progress();
-		if (sent - (lo < sent ? lo : sent) + chunk <= window)
-			return 1;
-		if (lo != last) {
-			last = lo;
-			since = now();
-		} else if (now() - since > 5.0)
-			return 0;
-		atomic_fetch_add(&sh->pub_waiting, 1);
-		uint32_t v = atomic_load(&sh->wake);
-		sent = atomic_load(&sh->sent);
-		lo = min_progress();
-		if (sent - (lo < sent ? lo : sent) + chunk > window) {
-			struct timespec ts = {0, 100 * 1000 * 1000};
-			futex(&sh->wake, FUTEX_WAIT, v, &ts);
-		}
-		atomic_fetch_sub(&sh->pub_waiting, 1);
-	}
+	receive(fd, &s.r);
+	qsort(s.lat, s.nlat, sizeof(float), cmp_float);
+	s.r.slot->p50_us = percentile(s.lat, s.nlat, 50);
+	s.r.slot->p99_us = percentile(s.lat, s.nlat, 99);
+	s.r.slot->max_us = s.nlat ? s.lat[s.nlat - 1] : 0;
+	leave(s.r.slot);
 }
 
 /* Publishers first..first+count-1 of a manypubs run, all in this process:
- * one message on each connection in turn, paced by the window or by the
- * offered rate. */
+ * one message on each connection in turn. */
+struct pubs {
+	int first, count, next_fd;
+	int *fds;
+	uint64_t *seq;		/* each publisher's next sequence number */
+	char *pkt;
+	size_t len, hdr;
+};
+
+static void
+pubs_send(void *ctx, uint64_t n)
+{
+	struct pubs *g = ctx;
+	for (uint64_t k = 0; k < n; k++) {
+		uint32_t pub = (uint32_t)(g->first + g->next_fd);
+		uint64_t ns = mono_ns();
+		memcpy(g->pkt + g->hdr, &g->seq[g->next_fd], 8);
+		memcpy(g->pkt + g->hdr + 8, &pub, 4);
+		memcpy(g->pkt + g->hdr + 12, &ns, 8);
+		send_packet(g->fds[g->next_fd], g->pkt, g->len);
+		g->seq[g->next_fd]++;
+		g->next_fd = g->next_fd + 1 == g->count ? 0 : g->next_fd + 1;
+	}
+}
+
+/* Paced by the window, or by the offered rate (this process's share). */
 static void
 pub_proc(int first, int count, uint64_t quota)
 {
-	int *fds = malloc(count * sizeof(int));
-	uint64_t *seq = calloc(count, sizeof(uint64_t));
-	char *pkt = malloc(payload_size + 128);
-	if (!fds || !seq || !pkt)
+	struct pubs g = {.first = first, .count = count};
+	g.fds = malloc(count * sizeof(int));
+	g.seq = calloc(count, sizeof(uint64_t));
+	g.pkt = malloc(payload_size + 128);
+	if (!g.fds || !g.seq || !g.pkt)
 		die("out of memory");
 	for (int i = 0; i < count; i++)
-		fds[i] = connect_bus();
-	sync_clients(fds, count, 4000000 + first);
-	size_t len = build_packet(pkt, BENCH_KEY), hdr = len - payload_size;
+		g.fds[i] = connect_bus();
+	sync_clients(g.fds, count, 4000000 + first);
+	g.len = build_packet(g.pkt, BENCH_KEY);
+	g.hdr = g.len - payload_size;
 	atomic_fetch_add(&sh->ready, 1);
 	while (!atomic_load(&sh->go))
 		if (atomic_load(&sh->finish))
@@ -185,50 +138,16 @@ pub_proc(int first, int count, uint64_t quota)
 		else
 			usleep(200);
 
-	double t0 = sh->t0, deadline = t0 + duration;
-	double rate = offered_rate * count / n_pubs;	/* this process's share */
-	uint64_t sent = 0;
-	int next_fd = 0;
-	for (;;) {
-		double t = now();
-		if (t >= deadline || sent >= quota)
-			break;
-		uint64_t chunk;
-		if (rate > 0) {
-			uint64_t due = (uint64_t)((t - t0) * rate);
-			if (due <= sent) {
-				double wait = t0 + (sent + 1) / rate - t;
-				struct timespec ts = {(time_t)wait, (long)((wait - (time_t)wait) * 1e9)};
-				nanosleep(&ts, NULL);
-				continue;
-			}
-			chunk = due - sent;
-		} else {
-			chunk = count < 64 ? (uint64_t)count : 64;
-			if (chunk > window / 4)
-				chunk = window / 4;
-			if (!wait_window(chunk)) {
-				atomic_store(&sh->stalled, 1);
-				break;
-			}
-		}
-		if (chunk > quota - sent)
-			chunk = quota - sent;
-		atomic_fetch_add_explicit(&sh->sent, chunk, memory_order_release);
-		for (uint64_t k = 0; k < chunk; k++) {
-			uint32_t pub = (uint32_t)(first + next_fd);
-			uint64_t ns = mono_ns();
-			memcpy(pkt + hdr, &seq[next_fd], 8);
-			memcpy(pkt + hdr + 8, &pub, 4);
-			memcpy(pkt + hdr + 12, &ns, 8);
-			send_packet(fds[next_fd], pkt, len);
-			seq[next_fd]++;
-			next_fd = next_fd + 1 == count ? 0 : next_fd + 1;
-		}
-		sent += chunk;
-	}
+	uint64_t chunk = count < 64 ? (uint64_t)count : 64;
+	if (chunk > window / 4)
+		chunk = window / 4;
+	struct pacing pace = {.t0 = sh->t0, .deadline = sh->t0 + duration,
+			      .rate = offered_rate * count / n_pubs, .quota = quota,
+			      .need = chunk, .most = chunk};
+	uint64_t waits = 0;
+	publish(&pace, pubs_send, &g, &waits);
 	for (int i = 0; i < count; i++)
-		sh->pub_sent[first + i] = seq[i];
+		sh->pub_sent[first + i] = g.seq[i];
 	_exit(0);
 }
 
@@ -294,26 +213,11 @@ manypubs(void)
 	double cpu1 = server_cpu();
 	atomic_store(&sh->finish, 1);
 
-	double t0 = sh->t0, t_end = t0, p50 = 0, p99 = 0, worst = 0;
-	uint64_t received = 0, lost = 0, reordered = 0, bad = 0, tail = 0;
-	int eof = 0, unfinished = 0, stalled = atomic_load(&sh->stalled);
-	for (int i = 0; i < n_subs; i++) {
-		struct sub_slot *s = &sh->sub[i];
-		if (s->t_last > t_end)
-			t_end = s->t_last;
-		received += s->received;
-		lost += s->lost;
-		reordered += s->reordered;
-		bad += s->bad;
-		tail += s->tail;
-		eof += s->eof;
-		unfinished += !s->finished;
-		/* the worst subscriber's */
-		p50 = s->p50_us > p50 ? s->p50_us : p50;
-		p99 = s->p99_us > p99 ? s->p99_us : p99;
-		worst = s->max_us > worst ? s->max_us : worst;
-	}
-	double seconds = t_end - t0;
+	double t0 = sh->t0;
+	int stalled = atomic_load(&sh->stalled);
+	struct sub_totals st;
+	sum_subscribers(t0, &st);
+	double seconds = st.t_end - t0;
 	double cpu = cpu0 >= 0 && cpu1 >= 0 ? cpu1 - cpu0 : -1;
 	print_common("manypubs", seconds, cpu);
 	printf(",\"publishers\":%d,\"publisher_procs\":%d,\"offered_rate\":%.1f,\"subscribers\":%d,"
@@ -323,13 +227,13 @@ manypubs(void)
 	       "\"server_cpu_us_per_delivery\":%.4f,\"server_cpu_us_per_msg\":%.4f,"
 	       "\"p50_us\":%.2f,\"p99_us\":%.2f,\"max_us\":%.2f}\n",
 	       n_pubs, n_pub_procs, offered_rate, n_subs, (unsigned long long)window,
-	       (unsigned long long)sent, (unsigned long long)received,
-	       (unsigned long long)sent * n_subs, (unsigned long long)lost, (unsigned long long)tail,
-	       (unsigned long long)reordered, (unsigned long long)bad, eof, unfinished,
+	       (unsigned long long)sent, (unsigned long long)st.received,
+	       (unsigned long long)sent * n_subs, (unsigned long long)st.lost, (unsigned long long)st.tail,
+	       (unsigned long long)st.reordered, (unsigned long long)st.bad, st.eof, st.unfinished,
 	       stalled ? "true" : "false",
-	       seconds > 0 ? sent / seconds : 0, seconds > 0 ? received / seconds : 0,
-	       cpu >= 0 && received ? cpu * 1e6 / received : -1, cpu >= 0 && sent ? cpu * 1e6 / sent : -1,
-	       p50, p99, worst);
+	       seconds > 0 ? sent / seconds : 0, seconds > 0 ? st.received / seconds : 0,
+	       cpu >= 0 && st.received ? cpu * 1e6 / st.received : -1, cpu >= 0 && sent ? cpu * 1e6 / sent : -1,
+	       st.p50_us, st.p99_us, st.max_us);
 	fflush(stdout);
-	return stalled || lost || reordered || bad || eof || unfinished ? 2 : 0;
+	return stalled || st.lost || st.reordered || st.bad || st.eof || st.unfinished ? 2 : 0;
 }
