@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from sbus.client.protocol import MAX_MESSAGE, Message
 
 from support import SBUS
 from support.conn import Conn
+from support.sbusd import Sbusd
+from support.seconduser import make_public_dir
 
 BIG = 3 * MAX_MESSAGE + 12345       # four chunks
 
@@ -180,6 +183,8 @@ def test_a_publisher_killed_mid_message_times_out(broker):
 import os, signal, sys
 from sbus.client.chunks import Chunker
 from support.conn import Conn
+from support.sbusd import Sbusd
+from support.seconduser import make_public_dir
 c = Conn.to({broker.address!r}, sndbuf=1 << 21)
 packets = list(Chunker({MAX_MESSAGE}).packets(b"d/k", b"z" * {BIG}))
 for p in packets[:2]:
@@ -304,3 +309,54 @@ def test_sbus_sub_says_which_message_was_lost(broker):
     c.close()
     assert out == b"l/k\tfine\n"
     assert b"lost a chunked message on 'l/k'" in err and b"chunk 1" in err
+
+
+# -- under an enforced access policy ------------------------------------------------------
+
+POLICY = """
+default = "deny"
+
+[[rule]]
+uid = 0
+allow = ["publish", "subscribe"]
+pattern = ""
+
+[[rule]]
+allow = ["publish", "subscribe"]
+pattern = "cam/frame"
+"""
+
+
+def _nobody_round_trip(address, ctl):
+    with Client(address) as c:
+        c.subscribe("cam/frame")        # and its twin, judged as cam/frame
+        c.whoami()      # the barrier (sync() needs a private key this policy does not allow)
+        ctl.send({"ready": True})
+        m = c.receive(timeout=60)
+        c.publish("cam/frame", m.payload[::-1])
+        c.whoami()
+        return {"size": len(m.payload), "sha": hashlib.sha256(m.payload).hexdigest()}
+
+
+def test_a_policy_judges_chunks_as_their_message(tmp_path, spawn):
+    d = make_public_dir()
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY)
+    b = Sbusd.foreground(tmp_path, "-o", "--policy", str(policy), "--stats-interval", "0",
+                         address=d / "sbus.socket")
+    try:
+        child = spawn(lambda ctl: _nobody_round_trip(b.address, ctl))
+        assert child.recv()["ready"]
+        big = payload(BIG, 9)
+        with Client(b.address) as root:
+            root.subscribe("cam/frame")
+            root.sync()
+            root.publish("cam/frame", big)
+            assert root.receive(timeout=60) == Message(b"cam/frame", big)      # its own, echoed
+            assert root.receive(timeout=60) == Message(b"cam/frame", big[::-1])
+        assert child.result(60) == {"size": len(big), "sha": hashlib.sha256(big).hexdigest()}
+        assert not [r for r in b.events("subscribe") if r["accepted"] is False]
+        assert not b.events("publish_denied")
+    finally:
+        b.stop()
+        shutil.rmtree(d, ignore_errors=True)
