@@ -7,7 +7,8 @@ message, counted by callgrind, for a tree before and after (docs/chunks.md).
 For each interpreter (this one, and each ``--python``, whose venv imports its
 own tree), it starts one sbusd and runs, under ``valgrind --tool=callgrind``,
 a client that subscribes, then publishes ``count`` messages and receives them
-(64 at a time: ``publish`` each, ``receive_many``, sync client), and the same
+(64 at a time: ``publish`` each, ``receive_many``; the sync client, then the
+asyncio one), and the same
 with ``count`` 0; the difference over ``count`` is the client's instructions
 per message (publish + receive), start-up excluded. Instruction counts do
 not move with the machine's load, so before/after is exact to a few
@@ -43,11 +44,33 @@ with Client(address) as bus:
             got += len(batch)
 """
 
+AIO_CLIENT = r"""
+import asyncio, sys
+import sbus.aio
+address, count, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+body = b"x" * size
+async def main():
+    async with sbus.aio.Client(address) as bus:
+        await bus.subscribe("cost/k")
+        await bus.sync()
+        got = 0
+        while got < count:
+            n = min(64, count - got)
+            for _ in range(n):
+                await bus.publish("cost/k", body)
+            while n:
+                batch = await bus.receive_many(n)
+                n -= len(batch)
+                got += len(batch)
+asyncio.run(main())
+"""
 
-def instructions(python: str, address: str, count: int, size: int, work: Path) -> int:
-    out = work / f"cg.{abs(hash((python, count)))}"
+
+def instructions(python: str, address: str, count: int, size: int, work: Path,
+                 client: str = CLIENT) -> int:
+    out = work / f"cg.{abs(hash((python, count, client)))}"
     subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-                    python, "-c", CLIENT, address, str(count), str(size)],
+                    python, "-c", client, address, str(count), str(size)],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1800)
     text = out.read_text(errors="replace")
     m = re.search(r"^summary:\s+(\d+)", text, re.M) or re.search(r"^totals:\s+(\d+)", text, re.M)
@@ -67,12 +90,15 @@ def main() -> int:
         broker = Sbusd(work, ["-f", "-a", str(work / "sbus.socket")],
                        address=str(work / "sbus.socket"), log_level="warning").ready()
         try:
-            print(f"{'python':<50} {'instr/msg':>10}  (publish + receive, {args.payload} B, "
-                  f"{args.count} messages)")
-            for python in pythons:
-                full = instructions(python, broker.address, args.count, args.payload, work)
-                empty = instructions(python, broker.address, 0, args.payload, work)
-                print(f"{python:<50} {(full - empty) / args.count:>10.1f}", flush=True)
+            print(f"{'client':<6} {'python':<50} {'instr/msg':>10}  (publish + receive, "
+                  f"{args.payload} B, {args.count} messages)")
+            for name, client in (("sync", CLIENT), ("aio", AIO_CLIENT)):
+                for python in pythons:
+                    full = instructions(python, broker.address, args.count, args.payload, work,
+                                        client)
+                    empty = instructions(python, broker.address, 0, args.payload, work, client)
+                    print(f"{name:<6} {python:<50} {(full - empty) / args.count:>10.1f}",
+                          flush=True)
         finally:
             broker.stop()
     return 0
