@@ -5,11 +5,13 @@ struct: a 52-byte big-endian header after the NUL)."""
 from __future__ import annotations
 
 import os
+import socket
 import struct
 
 import pytest
 
 from sbus import Client
+from sbus.client.protocol import Message
 
 SUFFIX = b"/.sbus-chunk"                    # docs: the derived key's last segment
 HEADER = struct.Struct(">4s16sQIIQQ")       # docs: magic, publisher, number, index, count, total, offset
@@ -92,3 +94,27 @@ def test_a_reassembler_from_the_docs_reads_what_the_library_publishes(broker):
             got.append(whole)
     assert sorted(got) == sorted(sent) and r.lost == [] and r.dropped == 0   # two publishers: no order between them
     raw.close()
+
+
+def doc_chunks(key: bytes, payload: bytes, publisher: bytes, number: int,
+               max_message: int = 409600):
+    """"Producing" in docs/chunks.md: the packets of one message."""
+    room = max_message - 5 - len(key) - 12 - 52
+    count = -(-len(payload) // room)
+    return [b"MSG " + key + SUFFIX + b"\0"
+            + HEADER.pack(b"SBC1", publisher, number, i, count, len(payload), i * room)
+            + payload[i * room:(i + 1) * room] for i in range(count)]
+
+
+def test_the_library_reassembles_what_a_producer_from_the_docs_sends(broker):
+    body = os.urandom(2 * 409600 + 99)
+    with Client(broker.address) as sub:
+        sub.subscribe("w/d")
+        sub.sync()
+        raw = broker.connect()
+        raw.setsockopt(socket.SOL_SOCKET, 32, 1 << 21)     # SO_SNDBUFFORCE: a full packet fits
+        for packet in doc_chunks(b"w/d", body, os.urandom(16), 1):
+            raw.packet(packet)
+        assert sub.receive(timeout=30) == Message(b"w/d", body)
+        assert sub.chunks.lost == 0
+        raw.close()
