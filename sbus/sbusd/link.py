@@ -47,6 +47,7 @@ from typing import Deque, List, Optional, Tuple
 from .. import address as addresses
 from .. import logschema as schema
 from .._core.batch import Inbox, Outbox
+from ..client.chunks import chunk_pattern
 from ..client.driver import grow_buffers
 from ..client.protocol import MAX_MESSAGE, WHOAMI, ControlMessage, Message, pack_control, parse
 from ..client.reconnect import Reconnect
@@ -166,7 +167,9 @@ class Link:
         self.local = local
         self.max_message = max_message
         self.upstream = upstream
-        self.exports = [p.encode() for p in exports] or [b""]
+        exports_raw = [p.encode() for p in exports]
+        # With each export its chunk twin: a chunked message goes up as its chunks (docs/chunks.md).
+        self.exports = exports_raw + [t for t in map(chunk_pattern, exports_raw) if t] or [b""]
         self.buffer_max = buffer_max
         self.sel = selectors.DefaultSelector()
         self.up: Optional[socket.socket] = None
