@@ -251,7 +251,8 @@ def test_request_and_reply_across_bridged_hosts(tmp_path, cleanup):
         served = threading.Thread(target=srv.serve, args=("pub/echo", lambda r: r.payload[::-1]),
                                   kwargs={"count": 2}, daemon=True)
         served.start()
-        wait_until(lambda: subscriptions_of(two, os.getpid()) == 1, 10, "the server subscribed")
+        wait_until(lambda: subscriptions_of(two, os.getpid()) == 2, 10,     # and its chunk twin
+                   "the server subscribed")
         assert str(asker.whoami()).startswith(identity(1) + "/")
         assert asker.request("pub/echo", b"abc", timeout=10) == b"cba"
         assert asker.request("pub/echo", b"xyz", timeout=10) == b"zyx"

@@ -168,8 +168,10 @@ def test_packets_sent_are_exactly_the_protocol(pair):
     client.send_cmsg("echo/off")
     client.send_cmsg("k", b"")
     client.send_cmsg(b"k", "v")
-    assert [theirs.recv(100) for _ in range(6)] == [
-        b"SUB a/*", b"UNSUB a/*", b"MSG k\0p\0q", b"CMSG echo/off", b"CMSG k\0", b"CMSG k\0v"]
+    # A pattern not ending in '/' is followed by its chunk twin (docs/chunks.md).
+    assert [theirs.recv(100) for _ in range(8)] == [
+        b"SUB a/*", b"SUB a/*/.sbus-chunk", b"UNSUB a/*", b"UNSUB a/*/.sbus-chunk",
+        b"MSG k\0p\0q", b"CMSG echo/off", b"CMSG k\0", b"CMSG k\0v"]
 
 
 # -- readiness through fileno() ----------------------------------------------
@@ -211,13 +213,15 @@ def test_the_largest_packet_the_broker_accepts_round_trips(broker, connect):
     assert sub.receive(timeout=TIMEOUT) == Message(b"big", payload)
 
 
-def test_an_oversized_publish_raises_before_sending(broker, connect):
+def test_an_oversized_publish_goes_as_chunks(broker, connect):
     sub = subscriber(connect, broker.address, "big")
     pub = connect(broker.address)
-    with pytest.raises(MessageTooLargeError):
-        pub.publish("big", b"x" * MAX_MESSAGE)
+    pub.publish("big", b"x" * MAX_MESSAGE)          # docs/chunks.md
     pub.publish("big", b"the connection is still fine")
+    assert sub.receive(timeout=TIMEOUT).payload == b"x" * MAX_MESSAGE
     assert sub.receive(timeout=TIMEOUT).payload == b"the connection is still fine"
+    with pytest.raises(MessageTooLargeError):       # no room for a chunk's data after the key
+        pub.publish("k" * MAX_MESSAGE, b"x")
 
 
 def test_an_oversized_packet_received_raises_and_is_dropped(pair):
@@ -386,8 +390,8 @@ def test_buffered_packets_go_out_in_order_on_flush(pair, connect):
     buffered.publish("k", b"2", socket.MSG_DONTWAIT)    # other flags: what is packed goes first
     buffered.send_cmsg("echo/off")
     buffered.flush()
-    assert [theirs.recv(100) for _ in range(4)] == [
-        b"MSG k\0001", b"SUB s", b"MSG k\0002", b"CMSG echo/off"]
+    assert [theirs.recv(100) for _ in range(5)] == [
+        b"MSG k\0001", b"SUB s", b"SUB s/.sbus-chunk", b"MSG k\0002", b"CMSG echo/off"]
     buffered.publish("k", b"3")
     buffered.buffered = False           # turning it off sends what is packed
     if connect.kind == "aio":    # it sends within its flush_delay, once the loop runs
@@ -610,7 +614,7 @@ def test_a_refused_replay_of_several_patterns_lists_them(start_broker, connect):
     first = start_broker("-r")
     client = connect(first.address, reconnect=Reconnect(initial_delay=0.01, max_delay=0.05,
                                                         give_up_after=TIMEOUT))
-    client.subscribe("ok")
+    client.subscribe("ok/")
     client.subscribe("a/long/pattern/")
     client.whoami(timeout=TIMEOUT)
     first.stop(signal.SIGKILL)
@@ -619,6 +623,6 @@ def test_a_refused_replay_of_several_patterns_lists_them(start_broker, connect):
         client.receive(timeout=TIMEOUT)
     assert str(info.value) == (
         f"{first.address}: the broker closed the connection twice when the subscriptions "
-        f"to 'ok', 'a/long/pattern/' were replayed: it refuses one of them (its log says "
+        f"to 'ok/', 'a/long/pattern/' were replayed: it refuses one of them (its log says "
         f"which and why); the client stopped")
-    assert info.value.patterns == (b"ok", b"a/long/pattern/")
+    assert info.value.patterns == (b"ok/", b"a/long/pattern/")

@@ -201,9 +201,9 @@ def test_request_and_reply_across_brokers(tmp_path, asker_on, server_on):
         srv = subprocess.Popen([sys.executable, "-c", SERVE_TWICE, where[server_on].address])
         try:
             wait_until(lambda: sum(c["subscriptions"] for c in where[server_on].stats()["clients"]
-                                   if c["pid"] == srv.pid) == 1, 10, "the server subscribed")
+                                   if c["pid"] == srv.pid) == 2, 10, "the server subscribed")
             if server_on != "up":
-                wait_patterns(up, leaf, 2)      # its pattern is held upstream too
+                wait_patterns(up, leaf, 3)      # its pattern and chunk twin are held upstream too
             with Client(where[asker_on].address) as asker:
                 assert asker.request("rpc/echo", b"abc", timeout=10) == b"cba"
                 assert asker.request("rpc/echo", b"xyz", timeout=10) == b"zyx"
@@ -626,9 +626,10 @@ def test_identity_proof_between_an_upstream_and_a_leaf(tmp_path, spawn):
         up = broker(d, "up", "-g", "-o")
         leaf = broker(d, "leaf", "-g", "-o", upstream=up)
         try:
-            # A on the upstream, B on the leaf; then the other way round
+            # A on the upstream, B on the leaf (its pub/hello has a chunk twin,
+            # docs/chunks.md); then the other way round
             check_proof(spawn, (up, leaf), up, leaf,
-                        lambda: wait_patterns(up, leaf, 1 + 5))
+                        lambda: wait_patterns(up, leaf, 1 + 6))
             check_proof(spawn, (up, leaf), leaf, up,
                         lambda: wait_patterns(up, leaf, 1 + 5))
         finally:
@@ -647,7 +648,7 @@ def test_identity_proof_between_two_leaves(tmp_path, spawn):
         try:
             assert link_identity(one) != link_identity(two)
             check_proof(spawn, (up, one, two), one, two,
-                        lambda: (wait_patterns(up, one, 1 + 5), wait_patterns(up, two, 1 + 5)))
+                        lambda: (wait_patterns(up, one, 1 + 5), wait_patterns(up, two, 1 + 6)))
         finally:
             stop_all(one, two, up)
     finally:

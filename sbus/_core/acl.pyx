@@ -5,7 +5,7 @@ module's docstring. Made at admission (a slow path), shared by every
 connection of the identity, freed with the policy it came from."""
 from libc.stdint cimport uint8_t, uint32_t
 from libc.stdlib cimport malloc, free
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 from sbus._core.index cimport Sub, index_init, index_free, index_add, index_match
 from sbus._core.protocol cimport pattern_matches
@@ -28,6 +28,9 @@ cdef void take_first(void *ctx, Sub *sub) noexcept nogil:
 cdef int acl_decide(AclTable *t, const char *key, size_t klen) noexcept nogil:
     cdef uint32_t i
     cdef int best = ACL_DEFAULT
+    # A chunk's key is judged as its message's (docs/chunks.md, sbus.client.chunks.SUFFIX).
+    if klen > 12 and memcmp(key + klen - 12, b"/.sbus-chunk", 12) == 0:
+        klen -= 12
     if t.indexed:
         index_match(&t.index, key, klen, take_first, &best)
         return best

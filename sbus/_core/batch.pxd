@@ -46,6 +46,8 @@ cdef class Inbox:
     cdef bytes last_key         # reused when the next message has the same key
     cdef readonly int irregular  # control messages and errors in the last batch
     cdef readonly int taken     # messages the last batch gave to its Sink
+    cdef readonly int chunked   # chunks (sbus.client.chunks) in the last batch
+    cdef public bint chunks     # count chunks as irregular (off: they are plain messages)
 
     cdef object make(self, object cls, const char *key, size_t klen,
                      const char *payload, size_t plen)

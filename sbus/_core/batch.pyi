@@ -35,6 +35,8 @@ class Inbox:
     max_message: int
     irregular: int
     taken: int
+    chunked: int
+    chunks: bool
     def __init__(self, max_message: int, message_type: type, control_type: type,
                  slots: int = 64) -> None: ...
     def receive(self, fd: int, limit: int, flags: int = 0,

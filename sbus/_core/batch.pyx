@@ -85,6 +85,7 @@ cdef enum:
     OUTBOX_MIN_BYTES = 1 << 18
     INBOX_SLOTS = 64
     KEEP_MAPPED = 1 << 16       # slot bytes kept resident after a large packet
+    CHUNK_SUFFIX_LEN = 12       # len(b"/.sbus-chunk"), sbus.client.chunks.SUFFIX
     POLL_MAX_MS = 1 << 30       # a longer timeout waits in several polls
 
 
@@ -418,6 +419,7 @@ cdef class Inbox:
             self.hdrs[i].msg_hdr.msg_iov = &self.iov[i]
             self.hdrs[i].msg_hdr.msg_iovlen = 1
         self.last_key = b""
+        self.chunks = True
 
     def __dealloc__(self):
         if self.area != NULL:
@@ -433,7 +435,9 @@ cdef class Inbox:
         Returns a list of Message and ControlMessage objects, in which an
         oversized or malformed packet is the exception that reports it, and
         the end of the connection is a BusClosedError (always last).
-        ``irregular`` counts the control messages and exceptions, so a caller
+        ``irregular`` counts the control messages and exceptions, and, while
+        ``chunks`` is set, the chunks of larger messages (``chunked`` counts
+        those: keys ending in sbus.client.chunks.SUFFIX), so a caller
         finding it 0 can take the list as plain messages. OSError as
         recvmmsg(2) reports it (BlockingIOError: nothing to read);
         TimeoutError when ``timeout`` passes first.
@@ -446,6 +450,7 @@ cdef class Inbox:
         cdef const char *p
         cdef const char *nul
         cdef int irregular = 0
+        cdef int chunked = 0
         if limit > self.slots:
             limit = self.slots
         if limit < 1:
@@ -483,6 +488,10 @@ cdef class Inbox:
                     irregular += 1
                     continue
                 klen = nul - (p + 4)
+                if self.chunks and klen >= CHUNK_SUFFIX_LEN and memcmp(
+                        nul - CHUNK_SUFFIX_LEN, b"/.sbus-chunk", CHUNK_SUFFIX_LEN) == 0:
+                    chunked += 1
+                    irregular += 1
                 if sink is not None and not irregular:
                     sink.put(p + 4, klen, nul + 1, size - 5 - klen)
                     self.taken += 1
@@ -502,6 +511,7 @@ cdef class Inbox:
             if size > KEEP_MAPPED:
                 self.release(i)
         self.irregular = irregular
+        self.chunked = chunked
         return out
 
     cdef int wait(self, int fd, int limit, int flags, double timeout) except? -2:

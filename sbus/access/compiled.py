@@ -55,6 +55,7 @@ import re
 import struct
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
+from ..client.chunks import SUFFIX as CHUNK_SUFFIX
 from .keysets import KeySet, TooComplex, find_key, meet, within
 from .model import DISCONNECT, PUBLISH, SUBSCRIBE, Policy, Rule, Template
 
@@ -102,7 +103,10 @@ class Decision(NamedTuple):
 def canonical_key(key: bytes) -> bytes:
     """``key`` with the numbers of a leading ``!/cred/G/U/P/`` form without
     leading zeros: the broker delivers both spellings to the same client, so
-    the policy must judge them alike."""
+    the policy must judge them alike. A chunk's key is judged as its
+    message's (docs/chunks.md): ``K/.sbus-chunk`` as ``K``."""
+    if key.endswith(CHUNK_SUFFIX) and len(key) > len(CHUNK_SUFFIX):
+        key = key[:-len(CHUNK_SUFFIX)]
     m = _CRED.match(key)
     if m is None:
         return key
@@ -210,7 +214,11 @@ class Access:
         out of reach of a later deny. A deny refuses if some key of the
         pattern is in it and in no earlier allow; an allow that holds the
         whole pattern settles it. A pattern too tangled to prove safe within
-        ``keysets.BUDGET`` steps is refused: refusing is never a leak."""
+        ``keysets.BUDGET`` steps is refused: refusing is never a leak.
+        A chunk twin ``P/.sbus-chunk`` is judged as ``P``, whose messages its
+        chunks carry (docs/chunks.md)."""
+        if pattern.endswith(CHUNK_SUFFIX) and len(pattern) > len(CHUNK_SUFFIX):
+            pattern = pattern[:-len(CHUNK_SUFFIX)]
         wanted = KeySet(pattern)
         if wanted.dead:
             return Decision(True, None, why="the pattern matches no key ('*' takes the rest "

@@ -204,6 +204,7 @@ class Bridge:
                 schema.BRIDGE_LOCAL_LOST, address=s.address, error=str(exc)),
             on_reconnect=lambda: self.log.info(schema.BRIDGE_LOCAL_BACK, address=s.address))
         self.bus = BusClient(s.address, max_message=s.max_message, reconnect=policy)
+        self.bus.reassemble = False     # chunks go to NATS as they travel (docs/chunks.md)
         # Echo off first: what the bridge imports must never reach its own
         # export subscriptions.
         await self.bus.send_cmsg("echo/off")
@@ -221,6 +222,7 @@ class Bridge:
         its uid or root, or a leaf or another bridge has the place)."""
         s = self.settings
         link = BusClient(s.address, max_message=s.max_message)
+        link.reassemble = False
         try:
             answer = await link.query(b"link/attach")
             if answer != b"ok":

@@ -145,6 +145,9 @@ def check_patterns(args: argparse.Namespace) -> bool:
 
 def cmd_sub(bus: Client, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    bus.chunks.on_lost = lambda lost: _say(
+        f"lost a chunked message on {lost.key.decode('utf-8', 'backslashreplace')!r}: "
+        f"{lost.reason} ({lost.received} of {lost.total} bytes came)")
     for pattern in args.patterns:
         bus.subscribe(pattern)
     if args.ready:

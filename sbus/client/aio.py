@@ -31,10 +31,11 @@ from .._core.batch import AsyncMessages, Outbox, Sink
 from .._core.batch import pack_publish as _pack_publish
 from .._core.batch import send_publish as _send_publish
 from .._core.batch import take as _take
-from ..errors import BusClosedError, SbusError
+from ..errors import BusClosedError, MessageTooLargeError, SbusError
+from . import chunks as _chunks
 from . import connection as c
 from .connection import GONE, Connection
-from .driver import Driver, awaited
+from .driver import Driver, awaited, retrieve
 from .protocol import MAX_MESSAGE, ControlMessage, Credentials, Message, Text
 from .reconnect import Reconnect
 from .services import AsyncServiceMethods
@@ -117,7 +118,7 @@ class Client(Driver, AsyncServiceMethods):
         self._stop_reading()
         if self._write_waiter is not None:
             self._loop.remove_writer(self._fd)
-            _wake(self._write_waiter)   # its sender finds the socket gone
+            c.settle(self._write_waiter)    # its sender finds the socket gone
             self._write_waiter = None
 
     async def __aenter__(self) -> "Client":
@@ -191,7 +192,7 @@ class Client(Driver, AsyncServiceMethods):
     def _reconnect_later(self) -> None:
         if self._reconnecting is None:
             self._reconnecting = self._loop.create_task(self._reconnect())
-            self._reconnecting.add_done_callback(_retrieve)
+            self._reconnecting.add_done_callback(retrieve)
 
     async def _reconnect(self) -> None:
         try:
@@ -205,7 +206,7 @@ class Client(Driver, AsyncServiceMethods):
     async def _writable(self) -> None:
         fut = self._loop.create_future()
         self._write_waiter = fut
-        self._loop.add_writer(self._fd, _wake, fut)
+        self._loop.add_writer(self._fd, c.settle, fut)
         try:
             await fut
         finally:
@@ -230,7 +231,7 @@ class Client(Driver, AsyncServiceMethods):
         if self._send_lock.locked():    # its holder may not send what was packed meanwhile
             self._arm_timer()
         elif len(self._out):    # an error is raised again by the next call that sends
-            self._loop.create_task(self.flush()).add_done_callback(_retrieve)
+            self._loop.create_task(self.flush()).add_done_callback(retrieve)
 
     async def flush(self) -> None:
         """Send what the buffered mode packed, waiting while the socket is full."""
@@ -238,27 +239,31 @@ class Client(Driver, AsyncServiceMethods):
         await self._run(self._conn.flush())
 
     async def publish(self, key: Text, payload: Text = b"", flags: int = 0) -> None:
-        """Publish one message (buffered: pack it). KeyRefusedError or
-        MessageTooLargeError, before anything is sent, for a message the
-        broker would refuse."""
+        """Publish one message (buffered: pack it), as chunks if one packet
+        cannot hold it (docs/chunks.md). KeyRefusedError, before anything is
+        sent, for a key the broker would refuse."""
         conn = self._conn
-        if conn.buffered:
-            if flags != conn.out_flags or not self._out.add_publish(key, payload):
-                return await self._run(conn.publish_buffered(
-                    _pack_publish(key, payload, self.max_message), flags))
-            if self._flush_timer is None:
-                self._arm_timer()
-            return
-        if conn.live and not len(self._out) and not self._send_lock.locked():
-            try:
-                return _send_publish(self._fd, key, payload, flags, self.max_message)
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                return await self._run(conn.failed_send(
-                    exc, _pack_publish(key, payload, self.max_message)))
-        conn.check_open()
-        await self._run(conn.send_now(_pack_publish(key, payload, self.max_message), flags))
+        try:
+            if conn.buffered:
+                if flags != conn.out_flags or not self._out.add_publish(key, payload):
+                    return await self._run(conn.publish_buffered(
+                        _pack_publish(key, payload, self.max_message), flags))
+                if self._flush_timer is None:
+                    self._arm_timer()
+                return
+            if conn.live and not len(self._out) and not self._send_lock.locked():
+                try:
+                    return _send_publish(self._fd, key, payload, flags, self.max_message)
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    return await self._run(conn.failed_send(
+                        exc, _pack_publish(key, payload, self.max_message)))
+            conn.check_open()
+            packet = _pack_publish(key, payload, self.max_message)
+        except MessageTooLargeError:    # as chunks (docs/chunks.md)
+            return await self._run(_chunks.publish(conn, key, payload, flags))
+        await self._run(conn.send_now(packet, flags))
 
     def publish_nowait(self, key: Text, payload: Text = b"", flags: int = 0) -> None:
         """Publish without waiting, for code that cannot await (a finalizer):
@@ -385,7 +390,7 @@ class Client(Driver, AsyncServiceMethods):
         if stop:
             self._stop_reading()
         for fut in self._receivers:
-            _wake(fut)
+            c.settle(fut)
 
     def _on_readable(self) -> None:
         if self._sink_waiters == len(self._receivers) > 0 and not self._conn.querying():
@@ -428,16 +433,6 @@ class Client(Driver, AsyncServiceMethods):
 
 for _name in Driver.PLANNED:
     setattr(Client, _name, awaited(getattr(Driver, _name)))
-
-
-def _wake(fut: asyncio.Future) -> None:
-    c.settle(fut)
-
-
-def _retrieve(task: "asyncio.Task") -> None:
-    """Mark a background task's exception as seen; the next call reports the state."""
-    if not task.cancelled():
-        task.exception()
 
 
 async def connect(address: Optional[str] = None, *, max_message: int = MAX_MESSAGE,

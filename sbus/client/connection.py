@@ -50,6 +50,7 @@ from ..errors import (
     PatternRefusedError,
     SbusError,
 )
+from . import chunks as _chunks
 from . import reconnect as _reconnect
 from .protocol import (
     WHOAMI,
@@ -157,6 +158,7 @@ class Connection:
         self.out = Outbox(max_message)
         self.out_flags = 0
         self.parser = Inbox(max_message, Message, ControlMessage)
+        self.chunker, self.chunks = _chunks.Chunker(max_message), _chunks.Reassembler()
         # Received and not yet taken: messages, or the exception to raise in that place.
         self.inbox: Deque[Any] = collections.deque()
         self.requests: Deque[Request] = collections.deque()     # oldest first
@@ -293,7 +295,10 @@ class Connection:
         """Take a batch: replies go to their requests' waiters (an abandoned
         request's is dropped), the rest is queued in order. Returns the end of
         the connection when a policy rides it out (the driver then calls
-        LOST's handler); without one, the end is queued and the waiters fail."""
+        LOST's handler); without one, the end is queued and the waiters fail.
+        Chunks are reassembled first (:mod:`.chunks`)."""
+        if self.parser.chunked:
+            batch = self.chunks.feed_batch(batch)
         if self.replies is not None:
             batch = self.replies.route(batch)
         inbox = self.inbox
@@ -765,10 +770,15 @@ class Connection:
         replies = yield from self.open_replies(timeout, deadline)
         waiter = self.new_waiter()
         reply_to = replies.expect(waiter)
-        packet = pack_publish(key, pack_request(reply_to, payload), self.max_message)
+        body = pack_request(reply_to, payload)
+        # A request one packet cannot hold goes as chunks, and is not asked again on reconnect.
+        big = 5 + len(_routing_key(key, "key")) + len(body) > self.max_message
+        packet = None if big else pack_publish(key, body, self.max_message)
         request = self.ask(reply_to, packet, waiter)
         try:
-            if self.buffered:
+            if packet is None:
+                yield from _chunks.publish(self, key, body, 0)
+            elif self.buffered:
                 yield from self.send_packet(packet, 0)
                 yield from self.flush()
             else:

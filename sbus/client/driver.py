@@ -30,13 +30,14 @@ from ..errors import (
     NoBrokerError,
 )
 from . import barrier as _barrier
+from . import chunks as _chunks
 from . import connection as c
 from . import proof as _proof
 from .connection import Connection
 from .protocol import Text, pack_control, pack_subscribe, pack_unsubscribe
 from .requests import REQUEST_TIMEOUT
 
-__all__ = ["Driver", "open_socket"]
+__all__ = ["Driver", "grow_buffers", "open_socket", "retrieve"]
 
 # Linux socket options that Python's socket module does not name (asm-generic/socket.h).
 _SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
@@ -69,8 +70,7 @@ def open_socket(address: str, max_message: int) -> socket.socket:
                 sock.connect(addr.sun_path)
             except OSError as exc:
                 raise _connect_error(addr, exc) from exc
-        _grow_buffer(sock, _SO_SNDBUFFORCE, socket.SO_SNDBUF, max_message)
-        _grow_buffer(sock, _SO_RCVBUFFORCE, socket.SO_RCVBUF, max_message)
+        grow_buffers(sock, max_message)
     except BaseException:
         sock.close()
         raise
@@ -122,6 +122,12 @@ def _peer_pid(sock: socket.socket) -> int:
     """The pid of the process at the other end, as this pid namespace sees it."""
     cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     return _UCRED.unpack(cred)[0]
+
+
+def grow_buffers(sock: socket.socket, size: int) -> None:
+    """Make both buffers of ``sock`` hold a ``size``-byte packet (see _grow_buffer)."""
+    _grow_buffer(sock, _SO_SNDBUFFORCE, socket.SO_SNDBUF, size)
+    _grow_buffer(sock, _SO_RCVBUFFORCE, socket.SO_RCVBUF, size)
 
 
 def _grow_buffer(sock: socket.socket, force: int, option: int, size: int) -> None:
@@ -240,6 +246,22 @@ class Driver:
         raise NotImplementedError
 
     @property
+    def chunks(self) -> _chunks.Reassembler:
+        """The reassembly of chunked messages (docs/chunks.md): its bounds,
+        ``on_lost`` and counters (``stats()``)."""
+        return self._conn.chunks
+
+    @property
+    def reassemble(self) -> bool:
+        """Whether chunks come back as whole messages; off (a relay: the store,
+        the bridge), they are received as the packets they are."""
+        return self._conn.parser.chunks
+
+    @reassemble.setter
+    def reassemble(self, on: bool) -> None:
+        self._conn.parser.chunks = on
+
+    @property
     def pending(self) -> int:
         """How many received messages wait in the client (not in the socket)."""
         return len(self._inbox)
@@ -268,12 +290,14 @@ class Driver:
         return self._run(self._conn.send_packet(packet, flags))
 
     def subscribe(self, pattern: Text, flags: int = 0) -> Any:
-        """Receive messages whose key matches ``pattern`` ('' matches everything)."""
-        return self.send_packet(pack_subscribe(pattern), flags)
+        """Receive messages whose key matches ``pattern`` ('' matches everything);
+        a pattern that does not bring chunks itself is followed by the one
+        that does (docs/chunks.md)."""
+        return self._run(_chunks.subscribing(self._conn, pack_subscribe(pattern), flags))
 
     def unsubscribe(self, pattern: Text, flags: int = 0) -> Any:
-        """Drop one earlier subscription to exactly ``pattern``."""
-        return self.send_packet(pack_unsubscribe(pattern), flags)
+        """Drop one earlier subscription to exactly ``pattern`` (and its chunk pattern's)."""
+        return self._run(_chunks.subscribing(self._conn, pack_unsubscribe(pattern), flags))
 
     def send_cmsg(self, key: Text, payload: Optional[Text] = None, flags: int = 0) -> Any:
         """Send a control message to the broker (``CMSG key`` or ``CMSG key\\0payload``)."""
@@ -335,6 +359,12 @@ class Driver:
         (:func:`sbus.client.proof.serve_proofs`): their verified Credentials,
         or ProofError naming the step that failed (docs/proof.md)."""
         return self._run(_proof.prove(self._conn, key, timeout))
+
+
+def retrieve(task: Any) -> None:
+    """Mark a background task's exception as seen; the next call reports the state."""
+    if not task.cancelled():
+        task.exception()
 
 
 def awaited(method: Callable[..., Any]) -> Callable[..., Any]:

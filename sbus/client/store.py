@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optiona
 from ..errors import SbusError
 from ..store import wire
 from ..store.segments import iter_records, parse_gap
+from .chunks import SUFFIX, Reassembler
 from .private import PrivateInbox
 
 if TYPE_CHECKING:   # the contract; services.py imports this module
@@ -80,6 +81,7 @@ class _Session:
         self.gaps = 0
         self.lost = 0
         self.first = self.last = 0
+        self.chunks = Reassembler()     # chunked messages come back whole (docs/chunks.md)
 
     def open(self, credentials: Any) -> PrivateInbox:
         """The inbox the answers come to (sbus.client.private); its id is the request's."""
@@ -188,6 +190,10 @@ def _replaying(s: _Session, request_key: bytes, timeout: float) -> Plan:
     while True:
         for seq, time_ns, message in s.records():
             if type(message) is Message:
+                if message.key.endswith(SUFFIX):
+                    message = s.chunks.feed(message.key, message.payload)
+                    if message is None:     # more of it to come, or lost (docs/chunks.md)
+                        continue
                 s.seq, s.time = seq, time_ns / 1e9
                 yield (ITEM, message)
         if s.ended:

@@ -17,7 +17,8 @@ from .._core.batch import Messages
 from .._core.batch import pack_publish as _pack_publish
 from .._core.batch import send_publish as _send_publish
 from .._core.batch import take as _take
-from ..errors import BusClosedError
+from ..errors import BusClosedError, MessageTooLargeError
+from . import chunks as _chunks
 from . import connection as c
 from .connection import GONE, Connection
 from .driver import Driver
@@ -126,18 +127,22 @@ class Client(Driver, ServiceMethods):
     # -- sending -------------------------------------------------------------------
 
     def publish(self, key: Text, payload: Text = b"", flags: int = 0) -> None:
-        """Publish one message. KeyRefusedError or MessageTooLargeError, before
-        anything is sent, for a message the broker would refuse."""
+        """Publish one message, as chunks if one packet cannot hold it
+        (docs/chunks.md). KeyRefusedError, before anything is sent, for a key
+        the broker would refuse."""
         conn = self._conn
-        if conn.buffered:
-            if flags == conn.out_flags and self._out.add_publish(key, payload):
-                return
-            return self._run(conn.publish_buffered(
-                _pack_publish(key, payload, self.max_message), flags))
         try:
-            _send_publish(self._fd, key, payload, flags, self.max_message)
+            if conn.buffered:
+                if flags == conn.out_flags and self._out.add_publish(key, payload):
+                    return
+                packet = _pack_publish(key, payload, self.max_message)
+            else:
+                return _send_publish(self._fd, key, payload, flags, self.max_message)
+        except MessageTooLargeError:    # as chunks (docs/chunks.md)
+            return self._run(_chunks.publish(conn, key, payload, flags))
         except OSError as exc:
-            self._run(conn.failed_send(exc, _pack_publish(key, payload, self.max_message)))
+            return self._run(conn.failed_send(exc, _pack_publish(key, payload, self.max_message)))
+        self._run(conn.publish_buffered(packet, flags))
 
     def flush(self) -> None:
         """Send what the buffered mode packed. A reconnecting client without

@@ -47,7 +47,9 @@ from typing import Deque, List, Optional, Tuple
 from .. import address as addresses
 from .. import logschema as schema
 from .._core.batch import Inbox, Outbox
-from ..client.protocol import WHOAMI, ControlMessage, Message, pack_control, parse
+from ..client.chunks import chunk_pattern
+from ..client.driver import grow_buffers
+from ..client.protocol import MAX_MESSAGE, WHOAMI, ControlMessage, Message, pack_control, parse
 from ..client.reconnect import Reconnect
 from ..errors import AddressError, ProtocolError
 from ..runner import Runner, sd_notify
@@ -75,8 +77,9 @@ class UpstreamError(Exception):
     """The upstream cannot be used; the text says why."""
 
 
-def connect(text: str) -> socket.socket:
-    """A connected SOCK_SEQPACKET socket to the sbusd at ``text``."""
+def connect(text: str, max_message: int = MAX_MESSAGE) -> socket.socket:
+    """A connected SOCK_SEQPACKET socket to the sbusd at ``text``, its buffers
+    holding a ``max_message``-byte packet."""
     try:
         addr = addresses.parse(text)
     except AddressError as e:
@@ -89,6 +92,9 @@ def connect(text: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
         sock.connect(addr.sun_path)
+        # A packet as large as the upstream takes (chunks are): the default
+        # send buffer fails one over ~208 KiB with EMSGSIZE, for ever.
+        grow_buffers(sock, max_message)
     except OSError as e:
         sock.close()
         raise UpstreamError(f"{text}: {e.strerror or e}") from None
@@ -157,10 +163,13 @@ class Link:
     """The link's state and its loop; ``run()`` returns when the local broker goes."""
 
     def __init__(self, local: socket.socket, upstream: str, exports: List[str],
-                 buffer_max: int):
+                 buffer_max: int, max_message: int = MAX_MESSAGE):
         self.local = local
+        self.max_message = max_message
         self.upstream = upstream
-        self.exports = [p.encode() for p in exports] or [b""]
+        exports_raw = [p.encode() for p in exports]
+        # With each export its chunk twin: a chunked message goes up as its chunks (docs/chunks.md).
+        self.exports = exports_raw + [t for t in map(chunk_pattern, exports_raw) if t] or [b""]
         self.buffer_max = buffer_max
         self.sel = selectors.DefaultSelector()
         self.up: Optional[socket.socket] = None
@@ -289,7 +298,7 @@ class Link:
     # ---- the upstream connection
     def try_connect(self) -> None:
         try:
-            sock = connect(self.upstream)
+            sock = connect(self.upstream, self.max_message)
         except UpstreamError as e:
             self.retry(str(e))
             return
@@ -541,12 +550,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--upstream", required=True)
     ap.add_argument("--export", action="append", default=[])
     ap.add_argument("--buffer", type=int, required=True)
+    ap.add_argument("--max-message", type=int, default=MAX_MESSAGE,
+                    help="the broker's --max-message: the largest packet sent up")
     ap.add_argument("--stderr-fd", type=int, help="sbusd's stderr, ours once we run "
                     "(until then our stderr is the pipe that tells sbusd why we did not)")
     args = ap.parse_args(argv)
     local = socket.socket(fileno=args.fd)
+    grow_buffers(local, args.max_message)   # what comes down is as large as what goes up
     with Runner() as runner:
-        link = Link(local, args.upstream, args.export, args.buffer)
+        link = Link(local, args.upstream, args.export, args.buffer, args.max_message)
         announce_started(args.stderr_fd)
         return link.run(runner)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import Callable, Iterable, List
 
+from ..client.chunks import SUFFIX
+
 Matcher = Callable[[bytes], bool]
 
 
@@ -38,6 +40,19 @@ def compile_pattern(pattern: bytes) -> Matcher:
     regex = re.compile(b"".join(parts) + (rb"/.*" if trailing else b""), re.S)
     fullmatch = regex.fullmatch
     return lambda key: fullmatch(key) is not None
+
+
+def with_chunks(pattern: bytes, match: Matcher) -> Matcher:
+    """``match``, and also the chunks of what it matches (docs/chunks.md): what
+    a replay of ``pattern`` gives a client to reassemble. '' and a pattern
+    ending in '/' match the chunk keys themselves."""
+    if pattern == b"" or pattern.endswith(b"/"):
+        return match
+    cut = -len(SUFFIX)
+
+    def matches(key: bytes) -> bool:
+        return match(key) or (key.endswith(SUFFIX) and match(key[:cut]))
+    return matches
 
 
 def _segment_covers(outer: bytes, inner: bytes) -> bool:

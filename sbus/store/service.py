@@ -25,7 +25,7 @@ from ..client.reconnect import Reconnect
 from ..client.sync import Client
 from ..runner import STOPPED, ready
 from . import wire
-from .patterns import PatternSet, compile_pattern
+from .patterns import PatternSet, compile_pattern, with_chunks
 from .patterns import covers as _covers
 from .segments import GAP_KEY, HEADER, RECORD, DiskFull, Log, gap_payload, pack_record
 
@@ -146,6 +146,7 @@ class Store:
         policy = Reconnect(give_up_after=None, max_delay=1.0, on_disconnect=lost,
                            on_reconnect=back)
         bus = Client(self.s.address, max_message=self.s.max_message, reconnect=policy)
+        bus.reassemble = False      # chunks are recorded as they travel (docs/chunks.md)
         # Queue what we cannot take at once; beyond the broker's per-client
         # limit, discard (and count: the drop count becomes a gap record) so
         # that publishers never wait for the disk, or block them (--flood block).
@@ -421,7 +422,7 @@ class Store:
         if len(self.sessions) >= MAX_SESSIONS:
             raise wire.RequestError(f"busy: {MAX_SESSIONS} sessions open")
         token = secrets.token_hex(8).encode()
-        session = Session(token, req, _cached(compile_pattern(req.pattern)),
+        session = Session(token, req, _cached(with_chunks(req.pattern, compile_pattern(req.pattern))),
                           last_sent=req.after)
         if req.op == "last":
             session.items = sorted(v for k, v in self.log.last_values.items()
