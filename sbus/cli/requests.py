@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
-from typing import BinaryIO
+from typing import BinaryIO, Optional, Tuple
 
 from .. import argtypes
+from ..client.protocol import Message
 from ..client.requests import CONCURRENCY, REQUEST_TIMEOUT, IncomingRequest
+from ..runner import add_log_options
 
 # `sbus request` had no reply within -W seconds (as `sbus sub -W`).
 TIMEOUT_EXIT = 3
@@ -17,6 +20,10 @@ TIMEOUT_EXIT = 3
 KEY_VARIABLE = "SBUS_REQUEST_KEY"
 # Bytes of a failing COMMAND's stderr quoted in the error reply.
 STDERR_QUOTED = 400
+# Where `sbus serve` answers state requests ("<inbox> <pattern>", as the
+# queue's: sbus.queue.wire), to the inbox + STATE; `sbus ready serve` asks.
+STATE_KEY = "sbus/serve/state"
+STATE = "state"
 
 
 def add_parsers(commands, common: argparse.ArgumentParser) -> None:
@@ -41,13 +48,16 @@ def add_parsers(commands, common: argparse.ArgumentParser) -> None:
                     "that exits non-zero, or writes to stderr and nothing to stdout, sends "
                     "an error reply quoting its stderr (an empty stdout and stderr is an "
                     "empty reply). "
-                    f"${KEY_VARIABLE} holds the request's key.")
+                    f"${KEY_VARIABLE} holds the request's key. Once its subscription is in "
+                    "place it logs service_ready and sends READY=1 under systemd; `sbus ready "
+                    "serve PATTERN` waits for that.")
     serve.add_argument("pattern", metavar="PATTERN", help="the routing key pattern to serve")
     serve.add_argument("-j", "--jobs", type=argtypes.argtype(int, low=1), default=CONCURRENCY,
                        metavar="N",
                        help=f"requests answered at once, at most (default {CONCURRENCY})")
     serve.add_argument("command", metavar="-- COMMAND", nargs=argparse.REMAINDER,
                        help="the command and its arguments, after --")
+    add_log_options(serve)
     serve.set_defaults(standalone=serve_main)
 
 
@@ -89,12 +99,40 @@ async def run_command(command: list, request: IncomingRequest) -> bytes:
     return out
 
 
+class ServeState:
+    """What ``sbus serve`` answers a state request with (docs/requests.md,
+    "Is it serving?"), and its counts."""
+
+    def __init__(self, pattern: str, command: list, jobs: int) -> None:
+        self.pattern = pattern.encode("utf-8", "surrogateescape")
+        self.fields = {"service": "serve", "pattern": pattern, "pid": os.getpid(),
+                       "command": command, "jobs": jobs}
+        self.running = self.answered = self.failed = 0
+
+    def answer(self, message: Message) -> Optional[Tuple[str, bytes]]:
+        """(reply key, JSON) for a state request naming our pattern; None for
+        anything else (another server's pattern, a payload off the convention)."""
+        from ..queue.wire import WireError, parse_state_request
+        if message.key != STATE_KEY.encode():
+            return None
+        try:
+            inbox, pattern = parse_state_request(message.payload)
+        except WireError:
+            return None
+        if pattern != self.pattern:
+            return None
+        state = dict(self.fields, running=self.running, answered=self.answered,
+                     failed=self.failed)
+        return inbox + STATE, json.dumps(state).encode()
+
+
 def serve_main(args: argparse.Namespace, address: str) -> int:
     """Serve until SIGTERM/SIGINT or the broker goes away."""
     from ..aio import Client
     from ..client.protocol import pack_subscribe
+    from ..client.requests import serve_async
     from ..errors import MessageRefusedError, SbusError
-    from ..runner import sd_notify
+    from ..runner import configure_log, ready
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         args.parser.error("give the command to run after --")
@@ -103,9 +141,20 @@ def serve_main(args: argparse.Namespace, address: str) -> int:
     except MessageRefusedError as exc:
         sys.stderr.write(f"sbus serve: PATTERN {args.pattern!r}: {exc}\n")
         return 2
+    stream, logger = configure_log(args)
+    state = ServeState(args.pattern, command, args.jobs)
 
     async def handle(request: IncomingRequest) -> bytes:
-        return await run_command(command, request)
+        state.running += 1
+        try:
+            out = await run_command(command, request)
+        except RuntimeError:
+            state.failed += 1
+            raise
+        finally:
+            state.running -= 1
+        state.answered += 1
+        return out
 
     async def run() -> int:
         loop = asyncio.get_running_loop()
@@ -114,16 +163,27 @@ def serve_main(args: argparse.Namespace, address: str) -> int:
         except OSError as exc:
             sys.stderr.write(f"sbus serve: {address}: {exc.strerror or exc}\n")
             return 1
-        serving = asyncio.ensure_future(bus.serve(args.pattern, handle, args.jobs))
+
+        async def others(message: Message) -> None:
+            found = state.answer(message)
+            if found is not None:
+                await bus.publish(*found)
+
+        serving = asyncio.ensure_future(serve_async(bus, args.pattern, handle, args.jobs,
+                                                    others))
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, serving.cancel)
+        loop.add_signal_handler(signal.SIGHUP, reopen, stream)
         try:
-            # serve() sends its SUB at its first step; a whoami answered
-            # after it means the broker has it: then systemd hears READY=1.
+            # serve() sends its SUB at its first step; the state key's SUB
+            # goes after it, so a state answer means the pattern's is in
+            # place too; a whoami answered after both means the broker has
+            # them: then the log and systemd hear it is ready.
             await asyncio.sleep(0)
             if not serving.done():
+                await bus.subscribe(STATE_KEY)
                 await bus.whoami()
-                sd_notify("READY=1")
+                ready(logger, "serve", pattern=args.pattern)
             await serving
         except asyncio.CancelledError:
             return 0
@@ -135,3 +195,10 @@ def serve_main(args: argparse.Namespace, address: str) -> int:
         return 0
 
     return asyncio.run(run())
+
+
+def reopen(stream) -> None:
+    try:
+        stream.reopen()
+    except OSError:
+        pass    # it goes on where it was: a log file is no reason to stop
