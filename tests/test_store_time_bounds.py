@@ -3,14 +3,19 @@ a raw connection, ``since``/``until`` as decimal seconds, inclusive and exact
 to the nanosecond (a float resolves only about 240 ns at today's epoch)."""
 from __future__ import annotations
 
+import asyncio
 import secrets
+import subprocess
 
 import pytest
 
+from sbus import Client
+from sbus.aio import Client as AsyncClient
+from sbus.client.store import from_ns
 from sbus.store import wire
 from sbus.store.segments import HEADER, RECORD
 
-from support import Conn, StoreProcess
+from support import SBUS, Conn, StoreProcess
 
 
 @pytest.fixture(autouse=True)
@@ -82,6 +87,62 @@ def test_a_records_own_time_as_since_and_until_finds_the_records_stamped_then(
         assert ask(conn, pattern="t/", since=exact(t - 1), until=exact(t - 1)) == [
             r for r in everything if r[1] == t - 1]
     conn.close()
+
+
+def recorded_in_batches(start_broker, tmp_path):
+    """A store holding three batches on t/, each stamped with one time;
+    (bus, every record as ask() gives it)."""
+    bus = start_broker()
+    StoreProcess(tmp_path, bus.address, tmp_path / "log", ["t/"], "--stats-interval", "0").ready()
+    with Conn.to(bus.address) as conn:
+        for batch in range(3):
+            for i in range(3):
+                conn.pub(f"t/{batch}", b"%d-%d" % (batch, i))
+            conn.whoami(timeout=10)
+            assert len(ask(conn, pattern="t/")) == 3 * (batch + 1)
+        return bus, ask(conn, pattern="t/")
+
+
+def test_the_clients_and_sbus_replay_find_a_record_by_its_exact_time(start_broker, tmp_path):
+    """Issue 38: the bounds stay exact from the caller to the store: a record's
+    time_ns given back through the Python clients (a Decimal, a decimal str)
+    or to ``sbus replay --since/--until`` (as its {unix} printed it) finds
+    the records stamped then, and only those. Through a float it missed them."""
+    bus, everything = recorded_in_batches(start_broker, tmp_path)
+    times = sorted({t for _, t, _, _ in everything})
+    assert len(times) >= 2
+    stamped = {t: [(seq, payload) for seq, tt, _, payload in everything if tt == t]
+               for t in times}
+
+    with Client(bus.address) as c:
+        for t in times:
+            for bound in (from_ns(t), exact(t)):
+                it = c.replay("t/", since=bound, until=bound)
+                got = [(it.seq, m.payload) for m in it]
+                assert got == stamped[t], (t, bound)
+                assert it.time_ns == t
+
+    async def asynchronously():
+        async with AsyncClient(bus.address) as c:
+            for t in times:
+                it = await c.replay("t/", since=from_ns(t), until=from_ns(t))
+                assert [(it.seq, m.payload) async for m in it] == stamped[t]
+
+    asyncio.run(asynchronously())
+
+    def sbus_replay(*args):
+        r = subprocess.run([SBUS, "-a", bus.address, "replay", "t/", *args],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+
+    printed = [line.split() for line in sbus_replay("-F", "{seq} {unix} {payload}")]
+    assert [(int(seq), unix) for seq, unix, _ in printed] == [
+        (seq, exact(t)) for seq, t, _, _ in everything]
+    for seq, unix, _ in printed:
+        t = everything[int(seq) - everything[0][0]][1]
+        assert sbus_replay("--since", unix, "--until", unix, "-F", "{seq} {payload}") == [
+            f"{s} {p.decode()}" for s, p in stamped[t]]
 
 
 def test_bounds_read_as_exact_decimals_rounding_inward():
