@@ -766,7 +766,19 @@ class Connection:
         waiter = self.new_waiter()
         reply_to = replies.expect(waiter)
         packet = pack_publish(key, pack_request(reply_to, payload), self.max_message)
-        request = self.ask(reply_to, packet, waiter)
+        try:
+            return parse_reply((yield from self.exchange(
+                reply_to, packet, waiter, deadline, lambda: timed_out(key, timeout))))
+        finally:
+            replies.forget(reply_to)
+
+    def exchange(self, reply_key: bytes, packet: bytes, waiter: Any, deadline: float,
+                 timed_out: Callable[[], BaseException]) -> Plan:
+        """Send ``packet`` and return what ``waiter`` gets on ``reply_key``
+        (:meth:`triage` routes it), or raise ``timed_out()`` at ``deadline``.
+        Noted as a request meanwhile: a lost connection fails it, and a
+        reconnecting client sends it again (a request, a proof's step)."""
+        request = self.ask(reply_key, packet, waiter)
         try:
             if self.buffered:
                 yield from self.send_packet(packet, 0)
@@ -776,9 +788,8 @@ class Connection:
             try:
                 yield (WAIT, waiter, deadline, 0)
             except TimeoutError:
-                raise timed_out(key, timeout) from None
-            return parse_reply(waiter.result())
+                raise timed_out() from None
+            return waiter.result()
         finally:
-            replies.forget(reply_to)
             self.unask(request)
 
