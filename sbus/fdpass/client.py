@@ -10,29 +10,33 @@ that closes those not taken out with ``detach()``). The asyncio twins are
 ``agive``, ``aclaim``, ``AsyncGiver``, ``AsyncClaimer`` and ``AsyncReceiver``
 (``await AsyncReceiver.open(bus)`` over an :class:`sbus.aio.Client`).
 
-Each conversation with the service is written once, as a plan
-(:mod:`sbus.client.steps`): a generator that yields the calls it needs on
-a :class:`_Link` (connect, send, recv to the service; whoami, subscribe,
-receive to the bus client) and decides what answers and errors mean.
-:class:`_Link` makes the calls blocking, :class:`_AsyncLink` awaits them
-on the event loop; the classes differ only in how they run a plan. Only the
-bus client's public calls are used.
+Each conversation with the service is written once, as a plan (as the bus
+clients' are, :mod:`sbus.client.connection`): a generator that yields the
+calls it needs, ``(name, timeout, *args)``, on a :class:`_Link` (connect,
+send, recv to the service; whoami, subscribe, receive to the bus client),
+is sent each call's result or thrown its error, and decides what answers
+and errors mean. :func:`_run` makes the calls blocking, :func:`_arun`
+awaits them on the event loop (:class:`_AsyncLink`); the classes differ
+only in which of the two runs a plan. Only the bus client's public calls
+are used. asyncio is imported by the asyncio side only.
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import time
-from typing import Any, List, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Generator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from ..address import from_environment
-from ..client.steps import ITEM, Plan, Run
 from ..errors import SbusError
 from . import wire
 
 Text = Union[str, bytes]
 TIMEOUT = 10.0
+Plan = Generator[Tuple[Any, ...], Any, Any]
+
+if TYPE_CHECKING:
+    import asyncio
 
 
 class FdsError(SbusError):
@@ -112,7 +116,7 @@ class _Link:
     def whoami(self, **timeout: Any) -> Any:
         return self.bus.whoami(**timeout)
 
-    def subscribe(self, pattern: bytes) -> Any:
+    def subscribe(self, pattern: bytes, **timeout: Any) -> Any:
         return self.bus.subscribe(pattern)
 
     def receive(self, **timeout: Any) -> Any:
@@ -147,6 +151,7 @@ class _AsyncLink(_Link):
     cancelled wait loses nothing: nothing was read)."""
 
     async def connect(self) -> bool:    # type: ignore[override]
+        import asyncio
         if self.sock is not None:
             return False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC
@@ -174,6 +179,7 @@ class _AsyncLink(_Link):
                 await self._ready(False)
 
     async def _ready(self, writable: bool) -> None:
+        import asyncio
         loop = asyncio.get_running_loop()
         fd = self.sock.fileno()     # type: ignore[union-attr]
         fut = loop.create_future()
@@ -331,17 +337,35 @@ def _taking(receiver: "Receiver", timeout: Optional[float]) -> Plan:
                 raise
 
 
-def _result(plan: Plan) -> Plan:
-    """``plan`` with its result handed out: what a driver's ``next`` returns."""
-    yield (ITEM, (yield from plan))
-
-
 def _run(link: _Link, plan: Plan) -> Any:
-    return next(Run(link, _result(plan)))
+    """Run ``plan``, making its calls on ``link`` blocking; its result."""
+    value = error = None
+    while True:
+        try:
+            action = plan.send(value) if error is None else plan.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        value = error = None
+        try:
+            value = getattr(link, action[0])(*action[2:], timeout=action[1])
+        except BaseException as exc:    # the plan decides what it means
+            error = exc
 
 
 async def _arun(link: _Link, plan: Plan) -> Any:
-    return await Run(link, _result(plan)).__anext__()
+    """:func:`_run` on the event loop: each call awaited, within its timeout."""
+    import asyncio
+    value = error = None
+    while True:
+        try:
+            action = plan.send(value) if error is None else plan.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        value = error = None
+        try:
+            value = await asyncio.wait_for(getattr(link, action[0])(*action[2:]), action[1])
+        except BaseException as exc:    # the plan decides what it means
+            error = exc
 
 
 # -- blocking ---------------------------------------------------------------------------
