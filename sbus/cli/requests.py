@@ -5,7 +5,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 from typing import BinaryIO, Optional, Tuple
 
@@ -99,15 +98,30 @@ async def run_command(command: list, request: IncomingRequest) -> bytes:
     return out
 
 
-class ServeState:
-    """What ``sbus serve`` answers a state request with (docs/requests.md,
-    "Is it serving?"), and its counts."""
+class Server:
+    """``sbus serve``, run as every asyncio service is (sbus.runner.run_async):
+    its state (what a state request is answered with, docs/requests.md, "Is
+    it serving?") and its counts."""
 
-    def __init__(self, pattern: str, command: list, jobs: int) -> None:
-        self.pattern = pattern.encode("utf-8", "surrogateescape")
-        self.fields = {"service": "serve", "pattern": pattern, "pid": os.getpid(),
-                       "command": command, "jobs": jobs}
+    def __init__(self, args: argparse.Namespace, address: str, command: list, logger) -> None:
+        self.address, self.max_message = address, args.max_message
+        self.pattern, self.jobs, self.command = args.pattern, args.jobs, command
+        self.logger = logger
+        self.fields = {"service": "serve", "pattern": args.pattern, "pid": os.getpid(),
+                       "command": command, "jobs": args.jobs}
         self.running = self.answered = self.failed = 0
+
+    async def handle(self, request: IncomingRequest) -> bytes:
+        self.running += 1
+        try:
+            out = await run_command(self.command, request)
+        except RuntimeError:
+            self.failed += 1
+            raise
+        finally:
+            self.running -= 1
+        self.answered += 1
+        return out
 
     def answer(self, message: Message) -> Optional[Tuple[str, bytes]]:
         """(reply key, JSON) for a state request naming our pattern; None for
@@ -119,20 +133,58 @@ class ServeState:
             inbox, pattern = parse_state_request(message.payload)
         except WireError:
             return None
-        if pattern != self.pattern:
+        if pattern != self.pattern.encode("utf-8", "surrogateescape"):
             return None
         state = dict(self.fields, running=self.running, answered=self.answered,
                      failed=self.failed)
         return inbox + STATE, json.dumps(state).encode()
 
+    async def run(self, stop: asyncio.Event) -> str:
+        """Serve until ``stop`` is set (SIGTERM, SIGINT) or the broker closes
+        the connection; the reason. OSError (BusClosedError too) if the
+        broker is not there or fails us."""
+        from ..aio import Client
+        from ..client.requests import serve_async
+        from ..runner import STOPPED, ready
+        bus = Client(self.address, max_message=self.max_message)
+
+        async def others(message: Message) -> None:
+            found = self.answer(message)
+            if found is not None:
+                await bus.publish(*found)
+
+        serving = asyncio.ensure_future(serve_async(bus, self.pattern, self.handle, self.jobs,
+                                                    others))
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            # serve_async sends its SUB at its first step; the state key's
+            # SUB goes after it, so a state answer means the pattern's is in
+            # place too; a whoami answered after both means the broker has
+            # them: then the log and systemd hear it is ready.
+            await asyncio.sleep(0)
+            if not serving.done():
+                await bus.subscribe(STATE_KEY)
+                await bus.whoami()
+                ready(self.logger, "serve", pattern=self.pattern)
+            await asyncio.wait((serving, stopping), return_when=asyncio.FIRST_COMPLETED)
+            if not serving.done():
+                return STOPPED
+            serving.result()    # its error, if it failed
+            return "the broker closed the connection"
+        finally:
+            stopping.cancel()
+            serving.cancel()
+            bus.close()
+
+    def stopped(self, reason: str) -> None:
+        pass    # it logs its readiness only (docs/requests.md)
+
 
 def serve_main(args: argparse.Namespace, address: str) -> int:
     """Serve until SIGTERM/SIGINT or the broker goes away."""
-    from ..aio import Client
     from ..client.protocol import pack_subscribe
-    from ..client.requests import serve_async
-    from ..errors import MessageRefusedError, SbusError
-    from ..runner import configure_log, ready
+    from ..errors import MessageRefusedError
+    from ..runner import run_async
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         args.parser.error("give the command to run after --")
@@ -141,64 +193,5 @@ def serve_main(args: argparse.Namespace, address: str) -> int:
     except MessageRefusedError as exc:
         sys.stderr.write(f"sbus serve: PATTERN {args.pattern!r}: {exc}\n")
         return 2
-    stream, logger = configure_log(args)
-    state = ServeState(args.pattern, command, args.jobs)
-
-    async def handle(request: IncomingRequest) -> bytes:
-        state.running += 1
-        try:
-            out = await run_command(command, request)
-        except RuntimeError:
-            state.failed += 1
-            raise
-        finally:
-            state.running -= 1
-        state.answered += 1
-        return out
-
-    async def run() -> int:
-        loop = asyncio.get_running_loop()
-        try:
-            bus = Client(address, max_message=args.max_message)
-        except OSError as exc:
-            sys.stderr.write(f"sbus serve: {address}: {exc.strerror or exc}\n")
-            return 1
-
-        async def others(message: Message) -> None:
-            found = state.answer(message)
-            if found is not None:
-                await bus.publish(*found)
-
-        serving = asyncio.ensure_future(serve_async(bus, args.pattern, handle, args.jobs,
-                                                    others))
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, serving.cancel)
-        loop.add_signal_handler(signal.SIGHUP, reopen, stream)
-        try:
-            # serve() sends its SUB at its first step; the state key's SUB
-            # goes after it, so a state answer means the pattern's is in
-            # place too; a whoami answered after both means the broker has
-            # them: then the log and systemd hear it is ready.
-            await asyncio.sleep(0)
-            if not serving.done():
-                await bus.subscribe(STATE_KEY)
-                await bus.whoami()
-                ready(logger, "serve", pattern=args.pattern)
-            await serving
-        except asyncio.CancelledError:
-            return 0
-        except (OSError, SbusError) as exc:
-            sys.stderr.write(f"sbus serve: {address}: {exc}\n")
-            return 1
-        finally:
-            bus.close()
-        return 0
-
-    return asyncio.run(run())
-
-
-def reopen(stream) -> None:
-    try:
-        stream.reopen()
-    except OSError:
-        pass    # it goes on where it was: a log file is no reason to stop
+    return run_async("serve", address, args,
+                     lambda logger: Server(args, address, command, logger))
