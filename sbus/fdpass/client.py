@@ -16,8 +16,9 @@ calls it needs, ``(name, timeout, *args)``, on a :class:`_Link` (connect,
 send, recv to the service; whoami, subscribe, receive to the bus client),
 is sent each call's result or thrown its error, and decides what answers
 and errors mean. :func:`_run` makes the calls blocking, :func:`_arun`
-awaits them on the event loop (:class:`_AsyncLink`); the classes differ
-only in which of the two runs a plan. Only the bus client's public calls
+awaits them on the event loop (:class:`_AsyncLink`), with the drivers'
+loops of :mod:`sbus.client.steps`; the classes differ only in which of the
+two runs a plan. Only the bus client's public calls
 are used. asyncio is imported by the asyncio side only.
 """
 from __future__ import annotations
@@ -25,16 +26,15 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Generator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Sequence, Union
 
 from ..address import from_environment
+from ..client.steps import Plan, adrive, drive
 from ..errors import SbusError
 from . import wire
 
 Text = Union[str, bytes]
 TIMEOUT = 10.0
-Plan = Generator[Tuple[Any, ...], Any, Any]
-
 if TYPE_CHECKING:
     import asyncio
 
@@ -339,33 +339,14 @@ def _taking(receiver: "Receiver", timeout: Optional[float]) -> Plan:
 
 def _run(link: _Link, plan: Plan) -> Any:
     """Run ``plan``, making its calls on ``link`` blocking; its result."""
-    value = error = None
-    while True:
-        try:
-            action = plan.send(value) if error is None else plan.throw(error)
-        except StopIteration as stop:
-            return stop.value
-        value = error = None
-        try:
-            value = getattr(link, action[0])(*action[2:], timeout=action[1])
-        except BaseException as exc:    # the plan decides what it means
-            error = exc
+    return drive(plan, lambda action: getattr(link, action[0])(*action[2:], timeout=action[1]))
 
 
 async def _arun(link: _Link, plan: Plan) -> Any:
     """:func:`_run` on the event loop: each call awaited, within its timeout."""
     import asyncio
-    value = error = None
-    while True:
-        try:
-            action = plan.send(value) if error is None else plan.throw(error)
-        except StopIteration as stop:
-            return stop.value
-        value = error = None
-        try:
-            value = await asyncio.wait_for(getattr(link, action[0])(*action[2:]), action[1])
-        except BaseException as exc:    # the plan decides what it means
-            error = exc
+    return await adrive(plan, lambda action: asyncio.wait_for(
+        getattr(link, action[0])(*action[2:]), action[1]))
 
 
 # -- blocking ---------------------------------------------------------------------------
