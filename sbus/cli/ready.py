@@ -82,39 +82,31 @@ def store_check(bus, args: argparse.Namespace) -> Check:
 
 def queue_check(bus, args: argparse.Namespace) -> Check:
     from ..queue import wire
-    from .consume import wait_for_service
-    pattern = args.pattern
-
-    def check() -> Tuple[bool, str]:
-        # One question, one second (-W 0 there would mean for ever).
-        if wait_for_service(bus, pattern, ASK_EVERY / 2, say, notice_after=float("inf")):
-            return True, ""
-        return False, (f"no queue service for {pattern!r} answered (asked on "
-                       f"{wire.STATE_KEY})\n  is sbus queue running? start one with: sbus "
-                       f"queue {shlex.quote(pattern)} (the pattern must be the same, byte for "
-                       "byte), or wait longer with -W SECONDS")
-    return check
+    return state_check(bus, args.pattern, wire.STATE_KEY, "queue", (
+        f"no queue service for {args.pattern!r} answered (asked on {wire.STATE_KEY})\n"
+        f"  is sbus queue running? start one with: sbus queue {shlex.quote(args.pattern)} "
+        "(the pattern must be the same, byte for byte), or wait longer with -W SECONDS"))
 
 
 def serve_check(bus, args: argparse.Namespace) -> Check:
-    from ..client.private import PrivateInbox
-    from ..client.sync import Client
-    from ..queue.wire import pack_state_request
-    from .consume import answered
     from .requests import STATE_KEY
-    pattern = args.pattern
+    return state_check(bus, args.pattern, STATE_KEY, "serve", (
+        f"no sbus serve for {args.pattern!r} answered (asked on {STATE_KEY})\n"
+        f"  is it running? start one with: sbus serve {shlex.quote(args.pattern)} -- COMMAND "
+        "(the pattern must be the same, byte for byte), or wait longer with -W SECONDS"))
+
+
+def state_check(bus, pattern: str, state_key: str, kind: str, why: str) -> Check:
+    """Whether a service answers the state request for ``pattern`` on
+    ``state_key`` (the queue's, sbus serve's: docs/queues.md, "State")."""
+    from .consume import wait_for_service
 
     def check() -> Tuple[bool, str]:
-        with Client(bus.address, max_message=bus.max_message) as asker:
-            inbox = PrivateInbox(asker.whoami(timeout=10.0), "serve")
-            asker.subscribe(inbox.pattern)
-            asker.publish(STATE_KEY, pack_state_request(inbox.prefix, pattern))
-            if answered(asker, inbox):
-                return True, ""
-        return False, (f"no sbus serve for {pattern!r} answered (asked on {STATE_KEY})\n"
-                       f"  is it running? start one with: sbus serve {shlex.quote(pattern)} -- "
-                       "COMMAND (the pattern must be the same, byte for byte), or wait longer "
-                       "with -W SECONDS")
+        # One question, one second (-W 0 there would mean for ever).
+        if wait_for_service(bus, pattern, ASK_EVERY / 2, say, notice_after=float("inf"),
+                            state_key=state_key, kind=kind):
+            return True, ""
+        return False, why
     return check
 
 
