@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 from collections import deque
-from typing import Callable, Deque, Iterable, List, Optional, Tuple, Type
+from typing import Callable, Deque, Iterable, List, Optional
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 SERVICE_SIGNALS = (*STOP_SIGNALS, signal.SIGHUP)
@@ -170,28 +170,6 @@ class Runner:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def run_blocking(name: str, stream, service, where: str = "",
-                 errors: Tuple[Type[BaseException], ...] = (OSError,)) -> int:
-    """Run a blocking service of the ``sbus`` command (the store, fds) until
-    SIGTERM or SIGINT; SIGHUP reopens ``stream``. The service has
-    ``run(between_turns, wake=fd) -> reason``, which calls
-    ``between_turns()`` between two of its turns and polls ``wake`` beside
-    its own descriptors, and ``stop(reason)``, called whatever happens.
-    Returns 0, or 1 with one of ``errors`` on stderr after ``where``."""
-    reason = STOPPED
-    with Runner(stream) as runner:
-        try:
-            reason = service.run(runner.between_turns, wake=runner.fileno())
-        except errors as exc:
-            reason = f"error: {exc}"
-            text = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-            sys.stderr.write(f"sbus {name}: {where}{text}\n")
-            return 1
-        finally:
-            service.stop(reason)
-    return 0
 
 
 def run_async(name: str, address: str, args: argparse.Namespace, make) -> int:

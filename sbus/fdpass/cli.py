@@ -38,7 +38,7 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, address: str) -> int:
     """Run the service until SIGTERM/SIGINT; 0, or 1 with a message on stderr."""
-    from ..runner import configure_log, run_blocking
+    from ..runner import STOPPED, Runner, configure_log
     from . import wire
     from .service import FdService, Settings, StartupError
     try:
@@ -53,4 +53,15 @@ def main(args: argparse.Namespace, address: str) -> int:
                         max_message=args.max_message)
     stream, logger = configure_log(args)
     service = FdService(settings, logger)
-    return run_blocking("fds", stream, service, errors=(StartupError, OSError))
+    reason = STOPPED
+    with Runner(stream) as runner:
+        try:
+            reason = service.run(runner.between_turns, wake=runner.fileno())
+        except (StartupError, OSError) as exc:
+            reason = f"error: {exc}"
+            text = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            sys.stderr.write(f"sbus fds: {text}\n")
+            return 1
+        finally:
+            service.stop(reason)
+    return 0

@@ -202,7 +202,7 @@ def main(args: argparse.Namespace, address: str) -> int:
     if not args.dir or not args.record:
         sys.stderr.write("sbus store: needs --dir DIR and at least one --record PATTERN\n")
         return 2
-    from ..runner import configure_log, run_blocking
+    from ..runner import STOPPED, Runner, configure_log
     from .service import Settings, Store
     settings = Settings(
         address=address, directory=args.dir,
@@ -216,5 +216,15 @@ def main(args: argparse.Namespace, address: str) -> int:
     except OSError as exc:
         sys.stderr.write(f"sbus store: {args.dir}: {exc.strerror or exc}\n")
         return 1
-    # A write in progress finishes first: the loop looks between batches.
-    return run_blocking("store", stream, store, f"{address}: ")
+    reason = STOPPED
+    with Runner(stream) as runner:
+        try:
+            # A write in progress finishes first: the loop looks between batches.
+            reason = store.run(runner.between_turns, wake=runner.fileno())
+        except OSError as exc:
+            reason = f"error: {exc}"
+            sys.stderr.write(f"sbus store: {address}: {exc.strerror or exc}\n")
+            return 1
+        finally:
+            store.stop(reason)
+    return 0
