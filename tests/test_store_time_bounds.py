@@ -160,3 +160,21 @@ def test_bounds_read_as_exact_decimals_rounding_inward():
     for bad in (b"nan", b"inf", b"1e400", b"0x10", b"ten"):
         with pytest.raises(wire.RequestError):
             bounds(bad, b"")
+
+
+def test_the_client_writes_a_bound_with_every_digit_it_was_given():
+    from decimal import Decimal
+
+    from sbus.client.store import _seconds
+    assert _seconds(from_ns(1_764_000_000_000_000_120)) == "1764000000.000000120"
+    assert _seconds("1764000000.123456789") == "1764000000.123456789"
+    assert _seconds(Decimal("1.764e9")) == "1764000000"
+    assert _seconds(1_764_000_000) == "1764000000"
+    assert _seconds(1764000000.5) == "1764000000.5"     # a float as Python writes it
+    np = pytest.importorskip("numpy")
+    assert (_seconds(np.int64(7)), _seconds(np.float64(1.5))) == ("7", "1.5")
+    for bad in ("ten", "nan", Decimal("inf")):
+        with pytest.raises(ValueError):
+            _seconds(bad)
+    with pytest.raises(TypeError):
+        _seconds(True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import decimal
 import json
+import operator
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Union
 
@@ -64,15 +65,18 @@ def _seconds(t: Time) -> Optional[str]:
         return None
     if isinstance(t, bool):
         raise TypeError("a time is seconds since the epoch, not a bool")
-    if isinstance(t, float):
-        return repr(t)
+    if isinstance(t, (decimal.Decimal, str)):
+        try:
+            exact = decimal.Decimal(t)
+        except decimal.InvalidOperation:
+            raise ValueError(f"not a time in seconds since the epoch: {t!r}") from None
+        if not exact.is_finite():
+            raise ValueError(f"not a time in seconds since the epoch: {t!r}")
+        return format(exact, "f")
     try:
-        exact = t if isinstance(t, decimal.Decimal) else decimal.Decimal(t)
-    except (decimal.InvalidOperation, TypeError):
-        raise ValueError(f"not a time in seconds since the epoch: {t!r}") from None
-    if not exact.is_finite():
-        raise ValueError(f"not a time in seconds since the epoch: {t!r}")
-    return format(exact, "f")
+        return str(operator.index(t))     # int, and numpy's integers
+    except TypeError:
+        return repr(float(t))   # float, and what float() takes (numpy's floats repr otherwise)
 
 
 def from_ns(time_ns: int) -> decimal.Decimal:
