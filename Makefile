@@ -14,21 +14,37 @@ RUN_FLAGS  := -f -r -a $(DEV_SOCKET) -p $(DEV_PIDFILE) --log-format console --js
 
 .PHONY: run test lint test-nats-latest build bench bench-deps fuzz soak wheel clean distclean check-java
 
+# The editable install puts the checkout itself on sys.path (a .pth file,
+# setuptools' "compat" mode), not an import hook behind every sys.path
+# entry: from the checkout's parent folder, where the checkout (a folder
+# named sbus with no __init__.py) is a namespace package to Python, the
+# hook never got asked and `import sbus` gave that empty namespace; a
+# regular package anywhere on sys.path beats a namespace portion.
+# EDITABLE_OK marks a venv installed so; one set up before is installed
+# again, once (it takes a minute: the extensions are rebuilt).
+EDITABLE := --config-settings editable_mode=compat
+EDITABLE_OK := $(VENV)/.editable-compat
 INSTALL_LOG := build/install.log
 $(STAMP): pyproject.toml setup.py
 	@echo "make: setting up $(VENV) (the first time takes a few minutes)"
 	@mkdir -p build
 	@{ $(PYTHON) -m venv $(VENV) && \
 	   $(PY) -m pip install -q --upgrade pip setuptools wheel && \
-	   $(PY) -m pip install -q -e '.[dev,analytics,notebook]'; } >$(INSTALL_LOG) 2>&1 || \
+	   $(PY) -m pip install -q -e '.[dev,analytics,notebook]' $(EDITABLE); } >$(INSTALL_LOG) 2>&1 || \
 	  { cat $(INSTALL_LOG); echo "make: setting up $(VENV) failed; the output above is in $(INSTALL_LOG)" >&2; exit 1; }
+	@touch $(EDITABLE_OK) $@
+
+$(EDITABLE_OK): | $(STAMP)
+	@echo "make: installing sbus in $(VENV) again, as the checkout on sys.path (once)"
+	@$(PY) -m pip install -q --no-deps -e . $(EDITABLE) >$(INSTALL_LOG) 2>&1 || \
+	  { cat $(INSTALL_LOG); echo "make: installing sbus failed; the output above is in $(INSTALL_LOG)" >&2; exit 1; }
 	@touch $@
 
 # Cython only recompiles what changed, so this is cheap when nothing did.
 # Quiet: the compiler's output is shown only when the build fails (it is kept
 # in $(BUILD_LOG) either way).
 BUILD_LOG := build/build_ext.log
-build: $(STAMP)
+build: $(STAMP) $(EDITABLE_OK)
 	@mkdir -p build
 	@$(PY) setup.py -q build_ext --inplace -j 2 >$(BUILD_LOG) 2>&1 || \
 	  { cat $(BUILD_LOG); echo "make build: failed; the output above is in $(BUILD_LOG)" >&2; exit 1; }

@@ -70,7 +70,7 @@ UPSTREAM_LINK_EXIT = "upstream_link_exit"        # returncode: the link process 
 UPSTREAM_LINK_FAILED = "upstream_link_failed"
 UPSTREAM_LINK_RESTARTED = "upstream_link_restarted"  # pid, restarts: a new link process
 # Every service, once what it serves is in place (sbus.runner.ready; `sbus ready`
-# waits for it): service (store, queue, bridge, link), pid, and what it serves.
+# waits for it): service (store, queue, serve, bridge, fds, link), pid, and what it serves.
 SERVICE_READY = "service_ready"
 # A live upgrade (SIGUSR2, sbusd --upgrade; docs/upgrade.md).
 UPGRADE_STARTED = "upgrade_started"          # new_pid: the old process started the new one
@@ -373,6 +373,12 @@ QUEUE_EVENT_FIELDS = {
     QUEUE_CONSUMER_REFUSED: (("inbox", STR), ("uid", INT), ("rule", INT), ("reason", STR)),
     POLICY_LOADED: _POLICY_LOADED,
     POLICY_REFUSED: _POLICY_REFUSED,
+    SERVICE_READY: (("service", STR), ("pid", INT), ("pattern", STR)),
+}
+
+# --- request/reply from the shell (``sbus serve``, docs/requests.md) ---------
+# It writes only its readiness (the common fields, ``broker_pid`` its own pid).
+SERVE_EVENT_FIELDS = {
     SERVICE_READY: (("service", STR), ("pid", INT), ("pattern", STR)),
 }
 

@@ -616,3 +616,72 @@ def test_wait_takes_offers_without_the_bus(bus, services, c_fds):
     stop = svc.events(ls.FDS_STOP)[-1]
     # The late one was pushed to the standing wait; C's, if its WAIT came first.
     assert stop["pushed"] in (1, 2) and (stop["claims"], stop["pending"]) == (3, 0)
+
+
+def test_the_asyncio_twins_give_take_claim_and_wait(bus, services):
+    """The fds calls on an asyncio client (sbus.aio): the same conversations
+    as the blocking ones, awaited: take queues other messages, a claim is
+    taken once, a take with nothing offered times out, a WAIT that timed
+    out stands and takes the next offer, a kept connection the service
+    has ended is opened again."""
+    import asyncio
+
+    from sbus.aio import Client as AsyncClient
+    from sbus.fdpass.client import AsyncClaimer, AsyncGiver, AsyncReceiver, aclaim, agive
+    svc = services(bus.address)
+    mine = f"!/cred/{os.getegid()}/{os.geteuid()}/{os.getpid()}"
+    r, w = os.pipe()
+
+    async def run() -> None:
+        async with AsyncClient(bus.address) as c:
+            rcv = await AsyncReceiver.open(c)
+            assert rcv.address == mine
+            await c.subscribe("other/")
+            await c.publish("other/x", b"not for fds")
+            async with AsyncGiver(address=bus.address) as g:
+                t1 = await g.give(rcv.address, [r], b"one")
+                t2 = await g.give(rcv.address, [w], b"two")
+            with await rcv.take(timeout=TIMEOUT) as h1, await rcv.take(timeout=TIMEOUT) as h2:
+                assert (h1.ticket, h1.note, h1.giver, h2.ticket, h2.note) == (
+                    t1, b"one", mine, t2, b"two")
+                os.write(h2.fds[0], b"ok")
+                assert os.read(h1.fds[0], 2) == b"ok"
+            assert [m.key for m in rcv.others] == [b"other/x"]
+            with pytest.raises(FdsError) as e:     # claimed once only
+                await rcv.claim(t1)
+            assert e.value.code == wire.E_UNKNOWN
+            with pytest.raises(TimeoutError):
+                await rcv.take(timeout=0.3)
+            # A kept claim connection that has ended (the service closes
+            # one silent too long) is opened again by the next claim.
+            sock = rcv.claimer.sock
+            sock.shutdown(socket.SHUT_RDWR)
+            t3 = await agive(rcv.address, [r], path=svc.socket)
+            with await rcv.take(timeout=TIMEOUT) as h3:
+                assert h3.ticket == t3
+            assert rcv.claimer.sock is not sock
+            rcv.close()
+        t4 = give(mine, [w], b"four", path=svc.socket)
+        with await aclaim(t4, path=svc.socket) as h4:
+            assert (h4.note, len(h4.fds)) == (b"four", 1)
+        async with AsyncClaimer(svc.socket) as claimer:
+            with pytest.raises(TimeoutError):
+                await claimer.wait(timeout=0.3)     # nothing yet; the wait stands
+            assert claimer.waiting
+            late = await agive(mine, [w], b"late", path=svc.socket)
+            with await claimer.wait(timeout=TIMEOUT) as h:
+                assert (h.ticket, h.note) == (late, b"late")
+        with pytest.raises(ValueError):
+            await agive(mine, [], path=svc.socket)
+        with pytest.raises(FdsError) as e:
+            await aclaim("0" * 32, path=svc.socket)
+        assert e.value.code == wire.E_UNKNOWN
+
+    try:
+        asyncio.run(run())
+    finally:
+        os.close(r)
+        os.close(w)
+    svc.stop()
+    stop = svc.events(ls.FDS_STOP)[-1]
+    assert (stop["claims"], stop["pending"]) == (5, 0)

@@ -4,10 +4,13 @@ likeliest one, and a second sbusd on a live socket is told a broker is there
 from __future__ import annotations
 
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from support import SBUS, SBUSD
+from support.sbusd import ROOT
 
 TIMEOUT = 20.0
 
@@ -41,3 +44,20 @@ def test_a_second_sbusd_on_a_live_socket_is_told_a_broker_is_there(start_broker)
             f"sbusd: {broker.address} is in use: a broker is listening there; use it, or stop it "
             "first, or give this one another -a (-r replaces only a stale socket)")
     assert broker.proc.poll() is None
+
+
+def test_import_sbus_works_from_the_clones_parent_folder(tmp_path):
+    """Issue 38: from the folder that holds a clone (named sbus, as git names
+    it) Python sees the clone as a namespace package; the venv's Python must
+    still import the real package there. The make targets install sbus with
+    the checkout on sys.path (setuptools' compat mode), where a regular
+    package beats a namespace portion; the default editable import hook was
+    never asked, and ``sbus.Client`` was missing."""
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{ROOT}", str(tmp_path / "sbus")],
+                   check=True, capture_output=True, timeout=TIMEOUT * 3)
+    assert not (tmp_path / "sbus" / "__init__.py").exists()
+    r = subprocess.run([sys.executable, "-c", "import sbus; sbus.Client; print(sbus.__file__)"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, (r.stderr + "\n(a venv set up before the compat mode: make build "
+                               "installs sbus again)")
+    assert r.stdout.strip() == str(Path(sys.modules["sbus"].__file__))

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -81,13 +82,30 @@ def test_the_request_reply_example_prints_6(env):
     assert "# prints 6" in request_line
     server = background(serve_line, env)
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while sh("sbus request -W 0.5 calc/ready '0'", env).returncode == 3:
-            assert time.monotonic() < deadline, "sbus serve never answered"
+        waited = sh(f"sbus ready serve 'calc/' -W {TIMEOUT:g}", env)
+        assert waited.returncode == 0, waited.stderr
         r = sh(request_line, env)
         assert (r.returncode, r.stdout, r.stderr) == (0, "6\n", "")
     finally:
         assert "Traceback" not in stop(server)
+
+
+def test_the_is_it_serving_example_of_docs_requests_prints_6(env, tmp_path):
+    text = (ROOT / "docs" / "requests.md").read_text()
+    example = re.findall(r"```sh\n(.*?)```", text[text.index("## Is it serving?"):], re.S)[0]
+    assert "sbus ready serve" in example and "# prints 6" in example
+    # As a reader runs it: one shell, the server in the background (so it
+    # keeps the shell's output open: files, not pipes), in a session of its
+    # own so that the server can be stopped afterwards.
+    out, err = tmp_path / "out", tmp_path / "err"
+    with out.open("w") as o, err.open("w") as e:
+        proc = subprocess.Popen(["sh", "-c", example], env=env, stdin=subprocess.DEVNULL,
+                                stdout=o, stderr=e, start_new_session=True)
+    try:
+        assert proc.wait(timeout=TIMEOUT * 2) == 0, err.read_text()
+        assert out.read_text() == "6\n", err.read_text()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
 
 
 def test_a_served_command_that_only_complains_sends_an_error_reply(env):

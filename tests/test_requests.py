@@ -3,6 +3,7 @@ asker processes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -225,6 +226,70 @@ def test_sbus_serve_says_ready_to_systemd_once_its_subscription_is_in_place(bus,
         assert notify.pending() is None
     finally:
         notify.close()
+        serve.terminate()
+        assert serve.wait(TIMEOUT) == 0, serve.stderr.read().decode()
+
+
+def test_sbus_serve_logs_service_ready_and_sbus_ready_serve_waits_for_it(bus, tmp_path):
+    """Issue 38: sbus serve says it is ready as the other services do (one
+    service_ready record, READY=1), and ``sbus ready serve PATTERN`` waits for
+    it: exit 0 once its subscription is in place, 1 with a hint when no
+    sbus serve for PATTERN answers."""
+    from support.systemd import Notify
+
+    def ready(pattern, wait):
+        return subprocess.run([str(SBUS), "-a", bus.address, "ready", "serve", pattern,
+                               "-W", wait], capture_output=True, text=True, timeout=TIMEOUT * 3)
+
+    r = ready(PATTERN, "1")
+    assert (r.returncode, r.stdout) == (1, "")
+    assert r.stderr.splitlines() == [
+        "sbus ready: serve not ready within 1 s: no sbus serve for 'svc/' answered (asked on "
+        "sbus/serve/state)",
+        "  is it running? start one with: sbus serve svc/ -- COMMAND (the pattern must be the "
+        "same, byte for byte), or wait longer with -W SECONDS"]
+
+    notify = Notify(tmp_path, abstract=True)
+    log = tmp_path / "serve.json"
+    waiter = subprocess.Popen([str(SBUS), "-a", bus.address, "ready", "serve", PATTERN, "-W",
+                               "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    serve = subprocess.Popen([str(SBUS), "serve", "-a", bus.address, "--log-format", "json",
+                              "--log-file", str(log), PATTERN, "--", "cat"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "NOTIFY_SOCKET": notify.env})
+    try:
+        out, err = waiter.communicate(timeout=TIMEOUT * 3)
+        assert (waiter.returncode, out, err) == (0, b"", b"")
+        # Ready means served: a request at once is answered.
+        r = subprocess.run([str(SBUS), "request", "-a", bus.address, "svc/x", "at once",
+                            "-W", "10"], capture_output=True, text=True, timeout=TIMEOUT)
+        assert (r.returncode, r.stdout) == (0, "at once\n"), r.stderr
+        assert notify.recv(timeout=TIMEOUT) == ("READY=1", serve.pid)
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        said = [rec for rec in records if rec["event"] == "service_ready"]
+        assert [(rec["service"], rec["pid"], rec["pattern"]) for rec in said] == [
+            ("serve", serve.pid, PATTERN)]
+        from sbus import logschema as ls
+        assert {n for n, _ in ls.SERVE_EVENT_FIELDS["service_ready"]} <= set(said[0])
+        assert notify.pending() is None, "once"
+        # Another pattern's server is not this one's, even one that covers it.
+        assert ready("svc/x", "1").returncode == 1
+        assert ready("", "1").returncode == 1
+        # The state it answers counts what its command did.
+        with Client(bus.address) as asker:
+            from sbus.client.private import PrivateInbox
+            inbox = PrivateInbox(asker.whoami(), "serve")
+            asker.subscribe(inbox.pattern)
+            asker.publish("sbus/serve/state", f"{inbox.prefix} {PATTERN}")
+            got = asker.receive(timeout=TIMEOUT)
+        assert got.key == inbox.key("state").encode()
+        state = json.loads(got.payload)
+        assert state == {"service": "serve", "pattern": PATTERN, "pid": serve.pid,
+                         "command": ["cat"], "jobs": 64, "running": 0, "answered": 1,
+                         "failed": 0}
+    finally:
+        notify.close()
+        waiter.kill()
         serve.terminate()
         assert serve.wait(TIMEOUT) == 0, serve.stderr.read().decode()
 

@@ -55,16 +55,15 @@ def test_the_log_options_are_declared_once():
 
 
 def test_signal_handlers_are_installed_by_the_runner_alone():
-    """Every handler in sbus is sbus.runner's, which only notes. The others:
-    sbusd ignores SIGUSR2 until its loop runs (signal.SIG_IGN), and ``sbus
-    serve`` lets asyncio stop it (asyncio's handler only writes to its
-    wakeup fd; the callback runs in the loop). A handler added anywhere else
-    fails here: it belongs in sbus.runner."""
+    """Every handler in sbus is sbus.runner's, which only notes. The other:
+    sbusd ignores SIGUSR2 until its loop runs (signal.SIG_IGN). A handler
+    added anywhere else fails here (``sbus serve`` had asyncio's, and runs
+    as the other asyncio services now): it belongs in sbus.runner."""
     root = Path(sbus.__file__).parent
     installing = re.compile(r"signal\.signal\(|add_signal_handler\(")
     found = {str(path.relative_to(root.parent)) for ext in ("*.py", "*.pyx")
              for path in root.rglob(ext) if installing.search(path.read_text())}
-    assert found == {"sbus/runner.py", "sbus/sbusd/main.py", "sbus/cli/requests.py"}
+    assert found == {"sbus/runner.py", "sbus/sbusd/main.py"}
     main = (root / "sbusd" / "main.py").read_text()
     assert installing.findall(main) == ["signal.signal("]
     assert "signal.signal(signal.SIGUSR2, signal.SIG_IGN)" in main

@@ -30,20 +30,22 @@ ASK_EVERY = 1.0
 
 
 def wait_for_service(client, pattern: str, wait: float, say: Callable[[str], None],
-                     notice_after: float = NOTICE_AFTER) -> bool:
+                     notice_after: float = NOTICE_AFTER, state_key: str = wire.STATE_KEY,
+                     kind: str = "queue") -> bool:
     """Ask the queue service for ``pattern`` its state, from a connection of
     our own, until it answers (True) or ``wait`` seconds passed (False; 0:
     never); tell ``say`` after ``notice_after`` seconds of silence, and when
-    it answers after that."""
+    it answers after that. ``sbus serve`` answers the same state request on
+    its own ``state_key`` (``sbus ready serve``, with its ``kind`` of inbox)."""
     from ..client.sync import Client
     forever = wait == 0
     with Client(client.address, max_message=client.max_message) as bus:
-        inbox = PrivateInbox(bus.whoami(timeout=10.0), "queue")
+        inbox = PrivateInbox(bus.whoami(timeout=10.0), kind)
         bus.subscribe(inbox.pattern)
         request = wire.pack_state_request(inbox.prefix, pattern)
         started, told = time.monotonic(), False
         while True:
-            bus.publish(wire.STATE_KEY, request)
+            bus.publish(state_key, request)
             if answered(bus, inbox):
                 if told:
                     say(f"the queue service for {pattern!r} answered; taking its jobs")

@@ -38,10 +38,11 @@
     sbus serve [-j N] PATTERN -- COMMAND ...
                                     answer requests on PATTERN: COMMAND gets the
                                     body on stdin, its stdout is the reply
-    sbus ready store|queue PATTERN|upstream [-W S]
+    sbus ready store|queue PATTERN|serve PATTERN|upstream [-W S]
                                     wait until the store, the queue service for
-                                    PATTERN or a leaf's link serves: exit 0, or
-                                    1 with a hint after S seconds (default 10)
+                                    PATTERN, an sbus serve PATTERN or a leaf's
+                                    link serves: exit 0, or 1 with a hint after
+                                    S seconds (default 10)
     sbus fds [--socket PATH] [--timeout S] [--max-fds-per-uid N]
                                     hand fds to the process a !/cred/ address
                                     names (docs/fds.md)

@@ -2,11 +2,12 @@
 
     sbus ready store [--request-key KEY] [-W S]   the store answers on its request key
     sbus ready queue PATTERN [-W S]               the queue service for PATTERN answers
+    sbus ready serve PATTERN [-W S]               an ``sbus serve PATTERN`` answers
     sbus ready upstream [-W S]                    this leaf's link has its subscriptions
                                                   in place on the upstream
 
 Each asks the service what it already answers (the store's ``op=stats``, the
-queue's state request, the broker's ``CMSG stats``) until it does: exit 0,
+queue's and ``sbus serve``'s state requests, the broker's ``CMSG stats``) until it does: exit 0,
 quietly, once it does; after ``-W`` seconds (default 10; 0: for ever) exit 1
 with what to start. A service also says it is ready itself, once: a
 ``service_ready`` record in its log and READY=1 under systemd (``Type=notify``).
@@ -29,13 +30,13 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
     ready = commands.add_parser(
         "ready", parents=[common], help="wait until a service serves (exit 0), or say why not",
         description="Wait until a service serves: the store answers on its request key, the "
-                    "queue service for PATTERN answers, or this leaf broker's link has its "
+                    "queue service for PATTERN answers, an sbus serve PATTERN has its "
+                    "subscription in place, or this leaf broker's link has its "
                     f"subscriptions in place upstream. Exit 0 once it does, {NOT_READY} with a "
                     "hint if it did not within -W seconds.")
-    ready.add_argument("service", choices=("store", "queue", "upstream"),
-                       help="what to wait for")
+    ready.add_argument("service", choices=tuple(CHECKS), help="what to wait for")
     ready.add_argument("pattern", metavar="PATTERN", nargs="?",
-                       help="queue: the queue's pattern, as given to sbus queue")
+                       help="queue, serve: the pattern, as given to sbus queue or sbus serve")
     ready.add_argument("--request-key", metavar="KEY", default=None,
                        help="store: its --request-key (default sbus/store/request)")
     ready.add_argument("-W", "--wait", type=argtypes.seconds, default=WAIT, metavar="SECONDS",
@@ -44,10 +45,9 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_ready(bus, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
-    if (args.service == "queue") != (args.pattern is not None):
-        args.parser.error("queue takes its PATTERN; store and upstream take none")
-    check = {"store": store_check, "queue": queue_check, "upstream": upstream_check}[
-        args.service](bus, args)
+    if (args.service in ("queue", "serve")) != (args.pattern is not None):
+        args.parser.error("queue and serve take their PATTERN; store and upstream take none")
+    check = CHECKS[args.service](bus, args)
     deadline = None if args.wait == 0 else time.monotonic() + args.wait
     while True:
         asked = time.monotonic()
@@ -82,17 +82,31 @@ def store_check(bus, args: argparse.Namespace) -> Check:
 
 def queue_check(bus, args: argparse.Namespace) -> Check:
     from ..queue import wire
+    return state_check(bus, args.pattern, wire.STATE_KEY, "queue", (
+        f"no queue service for {args.pattern!r} answered (asked on {wire.STATE_KEY})\n"
+        f"  is sbus queue running? start one with: sbus queue {shlex.quote(args.pattern)} "
+        "(the pattern must be the same, byte for byte), or wait longer with -W SECONDS"))
+
+
+def serve_check(bus, args: argparse.Namespace) -> Check:
+    from .requests import STATE_KEY
+    return state_check(bus, args.pattern, STATE_KEY, "serve", (
+        f"no sbus serve for {args.pattern!r} answered (asked on {STATE_KEY})\n"
+        f"  is it running? start one with: sbus serve {shlex.quote(args.pattern)} -- COMMAND "
+        "(the pattern must be the same, byte for byte), or wait longer with -W SECONDS"))
+
+
+def state_check(bus, pattern: str, state_key: str, kind: str, why: str) -> Check:
+    """Whether a service answers the state request for ``pattern`` on
+    ``state_key`` (the queue's, sbus serve's: docs/queues.md, "State")."""
     from .consume import wait_for_service
-    pattern = args.pattern
 
     def check() -> Tuple[bool, str]:
         # One question, one second (-W 0 there would mean for ever).
-        if wait_for_service(bus, pattern, ASK_EVERY / 2, say, notice_after=float("inf")):
+        if wait_for_service(bus, pattern, ASK_EVERY / 2, say, notice_after=float("inf"),
+                            state_key=state_key, kind=kind):
             return True, ""
-        return False, (f"no queue service for {pattern!r} answered (asked on "
-                       f"{wire.STATE_KEY})\n  is sbus queue running? start one with: sbus "
-                       f"queue {shlex.quote(pattern)} (the pattern must be the same, byte for "
-                       "byte), or wait longer with -W SECONDS")
+        return False, why
     return check
 
 
@@ -109,6 +123,10 @@ def upstream_check(bus, args: argparse.Namespace) -> Check:
                        "  is the upstream sbusd running? the leaf reconnects by itself; wait "
                        "longer with -W SECONDS")
     return check
+
+
+CHECKS = {"store": store_check, "queue": queue_check, "serve": serve_check,
+          "upstream": upstream_check}
 
 
 def say(text: str) -> None:

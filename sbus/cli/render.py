@@ -12,6 +12,7 @@ import datetime
 import json
 import string
 import time
+from decimal import Decimal
 from typing import Callable, Dict, Optional, Union
 
 from ..client.protocol import ControlMessage, Message
@@ -24,7 +25,7 @@ FIELDS: Dict[str, str] = {
     "payload": "the payload (UTF-8; undecodable bytes as \\xNN)",
     "size": "the payload's size in bytes",
     "time": "when it arrived: local ISO 8601 with milliseconds",
-    "unix": "when it arrived: seconds since the epoch",
+    "unix": "when it arrived: seconds since the epoch (replay, last: exact to the ns)",
     "hex": "the payload in hexadecimal",
     "base64": "the payload in base64",
     "json": "the --json object of the message, on one line",
@@ -72,7 +73,7 @@ def format_raw(message: Packet) -> bytes:
 class _Fields(dict):
     """The template's fields of one message, each computed when first asked for."""
 
-    def __init__(self, message: Packet, arrived: float,
+    def __init__(self, message: Packet, arrived: Union[float, Decimal],
                  seq: Optional[Callable[[], int]] = None):
         super().__init__()
         self.message = message
@@ -88,7 +89,7 @@ class _Fields(dict):
         elif name == "size":
             value = len(m.payload)
         elif name == "time":
-            value = datetime.datetime.fromtimestamp(t).isoformat(timespec="milliseconds")
+            value = datetime.datetime.fromtimestamp(float(t)).isoformat(timespec="milliseconds")
         elif name == "unix":
             value = t
         elif name == "hex":
@@ -121,7 +122,7 @@ def check_template(template: str, fields: Dict[str, str] = FIELDS) -> str:
     return template
 
 
-def format_template(template: str, clock: Callable[[], float] = time.time,
+def format_template(template: str, clock: Callable[[], Union[float, Decimal]] = time.time,
                     seq: Optional[Callable[[], int]] = None) -> Renderer:
     """A renderer for a template already passed through ``check_template``;
     ``clock()`` gives the message's {time} and {unix} (default: now), ``seq()``

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
-import signal
 import sys
-from typing import BinaryIO
+from typing import BinaryIO, Optional, Tuple
 
 from .. import argtypes
+from ..client.protocol import Message
 from ..client.requests import CONCURRENCY, REQUEST_TIMEOUT, IncomingRequest
+from ..runner import add_log_options
 
 # `sbus request` had no reply within -W seconds (as `sbus sub -W`).
 TIMEOUT_EXIT = 3
@@ -17,6 +19,10 @@ TIMEOUT_EXIT = 3
 KEY_VARIABLE = "SBUS_REQUEST_KEY"
 # Bytes of a failing COMMAND's stderr quoted in the error reply.
 STDERR_QUOTED = 400
+# Where `sbus serve` answers state requests ("<inbox> <pattern>", as the
+# queue's: sbus.queue.wire), to the inbox + STATE; `sbus ready serve` asks.
+STATE_KEY = "sbus/serve/state"
+STATE = "state"
 
 
 def add_parsers(commands, common: argparse.ArgumentParser) -> None:
@@ -41,13 +47,16 @@ def add_parsers(commands, common: argparse.ArgumentParser) -> None:
                     "that exits non-zero, or writes to stderr and nothing to stdout, sends "
                     "an error reply quoting its stderr (an empty stdout and stderr is an "
                     "empty reply). "
-                    f"${KEY_VARIABLE} holds the request's key.")
+                    f"${KEY_VARIABLE} holds the request's key. Once its subscription is in "
+                    "place it logs service_ready and sends READY=1 under systemd; `sbus ready "
+                    "serve PATTERN` waits for that.")
     serve.add_argument("pattern", metavar="PATTERN", help="the routing key pattern to serve")
     serve.add_argument("-j", "--jobs", type=argtypes.argtype(int, low=1), default=CONCURRENCY,
                        metavar="N",
                        help=f"requests answered at once, at most (default {CONCURRENCY})")
     serve.add_argument("command", metavar="-- COMMAND", nargs=argparse.REMAINDER,
                        help="the command and its arguments, after --")
+    add_log_options(serve)
     serve.set_defaults(standalone=serve_main)
 
 
@@ -89,12 +98,93 @@ async def run_command(command: list, request: IncomingRequest) -> bytes:
     return out
 
 
+class Server:
+    """``sbus serve``, run as every asyncio service is (sbus.runner.run_async):
+    its state (what a state request is answered with, docs/requests.md, "Is
+    it serving?") and its counts."""
+
+    def __init__(self, args: argparse.Namespace, address: str, command: list, logger) -> None:
+        self.address, self.max_message = address, args.max_message
+        self.pattern, self.jobs, self.command = args.pattern, args.jobs, command
+        self.logger = logger
+        self.fields = {"service": "serve", "pattern": args.pattern, "pid": os.getpid(),
+                       "command": command, "jobs": args.jobs}
+        self.running = self.answered = self.failed = 0
+
+    async def handle(self, request: IncomingRequest) -> bytes:
+        self.running += 1
+        try:
+            out = await run_command(self.command, request)
+        except RuntimeError:
+            self.failed += 1
+            raise
+        finally:
+            self.running -= 1
+        self.answered += 1
+        return out
+
+    def answer(self, message: Message) -> Optional[Tuple[str, bytes]]:
+        """(reply key, JSON) for a state request naming our pattern; None for
+        anything else (another server's pattern, a payload off the convention)."""
+        from ..queue.wire import WireError, parse_state_request
+        if message.key != STATE_KEY.encode():
+            return None
+        try:
+            inbox, pattern = parse_state_request(message.payload)
+        except WireError:
+            return None
+        if pattern != self.pattern.encode("utf-8", "surrogateescape"):
+            return None
+        state = dict(self.fields, running=self.running, answered=self.answered,
+                     failed=self.failed)
+        return inbox + STATE, json.dumps(state).encode()
+
+    async def run(self, stop: asyncio.Event) -> str:
+        """Serve until ``stop`` is set (SIGTERM, SIGINT) or the broker closes
+        the connection; the reason. OSError (BusClosedError too) if the
+        broker is not there or fails us."""
+        from ..aio import Client
+        from ..client.requests import serve_async
+        from ..runner import STOPPED, ready
+        bus = Client(self.address, max_message=self.max_message)
+
+        async def others(message: Message) -> None:
+            found = self.answer(message)
+            if found is not None:
+                await bus.publish(*found)
+
+        serving = asyncio.ensure_future(serve_async(bus, self.pattern, self.handle, self.jobs,
+                                                    others))
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            # serve_async sends its SUB at its first step; the state key's
+            # SUB goes after it, so a state answer means the pattern's is in
+            # place too; a whoami answered after both means the broker has
+            # them: then the log and systemd hear it is ready.
+            await asyncio.sleep(0)
+            if not serving.done():
+                await bus.subscribe(STATE_KEY)
+                await bus.whoami()
+                ready(self.logger, "serve", pattern=self.pattern)
+            await asyncio.wait((serving, stopping), return_when=asyncio.FIRST_COMPLETED)
+            if not serving.done():
+                return STOPPED
+            serving.result()    # its error, if it failed
+            return "the broker closed the connection"
+        finally:
+            stopping.cancel()
+            serving.cancel()
+            bus.close()
+
+    def stopped(self, reason: str) -> None:
+        pass    # it logs its readiness only (docs/requests.md)
+
+
 def serve_main(args: argparse.Namespace, address: str) -> int:
     """Serve until SIGTERM/SIGINT or the broker goes away."""
-    from ..aio import Client
     from ..client.protocol import pack_subscribe
-    from ..errors import MessageRefusedError, SbusError
-    from ..runner import sd_notify
+    from ..errors import MessageRefusedError
+    from ..runner import run_async
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         args.parser.error("give the command to run after --")
@@ -103,35 +193,5 @@ def serve_main(args: argparse.Namespace, address: str) -> int:
     except MessageRefusedError as exc:
         sys.stderr.write(f"sbus serve: PATTERN {args.pattern!r}: {exc}\n")
         return 2
-
-    async def handle(request: IncomingRequest) -> bytes:
-        return await run_command(command, request)
-
-    async def run() -> int:
-        loop = asyncio.get_running_loop()
-        try:
-            bus = Client(address, max_message=args.max_message)
-        except OSError as exc:
-            sys.stderr.write(f"sbus serve: {address}: {exc.strerror or exc}\n")
-            return 1
-        serving = asyncio.ensure_future(bus.serve(args.pattern, handle, args.jobs))
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, serving.cancel)
-        try:
-            # serve() sends its SUB at its first step; a whoami answered
-            # after it means the broker has it: then systemd hears READY=1.
-            await asyncio.sleep(0)
-            if not serving.done():
-                await bus.whoami()
-                sd_notify("READY=1")
-            await serving
-        except asyncio.CancelledError:
-            return 0
-        except (OSError, SbusError) as exc:
-            sys.stderr.write(f"sbus serve: {address}: {exc}\n")
-            return 1
-        finally:
-            bus.close()
-        return 0
-
-    return asyncio.run(run())
+    return run_async("serve", address, args,
+                     lambda logger: Server(args, address, command, logger))

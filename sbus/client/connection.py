@@ -63,6 +63,7 @@ from .protocol import (
     parse_stats,
 )
 from .reconnect import Reconnect
+from .waiter import Waiter, settle
 
 __all__ = ["Connection", "GONE", "Request", "Waiter", "settle"]
 
@@ -89,29 +90,6 @@ ARM = 12        # (ARM,): asyncio: start the buffered mode's flush timer
 Plan = Generator[Tuple[Any, ...], Any, Any]
 
 
-class Waiter:
-    """What the blocking driver waits on: a future's methods, without a loop."""
-
-    __slots__ = ("_done", "_result", "_error")
-
-    def __init__(self) -> None:
-        self._done, self._result, self._error = False, None, None
-
-    def done(self) -> bool:
-        return self._done
-
-    def set_result(self, result: Any) -> None:
-        self._done, self._result = True, result
-
-    def set_exception(self, error: BaseException) -> None:
-        self._done, self._error = True, error
-
-    def result(self) -> Any:
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-
 class Request:
     """A query or request sent and not yet answered; ``waiter`` is None once
     its caller gave up, ``packet`` None if a reconnect must not send it again."""
@@ -120,14 +98,6 @@ class Request:
 
     def __init__(self, key: bytes, packet: bytes, waiter: Any) -> None:
         self.key, self.packet, self.waiter = key, packet, waiter
-
-
-def settle(waiter: Any, result: Any = None, error: Optional[BaseException] = None) -> None:
-    if waiter is not None and not waiter.done():
-        if error is None:
-            waiter.set_result(result)
-        else:
-            waiter.set_exception(error)
 
 
 class Connection:
@@ -774,10 +744,24 @@ class Connection:
         # A request one packet cannot hold goes as chunks, and is not asked again on reconnect.
         big = 5 + len(_routing_key(key, "key")) + len(body) > self.max_message
         packet = None if big else pack_publish(key, body, self.max_message)
-        request = self.ask(reply_to, packet, waiter)
+        try:
+            return parse_reply((yield from self.exchange(
+                reply_to, packet, waiter, deadline, lambda: timed_out(key, timeout),
+                chunked=(key, body))))
+        finally:
+            replies.forget(reply_to)
+
+    def exchange(self, reply_key: bytes, packet: Optional[bytes], waiter: Any, deadline: float,
+                 timed_out: Callable[[], BaseException], chunked: tuple = ()) -> Plan:
+        """Send ``packet`` (None: ``chunked``'s key and body, as chunks) and
+        return what ``waiter`` gets on ``reply_key`` (:meth:`triage` routes
+        it), or raise ``timed_out()`` at ``deadline``. Noted as a request
+        meanwhile: a lost connection fails it, and a reconnecting client sends
+        it again (a request, a proof's step)."""
+        request = self.ask(reply_key, packet, waiter)
         try:
             if packet is None:
-                yield from _chunks.publish(self, key, body, 0)
+                yield from _chunks.publish(self, *chunked, 0)
             elif self.buffered:
                 yield from self.send_packet(packet, 0)
                 yield from self.flush()
@@ -786,9 +770,8 @@ class Connection:
             try:
                 yield (WAIT, waiter, deadline, 0)
             except TimeoutError:
-                raise timed_out(key, timeout) from None
-            return parse_reply(waiter.result())
+                raise timed_out() from None
+            return waiter.result()
         finally:
-            replies.forget(reply_to)
             self.unask(request)
 

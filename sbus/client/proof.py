@@ -36,7 +36,7 @@ from typing import Any, Optional, Tuple
 
 from .._core.batch import pack_publish
 from ..errors import BusClosedError, MessageRefusedError, ProofError
-from .connection import WAIT, Connection, Plan
+from .connection import Connection, Plan
 from .private import PrivateInbox, new_id
 from .protocol import Credentials, Message, Text, encode
 from .steps import ITEM, Run
@@ -79,20 +79,8 @@ def _step(conn: Connection, step: int, key: Text, payload: bytes, reply_key: byt
         packet = pack_publish(key, payload, conn.max_message)
     except MessageRefusedError as exc:
         raise ProofError(step, f"the broker would refuse it: {exc}") from None
-    request = conn.ask(reply_key, packet, waiter)
-    try:
-        if conn.buffered:
-            yield from conn.send_packet(packet, 0)
-            yield from conn.flush()
-        else:
-            yield from conn.send_now(packet, 0)
-        try:
-            yield (WAIT, waiter, deadline, 0)
-        except TimeoutError:
-            raise ProofError(step + 1, why) from None
-        return waiter.result()
-    finally:
-        conn.unask(request)
+    return (yield from conn.exchange(reply_key, packet, waiter, deadline,
+                                     lambda: ProofError(step + 1, why)))
 
 
 def prove(conn: Connection, key: Text, timeout: float) -> Plan:

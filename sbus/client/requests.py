@@ -167,9 +167,10 @@ def timed_out(key: Text, timeout: float) -> RequestTimeoutError:
     return RequestTimeoutError(f"no reply to a request on {key!r} within {timeout:g} s")
 
 
-def _serving(pattern: Text, count: Optional[int]) -> Plan:
+def _serving(pattern: Text, count: Optional[int], others: bool = False) -> Plan:
     """A server's plan (see .steps): the requests on ``pattern``, one at a
-    time, until the broker closes the connection or ``count`` were handed out."""
+    time, until the broker closes the connection or ``count`` were handed
+    out; with ``others``, also every other message, as it is."""
     yield ("subscribe", None, pattern)
     handed = 0
     while handed != count:
@@ -181,6 +182,8 @@ def _serving(pattern: Text, count: Optional[int]) -> Plan:
         if request is not None:
             handed += 1
             yield (ITEM, request)
+        elif others and type(message) is Message:
+            yield (ITEM, message)
 
 
 def _replying(request: IncomingRequest, packed: bytes) -> Plan:
@@ -210,11 +213,14 @@ def serve(client: BusClient, pattern: Text, handler: Callable[[IncomingRequest],
 
 async def serve_async(client: BusClient, pattern: Text,
                       handler: Callable[[IncomingRequest], Union[Reply, Awaitable[Reply]]],
-                      concurrency: int = CONCURRENCY) -> None:
+                      concurrency: int = CONCURRENCY,
+                      others: Optional[Callable[[Message], Awaitable[None]]] = None) -> None:
     """:meth:`sbus.client.aio.Client.serve`: answer the requests on
     ``pattern`` until the broker closes the connection; a coroutine handler
     runs as a task, at most ``concurrency`` at once (reading waits for a
-    free slot). A plain function is called inline."""
+    free slot). A plain function is called inline. ``others`` is awaited
+    with each message that is no request (``sbus serve`` answers its state
+    requests there: a server reads all its client's messages)."""
     if concurrency < 1:
         raise ValueError("concurrency must be 1 or more")
     is_async = (inspect.iscoroutinefunction(handler)
@@ -236,7 +242,10 @@ async def serve_async(client: BusClient, pattern: Text,
                 slots.release()
 
     try:
-        async for request in Run(client, _serving(pattern, None)):
+        async for request in Run(client, _serving(pattern, None, others is not None)):
+            if type(request) is Message:
+                await others(request)   # type: ignore[misc]
+                continue
             if not is_async:
                 await one(request)
                 continue

@@ -12,14 +12,45 @@ plans; the services' contract says what they may call.
 """
 from __future__ import annotations
 
-import asyncio
-from typing import Any, Generator, Optional, Tuple
+from typing import Any, Awaitable, Callable, Generator, Optional, Tuple
 
-__all__ = ["ITEM", "Plan", "Run", "Steps"]
+__all__ = ["ITEM", "Plan", "Run", "Steps", "adrive", "drive"]
 
 ITEM = "item"
 
 Plan = Generator[Tuple[Any, ...], Any, Any]
+
+
+def drive(plan: Plan, act: Callable[[Tuple[Any, ...]], Any]) -> Any:
+    """Run ``plan`` to its end, ``act(action)`` making each action it yields:
+    the result is sent back, an exception thrown in. The plan's return value.
+    The loop of a blocking driver (the client's connection plans, sbus fds)."""
+    value = error = None
+    while True:
+        try:
+            action = plan.send(value) if error is None else plan.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        value = error = None
+        try:
+            value = act(action)
+        except BaseException as exc:    # the plan decides what it means
+            error = exc
+
+
+async def adrive(plan: Plan, act: Callable[[Tuple[Any, ...]], Awaitable[Any]]) -> Any:
+    """:func:`drive` with each action awaited."""
+    value = error = None
+    while True:
+        try:
+            action = plan.send(value) if error is None else plan.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        value = error = None
+        try:
+            value = await act(action)
+        except BaseException as exc:    # the plan decides what it means
+            error = exc
 
 
 class Steps:
@@ -62,6 +93,7 @@ class Steps:
         return self
 
     async def __anext__(self) -> Any:
+        import asyncio  # here: a blocking client's import of this module needs none
         value = error = None
         while True:
             try:

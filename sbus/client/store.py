@@ -15,7 +15,9 @@ and by :class:`AsyncReplay` over an asyncio one; ``Client.replay`` and
 """
 from __future__ import annotations
 
+import decimal
 import json
+import operator
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Union
 
@@ -31,14 +33,17 @@ from .protocol import MAX_MESSAGE, Message, Text, encode
 from .steps import ITEM, Plan, Run, Steps
 
 __all__ = ["AsyncReplay", "Gap", "Replay", "StoreError", "alast", "areplay", "astore_stats",
-           "last", "replay", "store_stats"]
+           "from_ns", "last", "replay", "store_stats"]
 
 # How long to wait for the store to take a request.
 ANSWER_TIMEOUT = 10.0
 # The reply key (sbus.client.private): <credentials>/store/<id>/answer.
 KIND, ANSWER = "store", "answer"
 
-Time = Union[None, int, float]
+# Seconds since the epoch. A Decimal or a str ("1764000000.123456789") is
+# sent as it is written, exact to the nanosecond; a float holds today's
+# epoch to about 240 ns only (docs/store.md, "since" and "until").
+Time = Union[None, int, float, decimal.Decimal, str]
 
 
 class StoreError(SbusError):
@@ -55,10 +60,30 @@ class Gap(NamedTuple):
     reason: str
 
 
-def _seconds(t: Time) -> Optional[float]:
+def _seconds(t: Time) -> Optional[str]:
+    """A bound as the request's decimal text, with every digit it was given."""
     if t is None:
         return None
-    return float(t)
+    if isinstance(t, bool):
+        raise TypeError("a time is seconds since the epoch, not a bool")
+    if isinstance(t, (decimal.Decimal, str)):
+        try:
+            exact = decimal.Decimal(t)
+        except decimal.InvalidOperation:
+            raise ValueError(f"not a time in seconds since the epoch: {t!r}") from None
+        if not exact.is_finite():
+            raise ValueError(f"not a time in seconds since the epoch: {t!r}")
+        return format(exact, "f")
+    try:
+        return str(operator.index(t))     # int, and numpy's integers
+    except TypeError:
+        return repr(float(t))   # float, and what float() takes (numpy's floats repr otherwise)
+
+
+def from_ns(time_ns: int) -> decimal.Decimal:
+    """``time_ns`` (a record's, as ``Replay.time_ns`` gives it) in seconds,
+    exactly: a bound that finds that record."""
+    return decimal.Decimal(time_ns).scaleb(-9)
 
 
 class _Session:
@@ -77,7 +102,7 @@ class _Session:
         self.buffer = b""
         self.ended = False
         self.seq = 0            # of the last message yielded
-        self.time = 0.0         # when the store received it (seconds since the epoch)
+        self.time_ns = 0        # when the store received it (nanoseconds since the epoch)
         self.gaps = 0
         self.lost = 0
         self.first = self.last = 0
@@ -151,8 +176,16 @@ class _Position:
 
     @property
     def time(self) -> float:
-        """When the store received the last message yielded (seconds since the epoch)."""
-        return self._s.time
+        """When the store received the last message yielded (seconds since
+        the epoch, a float: to about 240 ns; :attr:`time_ns` is exact)."""
+        return self._s.time_ns / 1e9
+
+    @property
+    def time_ns(self) -> int:
+        """When the store received the last message yielded, in nanoseconds
+        since the epoch, as the store has it: ``since=from_ns(it.time_ns)``
+        finds that message again."""
+        return self._s.time_ns
 
     @property
     def gaps(self) -> int:
@@ -194,7 +227,7 @@ def _replaying(s: _Session, request_key: bytes, timeout: float) -> Plan:
                     message = s.chunks.feed(message.key, message.payload)
                     if message is None:     # more of it to come, or lost (docs/chunks.md)
                         continue
-                s.seq, s.time = seq, time_ns / 1e9
+                s.seq, s.time_ns = seq, time_ns
                 yield (ITEM, message)
         if s.ended:
             return
@@ -304,7 +337,8 @@ def replay(client: BusClient, pattern: Text, since: Time = None, until: Time = N
            after: Optional[int] = None, **options: Any) -> Replay:
     """The recorded messages whose keys match ``pattern``, in store order:
     received at or after ``since`` and at or before ``until`` (seconds since
-    the epoch), with a seq greater than ``after``. ``follow=True`` goes on
+    the epoch: a Decimal or a decimal str is exact to the nanosecond, as
+    :func:`from_ns` makes one), with a seq greater than ``after``. ``follow=True`` goes on
     live, with no gap or repeat at the seam (the store sends both parts).
     Options: ``follow``, ``window``, ``request_key``, ``timeout``, ``on_gap``."""
     return Replay(client, "replay", pattern, since, until, after, **options)

@@ -25,6 +25,7 @@ from .driver import Driver
 from .protocol import MAX_MESSAGE, ControlMessage, Message, Text
 from .reconnect import Reconnect
 from .services import ServiceMethods
+from .steps import drive
 
 __all__ = ["Client"]
 
@@ -91,17 +92,7 @@ class Client(Driver, ServiceMethods):
     # -- running the connection's plans: the syscalls, blocking ----------------------
 
     def _run(self, plan: Any) -> Any:
-        value = error = None
-        while True:
-            try:
-                action = plan.send(value) if error is None else plan.throw(error)
-            except StopIteration as stop:
-                return stop.value
-            value = error = None
-            try:
-                value = self._act(action)
-            except BaseException as exc:    # the plan decides what it means
-                error = exc
+        return drive(plan, self._act)
 
     def _act(self, action: tuple) -> Any:
         op = action[0]

@@ -9,15 +9,18 @@ happens in one ``finally`` in sbusd.main.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import secrets
 import socket
 import stat
 import sys
+import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple, Union
 
 from ..address import SUN_PATH_SIZE, Address, format_abstract
+from ..atomicfile import write_atomically
 
 SD_LISTEN_FDS_START = 3
 
@@ -296,3 +299,85 @@ def release_stderr() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
         os.close(devnull)
+
+
+# ---- sbusd --upgrade, sbusd --reload: a signal, then the outcome beside the pidfile ----
+
+# What a judge returns for an outcome that is this request's but not final:
+# wait on, and the process may exit meanwhile (an upgrade's old one does).
+ON_ITS_WAY = "on its way"
+Verdict = Union[None, str, Tuple[int, str]]
+
+
+def read_pid(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def write_outcome(pidfile: Optional[str], suffix: str, outcome: dict) -> None:
+    """The running sbusd's answer to a request, at PIDFILE + ``suffix``."""
+    if pidfile:
+        try:
+            write_atomically(pidfile + suffix, (json.dumps(outcome) + "\n").encode())
+        except OSError:
+            pass        # the log says it too
+
+
+def signal_and_wait(flag: str, pidfile: Optional[str], suffix: str, signum: int,
+                    judge: Callable[[int, dict], Verdict], gone: str, timeout: float) -> int:
+    """``sbusd --FLAG -p PIDFILE``: send ``signum`` to the sbusd the pidfile
+    names and wait for the outcome it writes at PIDFILE + ``suffix``.
+    ``judge(pid, outcome)`` reads each version of it (``{}`` while there is
+    none): ``(0, line)`` succeeded (the line goes to stdout), ``(1, reason)``
+    failed, ``ON_ITS_WAY``, or None (nothing of this request's yet: the
+    process must still run, or it ``gone``). Returns the exit status; a
+    failure is said on stderr."""
+    def fail(text: str) -> int:
+        print(f"sbusd --{flag}: {text}", file=sys.stderr)
+        return 1
+
+    if not pidfile:
+        return fail("give the running sbusd's pidfile with -p")
+    pid = read_pid(pidfile)
+    if pid is None:
+        return fail(f"no pid in {pidfile}")
+    if not alive(pid):
+        return fail(f"pid {pid} (from {pidfile}) is not running")
+    status = pidfile + suffix
+    try:
+        os.unlink(status)       # so the outcome we read is this request's
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        return fail(f"{status}: {e.strerror}")
+    os.kill(pid, signum)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(status) as f:
+                outcome = json.load(f)
+        except (OSError, ValueError):
+            outcome = {}
+        verdict = judge(pid, outcome)
+        if verdict is None and not alive(pid):
+            return fail(f"pid {pid} {gone}")
+        if isinstance(verdict, tuple):
+            if verdict[0]:
+                return fail(verdict[1])
+            print(verdict[1])
+            return 0
+        time.sleep(0.02)
+    return fail(f"no outcome within {timeout:g} s")

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
-import time
 from typing import Optional
 
 from .. import logschema as schema
-from ..atomicfile import write_atomically
 
 STATUS_SUFFIX = ".reload"       # beside the pidfile: the last reload's outcome
 REQUEST_TIMEOUT = 30.0
@@ -33,12 +30,8 @@ def status_path(pidfile: str) -> str:
 
 
 def write_status(pidfile: Optional[str], **outcome) -> None:
-    import json
-    if pidfile:
-        try:
-            write_atomically(status_path(pidfile), (json.dumps(outcome) + "\n").encode())
-        except OSError:
-            pass        # the log says it too
+    from .lifecycle import write_outcome
+    write_outcome(pidfile, STATUS_SUFFIX, outcome)
 
 
 def enforce(broker, policy, log, *, reload: bool) -> dict:
@@ -75,44 +68,16 @@ def request(pidfile: Optional[str], timeout: float = REQUEST_TIMEOUT) -> int:
     """``sbusd --reload -p PIDFILE``: 0 once the sbusd the pidfile names
     enforces its policy file as it is now; 1 with the reason when it refused
     the file (the old policy stays), or on a timeout."""
-    import json
+    from .lifecycle import signal_and_wait
 
-    from .upgrade import alive, read_pid
+    def judge(pid: int, outcome: dict):
+        if outcome.get("pid") != pid:
+            return None
+        if outcome.get("result") == "done":
+            return 0, (f"sbusd: pid {pid} enforces {outcome.get('path')} "
+                       f"({outcome.get('rules')} rules; {outcome.get('revoked')} "
+                       f"connections revoked)")
+        return 1, f"pid {pid} keeps its policy: {outcome.get('reason')}"
 
-    def fail(text: str) -> int:
-        print(f"sbusd --reload: {text}", file=sys.stderr)
-        return 1
-
-    if not pidfile:
-        return fail("give the running sbusd's pidfile with -p")
-    pid = read_pid(pidfile)
-    if pid is None:
-        return fail(f"no pid in {pidfile}")
-    if not alive(pid):
-        return fail(f"pid {pid} (from {pidfile}) is not running")
-    status = status_path(pidfile)
-    try:
-        os.unlink(status)       # so the outcome we read is this reload's
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        return fail(f"{status}: {e.strerror}")
-    os.kill(pid, signal.SIGUSR1)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(status) as f:
-                outcome = json.load(f)
-        except (OSError, ValueError):
-            outcome = {}
-        if outcome.get("pid") == pid:
-            if outcome.get("result") == "done":
-                print(f"sbusd: pid {pid} enforces {outcome.get('path')} "
-                      f"({outcome.get('rules')} rules; {outcome.get('revoked')} "
-                      f"connections revoked)")
-                return 0
-            return fail(f"pid {pid} keeps its policy: {outcome.get('reason')}")
-        if not alive(pid):
-            return fail(f"pid {pid} exited")
-        time.sleep(0.02)
-    return fail(f"no outcome within {timeout:g} s")
+    return signal_and_wait("reload", pidfile, STATUS_SUFFIX, signal.SIGUSR1, judge, "exited",
+                           timeout)

@@ -44,6 +44,7 @@ from typing import Callable, List, Optional
 from .. import logschema as schema
 from .._version import __version__
 from ..atomicfile import write_atomically
+from .lifecycle import ON_ITS_WAY, alive, read_pid, signal_and_wait, write_outcome
 
 HANDOVER_FD_ENV = "SBUSD_UPGRADE_FD"    # the new process's end of the socketpair
 FAIL_ENV = "SBUSD_UPGRADE_FAIL"         # a step of STEPS: fail there (tests)
@@ -104,11 +105,7 @@ def status_path(pidfile: str) -> str:
 
 
 def write_status(pidfile: Optional[str], **outcome) -> None:
-    if pidfile:
-        try:
-            write_atomically(status_path(pidfile), (json.dumps(outcome) + "\n").encode())
-        except OSError:
-            pass        # the log says it too
+    write_outcome(pidfile, STATUS_SUFFIX, outcome)
 
 
 class Channel:
@@ -553,63 +550,20 @@ class Successor:
 
 # ---- sbusd --upgrade -----------------------------------------------------------
 
-def read_pid(path: str) -> Optional[int]:
-    try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def request(pidfile: Optional[str], timeout: float = REQUEST_TIMEOUT) -> int:
     """``sbusd --upgrade -p PIDFILE``: upgrade the sbusd the pidfile names and
     wait for the outcome: 0 once a new pid serves, 1 with the reason when the
     old one reports a failure (it then serves on), or on a timeout."""
-    def fail(text: str) -> int:
-        print(f"sbusd --upgrade: {text}", file=sys.stderr)
-        return 1
-
-    if not pidfile:
-        return fail("give the running sbusd's pidfile with -p")
-    pid = read_pid(pidfile)
-    if pid is None:
-        return fail(f"no pid in {pidfile}")
-    if not alive(pid):
-        return fail(f"pid {pid} (from {pidfile}) is not running")
-    status = status_path(pidfile)
-    try:
-        os.unlink(status)       # so the outcome we read is this upgrade's
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        return fail(f"{status}: {e.strerror}")
-    os.kill(pid, signal.SIGUSR2)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(status) as f:
-                outcome = json.load(f)
-        except (OSError, ValueError):
-            outcome = {}
+    def judge(pid: int, outcome: dict):
         if outcome.get("result") == "failed" and outcome.get("pid") == pid:
-            return fail(f"pid {pid} serves on; the upgrade failed at "
-                        f"{outcome.get('step')}: {outcome.get('reason')}")
+            return 1, (f"pid {pid} serves on; the upgrade failed at "
+                       f"{outcome.get('step')}: {outcome.get('reason')}")
         if outcome.get("result") == "done" and outcome.get("old_pid") == pid:
             new = outcome.get("pid")
             if read_pid(pidfile) == new and alive(new):
-                print(f"sbusd: upgraded: pid {pid} handed over to pid {new}")
-                return 0
-        elif not alive(pid):
-            return fail(f"pid {pid} exited without handing over")
-        time.sleep(0.02)
-    return fail(f"no outcome within {timeout:g} s")
+                return 0, f"sbusd: upgraded: pid {pid} handed over to pid {new}"
+            return ON_ITS_WAY   # the old one leaves before the pidfile names the new
+        return None
+
+    return signal_and_wait("upgrade", pidfile, STATUS_SUFFIX, signal.SIGUSR2, judge,
+                           "exited without handing over", timeout)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import decimal
 import json
 import re
 import sys
@@ -38,21 +39,31 @@ def duration(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
-def point_in_time(text: str) -> float:
+def point_in_time(text: str) -> decimal.Decimal:
     """Seconds since the epoch, an ISO 8601 time (local unless it says), or
-    a duration ago (10m, 2h)."""
+    a duration ago (10m, 2h), exactly: a record's time as ``{unix}`` prints
+    it finds that record (a float would miss it by up to 240 ns)."""
     try:
-        return float(text)
-    except ValueError:
+        seconds = decimal.Decimal(text)
+        if seconds.is_finite():
+            return seconds
+    except decimal.InvalidOperation:
         pass
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text)
     if m:
-        return time.time() - float(m.group(1)) * _UNITS[m.group(2)]
+        return (decimal.Decimal(time.time_ns()).scaleb(-9)
+                - decimal.Decimal(m.group(1)) * _UNITS[m.group(2)])
     try:
-        return datetime.datetime.fromisoformat(text).timestamp()
+        when = datetime.datetime.fromisoformat(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"not a time (seconds since the epoch, ISO 8601, or 10m/2h ago): {text!r}") from None
+    since_epoch = (when if when.tzinfo else when.astimezone()) - _EPOCH
+    return (decimal.Decimal(since_epoch.days * 86400 + since_epoch.seconds)
+            + decimal.Decimal(since_epoch.microseconds).scaleb(-6))
+
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 
 
 def _template(text: str) -> str:
@@ -156,10 +167,10 @@ def _say_gap(gap) -> None:
 
 
 def cmd_replay(bus, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
-    from ..client.store import replay
+    from ..client.store import from_ns, replay
     with replay(bus, args.pattern, args.since, args.until, args.after, follow=args.follow,
                 request_key=args.request_key, on_gap=_say_gap) as it:
-        render_one = _renderer(args, lambda: it.time, lambda: it.seq)
+        render_one = _renderer(args, lambda: from_ns(it.time_ns), lambda: it.seq)
         for message in it:
             stdout.write(render_one(message))
             if args.follow:
@@ -169,9 +180,9 @@ def cmd_replay(bus, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO)
 
 
 def cmd_last(bus, args: argparse.Namespace, stdin: BinaryIO, stdout: BinaryIO) -> int:
-    from ..client.store import Replay
+    from ..client.store import Replay, from_ns
     with Replay(bus, "last", args.pattern, request_key=args.request_key) as it:
-        render_one = _renderer(args, lambda: it.time, lambda: it.seq)
+        render_one = _renderer(args, lambda: from_ns(it.time_ns), lambda: it.seq)
         for message in it:
             stdout.write(render_one(message))
     stdout.flush()
