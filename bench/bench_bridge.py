@@ -8,11 +8,13 @@ Rows, all with --payload-byte messages (default 64) and loss checked:
 
 - ``bridge_rate``: msgs/s from host A's publisher (publish_many) to a
   subscriber on host B, first message to last at B; beside it the CPU time
-  per message of each bridge, nats-server and both brokers over that window;
+  per message of each bridge, nats-server and both brokers over that window,
+  and of the publisher and the subscriber (their own rusage);
 - ``bridge_latency``: p50/p99 from A's publish to B's receive at a fixed
   --rate msgs/s (CLOCK_MONOTONIC stamps; every process is on this machine);
 - ``nats_rate``: plain nats-py publisher -> nats-py subscriber over the same
-  nats-server, in the same run, for scale.
+  nats-server, in the same run, for scale, with the CPU time per message of
+  nats-server, the publisher and the subscriber.
 
 ``--paths`` (default ``fast,reference``) measures the bridges' C fast path
 and ``--no-fast-path`` interleaved in one run: each repeat starts the pair of
@@ -28,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -43,6 +46,12 @@ PLAIN_SUBJECT = "plain.bench"      # outside the bridges' prefix: plain NATS onl
 
 # -- workers (each in its own process) ------------------------------------------
 
+def cpu_now():
+    """User + system CPU seconds of this process (its own rusage: load disturbs it least)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def sbus_sub(address, count, timeout):
     """Receive up to ``count`` messages on KEY; report count, span and latencies."""
     import sbus
@@ -50,6 +59,7 @@ def sbus_sub(address, count, timeout):
     bus.subscribe(KEY)
     bus.whoami(timeout=10)
     print("ready", flush=True)
+    cpu = cpu_now()
     got, first, last, lat = 0, None, None, []
     deadline = time.monotonic() + timeout
     while got < count:
@@ -71,7 +81,7 @@ def sbus_sub(address, count, timeout):
         first = first or now
         last = now
     return {"received": got, "seconds": (last - first) / 1e9 if got > 1 else None,
-            "latency_ns": lat}
+            "latency_ns": lat, "client_cpu_s": cpu_now() - cpu}
 
 
 def sbus_pub(address, count, payload, rate):
@@ -91,7 +101,7 @@ def sbus_pub(address, count, payload, rate):
             stamp = b"%020d" % time.monotonic_ns() + pad
             bus.publish_many([(KEY, stamp)] * min(batch, count - i))
     bus.whoami(timeout=30)
-    return {"sent": count}
+    return {"sent": count, "client_cpu_s": cpu_now()}
 
 
 async def _nats_sub(url, count, timeout):
@@ -110,6 +120,7 @@ async def _nats_sub(url, count, timeout):
     await nc.subscribe(PLAIN_SUBJECT, cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
     await nc.flush()
     print("ready", flush=True)
+    cpu = cpu_now()
     seen = -1
     while not done.is_set() and seen != state["got"]:     # until done or quiet for a while
         seen = state["got"]
@@ -119,7 +130,8 @@ async def _nats_sub(url, count, timeout):
             pass
     await nc.close()
     got, first, last = state["got"], state["first"], state["last"]
-    return {"received": got, "seconds": (last - first) / 1e9 if got > 1 else None}
+    return {"received": got, "seconds": (last - first) / 1e9 if got > 1 else None,
+            "client_cpu_s": cpu_now() - cpu}
 
 
 async def _nats_pub(url, count, payload):
@@ -130,7 +142,7 @@ async def _nats_pub(url, count, payload):
         await nc.publish(PLAIN_SUBJECT, data)
     await nc.flush(timeout=60)
     await nc.close()
-    return {"sent": count}
+    return {"sent": count, "client_cpu_s": cpu_now()}
 
 
 def worker(args):
@@ -183,16 +195,23 @@ def logged(path, event):
 def pair(sub_argv, pub_argv, procs, timeout, watch=None):
     """Start the subscriber, wait for it, run the publisher; the subscriber's
     report, with ``cpu_s``: CPU seconds each process of ``watch`` (name -> Popen)
-    used meanwhile."""
+    used meanwhile, and the publisher's and subscriber's own (their rusage)."""
     watch = watch or {}
     sub = procs.start(sub_argv, stdout=subprocess.PIPE)
     assert sub.stdout.readline().strip() == b"ready"
     before = {name: cpu_seconds(p.pid) for name, p in watch.items()}
-    subprocess.run(pub_argv, check=True, stdout=subprocess.DEVNULL, timeout=timeout)
+    pub = subprocess.run(pub_argv, check=True, stdout=subprocess.PIPE, timeout=timeout)
     out, _ = sub.communicate(timeout=timeout)
     report = json.loads(out.splitlines()[-1])
     report["cpu_s"] = {name: cpu_seconds(p.pid) - before[name] for name, p in watch.items()}
+    report["cpu_s"]["publisher"] = json.loads(pub.stdout.splitlines()[-1])["client_cpu_s"]
+    report["cpu_s"]["subscriber"] = report["client_cpu_s"]
     return report
+
+
+def per_message(r):
+    """CPU µs per message received, each process."""
+    return {name: round(sec * 1e6 / max(r["received"], 1), 2) for name, sec in r["cpu_s"].items()}
 
 
 def start_bridges(procs, work, hosts, url, path):
@@ -248,9 +267,10 @@ def run(args):
                 r = pair(me + ["--worker", "nats_sub", "--address", url, "--count", str(args.count),
                                "--seconds", "120"],
                          me + ["--worker", "nats_pub", "--address", url, "--count", str(args.count),
-                               *common], procs, 300)
+                               *common], procs, 300, watch={"nats_server": nats_server})
                 return {"received": r["received"], "sent": args.count,
-                        "rate": r["received"] / r["seconds"] if r["seconds"] else 0}
+                        "rate": r["received"] / r["seconds"] if r["seconds"] else 0,
+                        "cpu_us_per_msg": per_message(r)}
             path = rows[label]
             if running[0] != path:
                 for p in bridges.values():
@@ -265,8 +285,7 @@ def run(args):
                      watch={**bridges, "nats_server": nats_server, **brokers})
             return {"received": r["received"], "sent": args.count,
                     "rate": r["received"] / r["seconds"] if r["seconds"] else 0,
-                    "cpu_us_per_msg": {name: round(sec * 1e6 / max(r["received"], 1), 2)
-                                       for name, sec in r["cpu_s"].items()}}
+                    "cpu_us_per_msg": per_message(r)}
 
         results.update({label: s.runs for label, s in alternate(rows, args.repeat, run_one).items()
                         if s.runs})
@@ -299,7 +318,9 @@ def table(results, payload, load):
     nr = results["nats_rate"]
     lost_n = sum(r["sent"] - r["received"] for r in nr)
     lines = [f"{payload}-byte messages; load average {load}",
-             f"plain nats-py         {med(nr, 'rate'):>10,.0f} msg/s   lost {lost_n}"]
+             f"plain nats-py         {med(nr, 'rate'):>10,.0f} msg/s   lost {lost_n}",
+             "    CPU us/msg  " + "  ".join(f"{k} {v:.2f}"
+                                        for k, v in Series(nr).medians("cpu_us_per_msg").items())]
     for suffix in ("", "_reference"):
         br = results.get("bridge_rate" + suffix)
         if not br:

@@ -16,6 +16,7 @@ from hypothesis import strategies as hyp
 
 from sbus import Client
 from sbus import logschema as ls
+from sbus._core.inflight import InFlight
 from sbus._core.jobs import Acks, jobs_from, pack_jobs, parse_jobs, parse_tags
 from sbus.aio import Client as AsyncClient
 from sbus.client.consume import consume
@@ -532,6 +533,53 @@ def test_tags_are_parsed_as_their_plain_python_twin(args):
             parse_tags(args)
     else:
         assert parse_tags(args) == expected
+
+
+_TAG_ARGS = hyp.one_of(
+    hyp.lists(hyp.integers(0, 300)).map(lambda tags: " ".join(map(str, tags)).encode()),
+    hyp.lists(hyp.sampled_from([b"1", b"2", b" ", b"", b"x", b"-1", b"9" * 19, b"007"])).map(
+        b" ".join))
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=hyp.lists(hyp.one_of(
+    hyp.tuples(hyp.just("add"), hyp.integers(0, 5), hyp.integers(0, 70)),
+    hyp.tuples(hyp.just("settle"), _TAG_ARGS),
+    hyp.tuples(hyp.just("pop"), hyp.lists(hyp.integers(0, 300), max_size=10)),
+    hyp.tuples(hyp.just("clear"))), max_size=40))
+def test_jobs_in_flight_are_kept_as_a_dict_of_tags_keeps_them(steps):
+    """The C record of a consumer's jobs in flight against the dict it
+    replaced: the same jobs, in tag order, settled by the same tags (those
+    not in flight skipped, malformed arguments settling nothing)."""
+    flight, model, tag = InFlight(), {}, 1
+    for step in steps:
+        if step[0] == "add":
+            tag += step[1]          # tags only grow, with gaps (other consumers')
+            jobs = [(b"k", b"%d" % (tag + i)) for i in range(step[2])]
+            flight.add(tag, jobs)
+            model.update(zip(range(tag, tag + len(jobs)), jobs))
+            tag += len(jobs)
+        elif step[0] == "settle":
+            try:
+                tags = wire.parse_tags_py(step[1])
+            except wire.WireError:
+                with pytest.raises(wire.WireError):
+                    flight.settle(step[1])
+                continue
+            expected = [model.pop(t) for t in tags if t in model]
+            assert flight.settle(step[1]) == (expected, len(tags))
+        elif step[0] == "pop":
+            expected = [model.pop(t) for t in step[1] if t in model]
+            assert flight.pop_tags(step[1]) == expected
+        else:
+            assert flight.clear() == list(model.values())
+            model.clear()
+        assert (len(flight), bool(flight)) == (len(model), bool(model))
+        assert list(flight) == list(model) and flight.values() == list(model.values())
+        assert flight.oldest == next(iter(model), None)
+    flight.add(tag, [(b"k", b"last")])
+    with pytest.raises(ValueError):     # a tag given out already
+        flight.add(tag, [(b"k", b"again")])
 
 
 @given(tags=hyp.lists(hyp.integers(1, 10 ** 18 - 1), min_size=1, max_size=50))

@@ -43,7 +43,7 @@ from ..client.aio import Client as BusClient
 from ..client.protocol import MAX_MESSAGE, Message, pack_subscribe
 from ..client.reconnect import Reconnect
 from ..errors import BacklogFullError, BusClosedError, MessageRefusedError
-from ..runner import STOPPED, ready
+from ..runner import STOPPED, ready, settle_heap
 from . import mapping, natsconn
 from .counters import Counters
 from .defaults import DEFAULT_MAX_PENDING, DEFAULT_STATS_INTERVAL, DEFAULT_STATS_KEY, DROP_NEWEST, DROP_OLDEST
@@ -470,6 +470,8 @@ class Bridge:
         self.log.info(schema.BRIDGE_CONNECTED, server=self.server,
                       nats_connects=self.counters.nats_connects,
                       pending_msgs=self._pending_msgs())
+        if self.counters.nats_connects == 1:
+            settle_heap()   # nats-py and its connection, made after ready()
         self._wake.set()
 
     async def _on_disconnected(self) -> None:

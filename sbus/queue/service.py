@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .. import __version__
 from .. import logschema as schema
-from .._core.jobs import Intake, pack_jobs, parse_tags
+from .._core.jobs import Intake, pack_jobs
 from ..access import askers as access
 from ..client.aio import Client
 from ..client.private import PrivateInbox
@@ -175,7 +175,7 @@ class QueueService:
             if c is None:
                 q.counts["late_acks"] += verb != wire.BYE
             elif verb in (wire.ACK, wire.NACK, wire.REJECT):
-                q.settle(c, parse_tags(args), verb)
+                q.settle_args(c, args, verb)
             elif verb == wire.BYE:
                 self._left(q.bye(c))
         except wire.WireError as exc:

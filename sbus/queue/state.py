@@ -9,9 +9,9 @@ one each in turn.
 from __future__ import annotations
 
 import collections
-from itertools import repeat
 from typing import Deque, Dict, List, Optional, Tuple
 
+from .._core.inflight import InFlight
 from ..client.private import new_id
 
 # Why a consumer left (``queue_consumer_leave.reason``).
@@ -54,7 +54,8 @@ def deliveries(job: Job) -> int:
 
 class Consumer:
     """One consumer: its jobs in flight (tag -> job, in the order given
-    out) and, per handful given out at once, the last tag and its ack deadline."""
+    out, an InFlight in C) and, per handful given out at once, the last tag
+    and its ack deadline."""
 
     __slots__ = ("token", "inbox", "prefetch", "lease_until", "batch", "in_flight",
                  "deadlines", "delivered", "acked", "ready")
@@ -66,7 +67,7 @@ class Consumer:
         self.prefetch = prefetch
         self.lease_until = lease_until
         self.batch = batch          # takes ``jobs`` batches (wire.JOBS)
-        self.in_flight: Dict[int, Job] = {}
+        self.in_flight = InFlight()
         # (last tag, ack deadline) of each handful given out, oldest first;
         # tags only grow, so the oldest job in flight has the first deadline
         # not before its tag.
@@ -81,10 +82,10 @@ class Consumer:
 
     def overdue(self, now: float) -> bool:
         """Whether a job in flight has passed its ack deadline."""
-        if not self.in_flight:
+        oldest = self.in_flight.oldest
+        if oldest is None:
             self.deadlines.clear()
             return False
-        oldest = next(iter(self.in_flight))
         deadlines = self.deadlines
         while deadlines[0][0] < oldest:
             deadlines.popleft()
@@ -179,7 +180,7 @@ class Queue:
                 jobs = self._again(jobs)
             first = self._next_tag
             self._next_tag = first + len(jobs)
-            c.in_flight.update(zip(range(first, self._next_tag), jobs))
+            c.in_flight.add(first, jobs)
             c.deadlines.append((self._next_tag - 1, deadline))
             c.delivered += len(jobs)
             counts["delivered"] += len(jobs)
@@ -231,8 +232,7 @@ class Queue:
     def _leave(self, c: Consumer, reason: str) -> Departure:
         del self.consumers[c.token]
         del self._by_inbox[c.inbox]
-        jobs = list(c.in_flight.values())
-        c.in_flight.clear()
+        jobs = c.in_flight.clear()
         c.deadlines.clear()
         self._requeue(jobs)
         if reason in (LEFT_LEASE, LEFT_ACK_TIMEOUT):
@@ -248,10 +248,17 @@ class Queue:
 
     def settle(self, c: Consumer, tags: List[int], verb: str) -> None:
         """``ack``, ``nack`` (give out again) or ``reject`` (drop) these tags."""
-        pop = c.in_flight.pop
-        jobs = [job for job in map(pop, tags, repeat(None)) if job is not None]
+        self._settled(c, c.in_flight.pop_tags(tags), len(tags), verb)
+
+    def settle_args(self, c: Consumer, args: bytes, verb: str) -> None:
+        """``settle`` with the tags as a control message names them
+        (wire.WireError, nothing settled, for malformed ones)."""
+        jobs, named = c.in_flight.settle(args)
+        self._settled(c, jobs, named, verb)
+
+    def _settled(self, c: Consumer, jobs: List[Job], named: int, verb: str) -> None:
         counts = self.counts
-        counts["late_acks"] += len(tags) - len(jobs)
+        counts["late_acks"] += named - len(jobs)
         if verb == "ack":
             c.acked += len(jobs)
             counts["acked"] += len(jobs)
