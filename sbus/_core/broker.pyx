@@ -34,7 +34,7 @@ from sbus._core.includes.sys cimport (
     MSG_NOSIGNAL, MSG_TRUNC, MSG_PEEK, mmap, munmap, madvise, MAP_FAILED, PROT_READ, PROT_WRITE,
     MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE, MADV_DONTNEED)
 from sbus._core.index cimport Sub, index_match
-from sbus._core.loop cimport EV_READ, EV_WRITE, EV_HUP
+from sbus._core.loop cimport EV_READ, EV_WRITE, EV_HUP, only_thread
 from sbus._core.policy cimport (
     FLOOD_QUEUE_BLOCK, FLOOD_DROP_SOFT, FLOOD_DROP_HARD, FLOOD_CLOSE_SOFT, FLOOD_CLOSE_HARD)
 from sbus._core.protocol cimport (
@@ -174,17 +174,24 @@ cdef class Broker(Hub):
         cdef int n
         # running is set at construction, not here: a stop() from a signal
         # handler that ran before run() must not be forgotten.
+        self.now = monotonic()
         if self.tick_interval > 0:
-            self.next_tick = monotonic() + self.tick_interval
+            self.next_tick = self.now + self.tick_interval
+        # A turn stays in C unless it has Python work: a tick due, a signal,
+        # a callback's exception. Alone in the process, it waits holding
+        # the GIL (only_thread).
         while self.running:
+            self.poller.keep_gil = only_thread()
             n = self.poller.poll(self.poll_timeout())
             if n == 0:
                 self.signalled = True   # EINTR, or a signal raced the poll
             self.now = monotonic()
             self.dispatch(n)
             self.before_sleep()
-            self.housekeeping()
-            self.raise_callback_error()
+            if self.tick_interval > 0 and self.now >= self.next_tick:
+                self.housekeeping()
+            if self.callback_error is not None:
+                self.raise_callback_error()
             if self.signalled:
                 self.signalled = False
                 PyErr_CheckSignals()
@@ -254,7 +261,7 @@ cdef class Broker(Hub):
     cdef int on_readable(self, Conn *c, int mask) except -1:
         cdef int n, i
         cdef uint32_t base, room, want
-        if self.nslots + RECV_BATCH_MIN > self.turn_slots or (
+        if self.nslots + RECV_BATCH_MIN > self.turn_slots or self.reads_held >= HOLD_READS or (
                 self.nblockers and self.may_block_bus()):
             self.flush_pending()
         if not self.before_read(c, mask):
@@ -269,6 +276,7 @@ cdef class Broker(Hub):
             return self.recv_failed(c, errno)
         note_read(c, want, n)
         self.nslots = base + n
+        self.reads_held += 1
         self.batch_pend = self.npend
         for i in range(n):
             if not self.take_packet(c, mask, base + i, self.rhdrs[base + i].msg_len,
@@ -337,7 +345,7 @@ cdef class Broker(Hub):
         cdef int round_first[RECV_BATCH]
         cdef int round_want[RECV_BATCH]
         while i < n:
-            if self.nslots + RECV_BATCH_MIN > self.turn_slots or (
+            if self.nslots + RECV_BATCH_MIN > self.turn_slots or self.reads_held >= HOLD_READS or (
                     self.nblockers and self.may_block_bus()):
                 self.flush_pending()
             base = self.nslots
@@ -374,6 +382,7 @@ cdef class Broker(Hub):
             self.poller.recv_batch(self.rops, nops)
             # Slots a receive left empty stay unused until the flush.
             self.nslots = base + nops
+            self.reads_held += nround
             for k in range(nround):
                 c = self.peers.conns[round_fd[k]]
                 if c != NULL:
@@ -592,6 +601,7 @@ cdef class Broker(Hub):
         self.nblockers = 0
         self.npend = 0
         self.pend_bytes = 0
+        self.reads_held = 0
         if self.batch_pend > 0:
             self.batch_pend = 0     # flushed in the middle of a batch (stats)
         return 0

@@ -143,7 +143,9 @@ cdef class Hub:
         cdef int timeout = -1
         cdef double wait
         if self.tick_interval > 0:
-            wait = self.next_tick - monotonic()
+            # From the turn's own clock, read after the last wait: a tick
+            # comes at most that turn's work late, for a clock read a turn.
+            wait = self.next_tick - self.now
             timeout = 0 if wait <= 0 else <int>(wait * 1000) + 1
         if self.flood.nblocking and (timeout < 0 or timeout > 100):
             timeout = 100       # re-check block timeouts
