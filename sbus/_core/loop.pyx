@@ -345,7 +345,7 @@ cdef class IoUringPoller(Poller):
         cdef int fd, mask
         if tag & REMOVE_TAG:
             return 0
-        fd = <int>(tag & 0xffffffff)
+        fd = <int><uint32_t>tag      # poll_tag: the fd is the low 32 bits
         if fd >= self.state_cap or tag != poll_tag(fd, self.gen[fd]):
             return 0
         self.armed[fd] = 0
