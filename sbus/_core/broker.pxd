@@ -10,7 +10,10 @@
 #      large share of the receive cost; what a read leaves is read next turn,
 #      every backend being level-triggered. Where the backend receives in
 #      batches (io_uring), the turn's readable connections are read in rounds
-#      of up to RECV_BATCH packets, one io_uring_enter each (read_rounds).
+#      of up to RECV_BATCH packets, one io_uring_enter each (read_rounds);
+#      there every packet asked for is a receive of its own, which costs as
+#      much when it finds nothing, so a connection is asked for what it had
+#      last time, starting at one.
 #   2. match: a MSG's key is looked up in the segment trie (index); every
 #      recipient gets a Pending entry naming the slot, chained per recipient.
 #   3. send: once per loop turn (before_sleep, as redis's beforeSleep), or

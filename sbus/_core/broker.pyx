@@ -78,16 +78,20 @@ cdef void fan_one(void *ctx, Sub *sub) noexcept nogil:
     f.n += 1
 
 
-cdef inline uint32_t read_want(Conn *c, uint32_t room) noexcept:
-    """How many packets to ask c for, with room slots free."""
+cdef inline uint32_t read_want(Conn *c, uint32_t room, bint per_op) noexcept:
+    """How many packets to ask c for, with room slots free. per_op: each
+    packet asked for is a receive of its own (Poller.recv_batch), which
+    costs as much when it finds nothing; a new record then starts at one
+    and doubles its way up."""
     if c.recv_want == 0:
-        c.recv_want = RECV_BATCH    # a new record: nothing known yet
+        c.recv_want = 1 if per_op else RECV_BATCH    # a new record: nothing known yet
     return c.recv_want if room > c.recv_want else room
 
 
-cdef inline void note_read(Conn *c, uint32_t want, int got) noexcept:
+cdef inline void note_read(Conn *c, uint32_t want, int got, bint per_op) noexcept:
     """Adjusts c.recv_want after a read that asked for want packets and got
-    got: a read that asks for more than there is pays for a failed receive."""
+    got: a read that asks for more than there is pays for a failed receive
+    (recvmmsg), or for a failed receive per packet missing (per_op)."""
     if got == <int>want:
         # Full: there may be more. Ask for more only once it keeps filling,
         # so one packet a turn settles at one without a failed read; a
@@ -98,9 +102,11 @@ cdef inline void note_read(Conn *c, uint32_t want, int got) noexcept:
             c.recv_full = 0
     elif got > 0:
         # Drained: shrink slowly, so a stream whose turns vary keeps its
-        # large reads.
+        # large reads; per_op, to what there was, each extra costing a receive.
         c.recv_full = 0
-        if c.recv_want > 1:
+        if per_op:
+            c.recv_want = <uint8_t>got
+        elif c.recv_want > 1:
             c.recv_want = <uint8_t>(got if got > c.recv_want - 1 else c.recv_want - 1)
 
 
@@ -268,13 +274,13 @@ cdef class Broker(Hub):
             return 0
         base = self.nslots
         room = self.turn_slots - base
-        want = read_want(c, room)
+        want = read_want(c, room, False)
         n = recvmmsg(c.fd, &self.rhdrs[base], want, MSG_DONTWAIT, NULL)
         if n < 0:
             if errno == EAGAIN or errno == EINTR:
                 return 0
             return self.recv_failed(c, errno)
-        note_read(c, want, n)
+        note_read(c, want, n, False)
         self.nslots = base + n
         self.reads_held += 1
         self.batch_pend = self.npend
@@ -365,7 +371,7 @@ cdef class Broker(Hub):
                     i += 1
                     continue
                 want = read_want(c, room if room < <uint32_t>(RECV_BATCH - nops)
-                                 else <uint32_t>(RECV_BATCH - nops))
+                                 else <uint32_t>(RECV_BATCH - nops), True)
                 for j in range(nops, nops + <int>want):
                     self.rops[j].fd = fd
                     self.rops[j].buf = <char *>self.riov[base + j].iov_base
@@ -410,7 +416,7 @@ cdef class Broker(Hub):
             if not self.take_packet(c, mask, base + j, <size_t>res, False):
                 break
         self.batch_pend = -1
-        note_read(c, want, got)
+        note_read(c, want, got, True)
         return 0
 
     cdef bint may_block_bus(self) noexcept:
