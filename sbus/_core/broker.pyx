@@ -30,9 +30,8 @@ from sbus._core.conn cimport Conn, MODE_BLOCK, R_EOF, R_ERROR, R_PROTOCOL, R_BAN
 from sbus._core.flood cimport on_full, could_block, start_blocking
 from sbus._core.hub cimport Hub
 from sbus._core.includes.sys cimport (
-    clock_gettime, timespec, CLOCK_MONOTONIC, recv, recvmmsg, sendmmsg, MSG_DONTWAIT,
-    MSG_NOSIGNAL, MSG_TRUNC, MSG_PEEK, mmap, munmap, madvise, MAP_FAILED, PROT_READ, PROT_WRITE,
-    MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE, MADV_DONTNEED)
+    monotonic, recv, recvmmsg, sendmmsg, MSG_DONTWAIT, MSG_NOSIGNAL, MSG_TRUNC, MSG_PEEK, mmap, munmap,
+    madvise, MAP_FAILED, PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE, MADV_DONTNEED)
 from sbus._core.index cimport Sub, index_match
 from sbus._core.loop cimport EV_READ, EV_WRITE, EV_HUP, only_thread
 from sbus._core.policy cimport (
@@ -46,12 +45,6 @@ from sbus._core.sendq cimport (Packet, get_packet_stats, packet_new, packet_rele
                                sq_push, sq_select, sq_consume, sq_clear)
 
 import os
-
-
-cdef inline double monotonic() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
 cdef void fan_one(void *ctx, Sub *sub) noexcept nogil:
@@ -79,10 +72,8 @@ cdef void fan_one(void *ctx, Sub *sub) noexcept nogil:
 
 
 cdef inline uint32_t read_want(Conn *c, uint32_t room, bint per_op) noexcept:
-    """How many packets to ask c for, with room slots free. per_op: each
-    packet asked for is a receive of its own (Poller.recv_batch), which
-    costs as much when it finds nothing; a new record then starts at one
-    and doubles its way up."""
+    """How many packets to ask c for, with room slots free; per_op (each a
+    receive of its own, recv_batch), a new record starts at one."""
     if c.recv_want == 0:
         c.recv_want = 1 if per_op else RECV_BATCH    # a new record: nothing known yet
     return c.recv_want if room > c.recv_want else room
@@ -104,10 +95,7 @@ cdef inline void note_read(Conn *c, uint32_t want, int got, bint per_op) noexcep
         # Drained: shrink slowly, so a stream whose turns vary keeps its
         # large reads; per_op, to what there was, each extra costing a receive.
         c.recv_full = 0
-        if per_op:
-            c.recv_want = <uint8_t>got
-        elif c.recv_want > 1:
-            c.recv_want = <uint8_t>(got if got > c.recv_want - 1 else c.recv_want - 1)
+        c.recv_want = <uint8_t>(got if per_op or got > c.recv_want - 1 else c.recv_want - 1)
 
 
 cdef class Broker(Hub):
@@ -183,9 +171,8 @@ cdef class Broker(Hub):
         self.now = monotonic()
         if self.tick_interval > 0:
             self.next_tick = self.now + self.tick_interval
-        # A turn stays in C unless it has Python work: a tick due, a signal,
-        # a callback's exception. Alone in the process, it waits holding
-        # the GIL (only_thread).
+        # A turn stays in C unless it has Python work (a tick due, a signal,
+        # a callback's exception); alone, it waits holding the GIL.
         while self.running:
             self.poller.keep_gil = only_thread()
             n = self.poller.poll(self.poll_timeout())
@@ -194,10 +181,8 @@ cdef class Broker(Hub):
             self.now = monotonic()
             self.dispatch(n)
             self.before_sleep()
-            if self.tick_interval > 0 and self.now >= self.next_tick:
-                self.housekeeping()
-            if self.callback_error is not None:
-                self.raise_callback_error()
+            self.housekeeping()             # returns at once unless a tick is due
+            self.raise_callback_error()
             if self.signalled:
                 self.signalled = False
                 PyErr_CheckSignals()
