@@ -10,12 +10,19 @@
 #      large share of the receive cost; what a read leaves is read next turn,
 #      every backend being level-triggered. Where the backend receives in
 #      batches (io_uring), the turn's readable connections are read in rounds
-#      of up to RECV_BATCH packets, one io_uring_enter each (read_rounds).
+#      of up to RECV_BATCH packets, one io_uring_enter each (read_rounds);
+#      there every packet asked for is a receive of its own, which costs as
+#      much when it finds nothing, so a connection is asked for what it had
+#      last time, starting at one.
 #   2. match: a MSG's key is looked up in the segment trie (index); every
 #      recipient gets a Pending entry naming the slot, chained per recipient.
 #   3. send: once per loop turn (before_sleep, as redis's beforeSleep), or
-#      sooner when the slots run out, each recipient gets one sendmmsg of its
-#      chain from every publisher, straight from the receive slots.
+#      sooner when the slots run out or HOLD_READS connections were read,
+#      each recipient gets one sendmmsg of its chain from every publisher,
+#      straight from the receive slots. HOLD_READS bounds how long a
+#      delivery waits for the turn's other reads: a turn that finds many
+#      publishers with a message each would otherwise hold the first for
+#      all the others' receives (latency at moderate rates).
 #   4. queue: only what a send could not take is copied, once per message,
 #      into a refcounted Packet that every recipient's send queue shares; the
 #      flood policy (flood.on_full, policy.pxd) decides per delivery to
@@ -46,6 +53,7 @@ cdef enum:
     TURN_SLOTS_MAX = 256    # receive slots one loop turn fills before a flush
     TURN_AREA_BYTES = 32 << 20  # ...and at most this much address space for them
     RECV_BATCH_MIN = 8      # a connection is read only with this many slots free
+    HOLD_READS = 16         # connections read before the deliveries they brought go out
 
 
 # One delivery waiting for the flush: a receive slot or a packet.
@@ -87,6 +95,7 @@ cdef class Broker(Hub):
     cdef uint64_t pend_bytes        # their lengths: the most the flush can queue anywhere
     cdef bint flushing              # flush_conn is writing (mark_closing must not flush)
     cdef int32_t batch_pend         # the first entry of the batch being read, or -1
+    cdef uint32_t reads_held        # connections read since the last flush (HOLD_READS)
     # 3. one sendmmsg per recipient: siov/sreply are filled, send_prepared writes them
     cdef mmsghdr shdrs[SEND_BATCH]
     cdef iovec siov[SEND_BATCH]

@@ -30,11 +30,10 @@ from sbus._core.conn cimport Conn, MODE_BLOCK, R_EOF, R_ERROR, R_PROTOCOL, R_BAN
 from sbus._core.flood cimport on_full, could_block, start_blocking
 from sbus._core.hub cimport Hub
 from sbus._core.includes.sys cimport (
-    clock_gettime, timespec, CLOCK_MONOTONIC, recv, recvmmsg, sendmmsg, MSG_DONTWAIT,
-    MSG_NOSIGNAL, MSG_TRUNC, MSG_PEEK, mmap, munmap, madvise, MAP_FAILED, PROT_READ, PROT_WRITE,
-    MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE, MADV_DONTNEED)
+    monotonic, recv, recvmmsg, sendmmsg, MSG_DONTWAIT, MSG_NOSIGNAL, MSG_TRUNC, MSG_PEEK, mmap, munmap,
+    madvise, MAP_FAILED, PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE, MADV_DONTNEED)
 from sbus._core.index cimport Sub, index_match
-from sbus._core.loop cimport EV_READ, EV_WRITE, EV_HUP
+from sbus._core.loop cimport EV_READ, EV_WRITE, EV_HUP, only_thread
 from sbus._core.policy cimport (
     FLOOD_QUEUE_BLOCK, FLOOD_DROP_SOFT, FLOOD_DROP_HARD, FLOOD_CLOSE_SOFT, FLOOD_CLOSE_HARD)
 from sbus._core.protocol cimport (
@@ -46,12 +45,6 @@ from sbus._core.sendq cimport (Packet, get_packet_stats, packet_new, packet_rele
                                sq_push, sq_select, sq_consume, sq_clear)
 
 import os
-
-
-cdef inline double monotonic() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
 cdef void fan_one(void *ctx, Sub *sub) noexcept nogil:
@@ -78,16 +71,18 @@ cdef void fan_one(void *ctx, Sub *sub) noexcept nogil:
     f.n += 1
 
 
-cdef inline uint32_t read_want(Conn *c, uint32_t room) noexcept:
-    """How many packets to ask c for, with room slots free."""
+cdef inline uint32_t read_want(Conn *c, uint32_t room, bint per_op) noexcept:
+    """How many packets to ask c for, with room slots free; per_op (each a
+    receive of its own, recv_batch), a new record starts at one."""
     if c.recv_want == 0:
-        c.recv_want = RECV_BATCH    # a new record: nothing known yet
+        c.recv_want = 1 if per_op else RECV_BATCH    # a new record: nothing known yet
     return c.recv_want if room > c.recv_want else room
 
 
-cdef inline void note_read(Conn *c, uint32_t want, int got) noexcept:
+cdef inline void note_read(Conn *c, uint32_t want, int got, bint per_op) noexcept:
     """Adjusts c.recv_want after a read that asked for want packets and got
-    got: a read that asks for more than there is pays for a failed receive."""
+    got: a read that asks for more than there is pays for a failed receive
+    (recvmmsg), or for a failed receive per packet missing (per_op)."""
     if got == <int>want:
         # Full: there may be more. Ask for more only once it keeps filling,
         # so one packet a turn settles at one without a failed read; a
@@ -98,10 +93,9 @@ cdef inline void note_read(Conn *c, uint32_t want, int got) noexcept:
             c.recv_full = 0
     elif got > 0:
         # Drained: shrink slowly, so a stream whose turns vary keeps its
-        # large reads.
+        # large reads; per_op, to what there was, each extra costing a receive.
         c.recv_full = 0
-        if c.recv_want > 1:
-            c.recv_want = <uint8_t>(got if got > c.recv_want - 1 else c.recv_want - 1)
+        c.recv_want = <uint8_t>(got if per_op or got > c.recv_want - 1 else c.recv_want - 1)
 
 
 cdef class Broker(Hub):
@@ -174,16 +168,20 @@ cdef class Broker(Hub):
         cdef int n
         # running is set at construction, not here: a stop() from a signal
         # handler that ran before run() must not be forgotten.
+        self.now = monotonic()
         if self.tick_interval > 0:
-            self.next_tick = monotonic() + self.tick_interval
+            self.next_tick = self.now + self.tick_interval
+        # A turn stays in C unless it has Python work (a tick due, a signal,
+        # a callback's exception); alone, it waits holding the GIL.
         while self.running:
+            self.poller.keep_gil = only_thread()
             n = self.poller.poll(self.poll_timeout())
             if n == 0:
                 self.signalled = True   # EINTR, or a signal raced the poll
             self.now = monotonic()
             self.dispatch(n)
             self.before_sleep()
-            self.housekeeping()
+            self.housekeeping()             # returns at once unless a tick is due
             self.raise_callback_error()
             if self.signalled:
                 self.signalled = False
@@ -254,21 +252,22 @@ cdef class Broker(Hub):
     cdef int on_readable(self, Conn *c, int mask) except -1:
         cdef int n, i
         cdef uint32_t base, room, want
-        if self.nslots + RECV_BATCH_MIN > self.turn_slots or (
+        if self.nslots + RECV_BATCH_MIN > self.turn_slots or self.reads_held >= HOLD_READS or (
                 self.nblockers and self.may_block_bus()):
             self.flush_pending()
         if not self.before_read(c, mask):
             return 0
         base = self.nslots
         room = self.turn_slots - base
-        want = read_want(c, room)
+        want = read_want(c, room, False)
         n = recvmmsg(c.fd, &self.rhdrs[base], want, MSG_DONTWAIT, NULL)
         if n < 0:
             if errno == EAGAIN or errno == EINTR:
                 return 0
             return self.recv_failed(c, errno)
-        note_read(c, want, n)
+        note_read(c, want, n, False)
         self.nslots = base + n
+        self.reads_held += 1
         self.batch_pend = self.npend
         for i in range(n):
             if not self.take_packet(c, mask, base + i, self.rhdrs[base + i].msg_len,
@@ -337,7 +336,7 @@ cdef class Broker(Hub):
         cdef int round_first[RECV_BATCH]
         cdef int round_want[RECV_BATCH]
         while i < n:
-            if self.nslots + RECV_BATCH_MIN > self.turn_slots or (
+            if self.nslots + RECV_BATCH_MIN > self.turn_slots or self.reads_held >= HOLD_READS or (
                     self.nblockers and self.may_block_bus()):
                 self.flush_pending()
             base = self.nslots
@@ -357,7 +356,7 @@ cdef class Broker(Hub):
                     i += 1
                     continue
                 want = read_want(c, room if room < <uint32_t>(RECV_BATCH - nops)
-                                 else <uint32_t>(RECV_BATCH - nops))
+                                 else <uint32_t>(RECV_BATCH - nops), True)
                 for j in range(nops, nops + <int>want):
                     self.rops[j].fd = fd
                     self.rops[j].buf = <char *>self.riov[base + j].iov_base
@@ -374,6 +373,7 @@ cdef class Broker(Hub):
             self.poller.recv_batch(self.rops, nops)
             # Slots a receive left empty stay unused until the flush.
             self.nslots = base + nops
+            self.reads_held += nround
             for k in range(nround):
                 c = self.peers.conns[round_fd[k]]
                 if c != NULL:
@@ -401,7 +401,7 @@ cdef class Broker(Hub):
             if not self.take_packet(c, mask, base + j, <size_t>res, False):
                 break
         self.batch_pend = -1
-        note_read(c, want, got)
+        note_read(c, want, got, True)
         return 0
 
     cdef bint may_block_bus(self) noexcept:
@@ -592,6 +592,7 @@ cdef class Broker(Hub):
         self.nblockers = 0
         self.npend = 0
         self.pend_bytes = 0
+        self.reads_held = 0
         if self.batch_pend > 0:
             self.batch_pend = 0     # flushed in the middle of a batch (stats)
         return 0

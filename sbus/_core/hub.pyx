@@ -21,7 +21,7 @@ from sbus._core.flood cimport (
     timeout_detail)
 from sbus._core.flood cimport pause as flood_pause, release as flood_release
 from sbus._core.includes.sys cimport (
-    ucred, clock_gettime, timespec, CLOCK_MONOTONIC, malloc_trim, getsockopt, socklen_t,
+    ucred, monotonic, malloc_trim, getsockopt, socklen_t,
     SOL_SOCKET)
 from sbus._core.loop cimport EV_READ, EV_WRITE
 from sbus._core.loop import make_poller
@@ -46,12 +46,6 @@ from sbus._core.policy import MODE_NAMES
 cdef enum:
     SO_PEERGROUPS = 59      # Linux: the peer's supplementary groups at connect
     PEER_GROUPS_MAX = 1024
-
-
-cdef inline double monotonic() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
 cdef class Hub:
@@ -143,7 +137,9 @@ cdef class Hub:
         cdef int timeout = -1
         cdef double wait
         if self.tick_interval > 0:
-            wait = self.next_tick - monotonic()
+            # From the turn's own clock, read after the last wait: a tick
+            # comes at most that turn's work late, for a clock read a turn.
+            wait = self.next_tick - self.now
             timeout = 0 if wait <= 0 else <int>(wait * 1000) + 1
         if self.flood.nblocking and (timeout < 0 or timeout > 100):
             timeout = 100       # re-check block timeouts

@@ -63,6 +63,12 @@ cdef struct Held:
     int res
 
 
+# Whether this is the interpreter's only thread: then a wait need not let
+# go of the GIL (poll's keep_gil), which costs a mutex and a condition
+# variable each way on every loop turn.
+cdef bint only_thread() noexcept
+
+
 cdef class Poller:
     cdef Fired *fired           # filled by poll(), consumed by the broker
     cdef int max_fired
@@ -71,6 +77,7 @@ cdef class Poller:
     cdef readonly str name
     cdef readonly str fallback    # why the backend asked for is not this one, or None
     cdef readonly bint batch_recv  # recv_batch is available
+    cdef bint keep_gil            # poll() waits holding the GIL (set by the caller each turn)
 
     cdef int set(self, int fd, int mask) except -1
     cdef int poll(self, int timeout_ms) except -1

@@ -7,9 +7,12 @@ Contract: ``set(fd, mask)`` registers, changes or (mask 0) removes interest;
 a mask of 0 unregisters the fd entirely, so a paused or closing socket never
 fires. ``poll(timeout_ms)`` fills ``fired[0:n]`` and returns n (0 on EINTR).
 Every backend is level-triggered: an fd that stays ready fires again.
+With ``keep_gil`` set, poll waits holding the GIL (see only_thread).
 Where ``batch_recv`` is set, ``recv_batch(ops, n)`` receives one packet per
 op, in order, and returns once every op has its result.
 """
+from cpython.pystate cimport (
+    PyInterpreterState, PyThreadState, PyInterpreterState_ThreadHead, PyThreadState_Next)
 from libc.errno cimport errno, EAGAIN, EINTR, ENOENT
 from libc.stdint cimport uint32_t
 from libc.stdlib cimport malloc, realloc, free
@@ -33,6 +36,10 @@ cdef enum:
 cdef unsigned long long RECV_TAG = (<unsigned long long>1) << 63
 
 
+cdef extern from "Python.h":
+    PyInterpreterState *PyInterpreterState_Get() noexcept
+
+
 cdef extern from *:
     """
     #include <poll.h>
@@ -54,6 +61,16 @@ cdef inline int fired_mask(uint32_t events) noexcept nogil:
     if events & (EPOLLHUP | EPOLLERR):
         mask |= EV_HUP | EV_READ
     return mask
+
+
+cdef bint only_thread() noexcept:
+    # Every Python thread's state is on this list from before it starts (the
+    # starting thread makes it, holding the GIL), so a thread started from
+    # Python is seen on the next turn, before the loop waits again. One that
+    # C code starts later (PyGILState_Ensure) waits for the GIL at most one
+    # wait; sbusd starts none.
+    cdef PyThreadState *head = PyInterpreterState_ThreadHead(PyInterpreterState_Get())
+    return head != NULL and PyThreadState_Next(head) == NULL
 
 
 cdef int raise_oserror(str what) except -1:
@@ -152,8 +169,11 @@ cdef class EpollPoller(Poller):
 
     cdef int poll(self, int timeout_ms) except -1:
         cdef int n, i
-        with nogil:
+        if self.keep_gil:
             n = epoll_wait(self.epfd, self.events, self.max_fired, timeout_ms)
+        else:
+            with nogil:
+                n = epoll_wait(self.epfd, self.events, self.max_fired, timeout_ms)
         if n < 0:
             if errno == EINTR:
                 return 0
@@ -203,8 +223,11 @@ cdef class SelectPoller(Poller):
             tv.tv_sec = timeout_ms // 1000
             tv.tv_usec = (timeout_ms % 1000) * 1000
             tvp = &tv
-        with nogil:
+        if self.keep_gil:
             n = select(top + 1, &rset, &wset, NULL, tvp)
+        else:
+            with nogil:
+                n = select(top + 1, &rset, &wset, NULL, tvp)
         if n < 0:
             if errno == EINTR:
                 return 0
@@ -322,7 +345,7 @@ cdef class IoUringPoller(Poller):
         cdef int fd, mask
         if tag & REMOVE_TAG:
             return 0
-        fd = <int>(tag & 0xffffffff)
+        fd = <int><uint32_t>tag      # poll_tag: the fd is the low 32 bits
         if fd >= self.state_cap or tag != poll_tag(fd, self.gen[fd]):
             return 0
         self.armed[fd] = 0
@@ -362,10 +385,13 @@ cdef class IoUringPoller(Poller):
             if self.interest[fd] and not self.armed[fd]:
                 self.arm(fd, self.interest[fd])
         self.nrearm = 0
-        with nogil:
-            # Completions recv_batch kept are older than any in the ring:
-            # with some, this only submits.
+        # Completions recv_batch kept are older than any in the ring: with
+        # some, this only submits.
+        if self.keep_gil:
             err = sbus_uring_submit(&self.ring, self.nheld == 0, timeout_ms)
+        else:
+            with nogil:
+                err = sbus_uring_submit(&self.ring, self.nheld == 0, timeout_ms)
         if err < 0 and err != -EINTR:
             raise_errno(-err, "io_uring_enter")
         i = 0

@@ -113,6 +113,13 @@ cdef extern from "<time.h>" nogil:
     int clock_gettime(int clk, timespec *ts)
 
 
+cdef inline double monotonic() noexcept nogil:
+    """time.monotonic()'s clock, in seconds."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
 cdef extern from "<malloc.h>" nogil:
     int malloc_trim(size_t pad)
 
