@@ -64,11 +64,18 @@ LOCAL_BACKLOG = 1024        # downward packets waiting for the local broker befo
 BATCH = 64                  # packets per recvmmsg from the upstream, per sendmmsg down
 OWN_PRIVATE = b"!/cred////"  # every key private to the link itself, upstream
 CRED = b"!/cred/"
-# What the link says first on each upstream connection: it never hears its own
-# messages back; the broker queues, then discards, what the link cannot take;
-# and whoami, whose answer is the link's identity there.
-HELLO = (pack_control("echo/off"), pack_control("blocking/soft/queue"),
-         pack_control("blocking/hard/discard"), pack_control(WHOAMI))
+FLOODS = ("block", "discard")  # sbusd --upstream-flood: the link's hard mode upstream
+
+
+def hello(flood: str) -> Tuple[bytes, ...]:
+    """What the link says first on each upstream connection: it never hears
+    its own messages back; the upstream queues what the link cannot take yet,
+    and past its limits holds its publishers (block: a link slower than the
+    upstream's publishers loses nothing, the bus waits for it as for any block
+    client, up to --block-timeout) or discards for it; and whoami, whose
+    answer is the link's identity there."""
+    return (pack_control("echo/off"), pack_control("blocking/soft/queue"),
+            pack_control(f"blocking/hard/{flood}"), pack_control(WHOAMI))
 
 
 class UpstreamError(Exception):
@@ -157,9 +164,10 @@ class Link:
     """The link's state and its loop; ``run()`` returns when the local broker goes."""
 
     def __init__(self, local: socket.socket, upstream: str, exports: List[str],
-                 buffer_max: int):
+                 buffer_max: int, flood: str = "block"):
         self.local = local
         self.upstream = upstream
+        self.hello = hello(flood)
         self.exports = [p.encode() for p in exports] or [b""]
         self.buffer_max = buffer_max
         self.sel = selectors.DefaultSelector()
@@ -299,7 +307,7 @@ class Link:
         self.asked_at = time.monotonic()
         self.sel.register(sock, selectors.EVENT_READ, "up")
         try:
-            for packet in HELLO:
+            for packet in self.hello:
                 sock.send(packet)
         except OSError as e:
             self.lost(e.strerror or str(e))
@@ -541,12 +549,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--upstream", required=True)
     ap.add_argument("--export", action="append", default=[])
     ap.add_argument("--buffer", type=int, required=True)
+    # A link that an older sbusd started (a live upgrade's) gets no --flood.
+    ap.add_argument("--flood", choices=FLOODS, default="block")
     ap.add_argument("--stderr-fd", type=int, help="sbusd's stderr, ours once we run "
                     "(until then our stderr is the pipe that tells sbusd why we did not)")
     args = ap.parse_args(argv)
     local = socket.socket(fileno=args.fd)
     with Runner() as runner:
-        link = Link(local, args.upstream, args.export, args.buffer)
+        link = Link(local, args.upstream, args.export, args.buffer, args.flood)
         announce_started(args.stderr_fd)
         return link.run(runner)
 
