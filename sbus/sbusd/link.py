@@ -47,6 +47,7 @@ from typing import Deque, List, Optional, Tuple
 from .. import address as addresses
 from .. import logschema as schema
 from .._core.batch import Inbox, Outbox
+from .._core.linkpath import Relay
 from ..client.protocol import WHOAMI, ControlMessage, Message, pack_control, parse
 from ..client.reconnect import Reconnect
 from ..errors import AddressError, ProtocolError
@@ -62,6 +63,9 @@ RECV_SIZE = 1 << 23         # above any --max-message
 LOCAL_BACKLOG = 1024        # downward packets waiting for the local broker before
                             # the link stops reading the upstream (its queue holds them)
 BATCH = 64                  # packets per recvmmsg from the upstream, per sendmmsg down
+# The per-message reference path (a Python object per message) instead of the
+# C one (sbus._core.linkpath); the tests hold the two to the same output.
+REFERENCE = os.environ.get("SBUS_LINK_REFERENCE", "") not in ("", "0")
 OWN_PRIVATE = b"!/cred////"  # every key private to the link itself, upstream
 CRED = b"!/cred/"
 FLOODS = ("block", "discard")  # sbusd --upstream-flood: the link's hard mode upstream
@@ -184,6 +188,13 @@ class Link:
         # Downward messages come in recvmmsg batches and go down in sendmmsg ones.
         self.inbox = Inbox(RECV_SIZE - 1, Message, ControlMessage, BATCH)
         self.outbox = Outbox(RECV_SIZE)
+        # The C path: public messages cross in Relays (Inbox.receive's sink)
+        # with no Python object each; upward ones from local_inbox, in up_box.
+        self.reference = REFERENCE
+        self.local_inbox = Inbox(RECV_SIZE - 1, Message, ControlMessage, BATCH)
+        self.down = Relay(self.outbox, local.fileno(), self.down_private)
+        self.up_box = Outbox(RECV_SIZE)
+        self.up_relay: Optional[Relay] = None      # per upstream connection
         self.up_paused = False      # not reading the upstream: local_out is long
         self.retry_at = 0.0
         self.failures = 0           # connection attempts failed in a row
@@ -327,6 +338,7 @@ class Link:
         self.subscribed = False
         self.up_out.extend(item for item in pending if item[0])
         self.state = "up"
+        self.up_relay = Relay(self.up_box, self.up.fileno(), self.up_private)
         self.failures = 0
         self.counts["connects"] += 1
         self.reason = ""
@@ -351,6 +363,7 @@ class Link:
     def lost(self, reason: str) -> None:
         was_up = self.state == "up"
         self.subscribed = False
+        self.up_relay = None
         if self.up is not None:
             self.up_paused = False
             try:
@@ -396,15 +409,22 @@ class Link:
         self.counts["down_msgs"] += 1
         key = item.key
         if key[:1] == b"!":
-            # Our prefix as whoami answered it, or (when the upstream is itself
-            # nested) its last form: the upstream's own clients reach us by both.
-            for own in self.own_forms:
-                if key.startswith(own):
-                    key = key[len(own):]
-                    if not key.startswith(CRED):
-                        return      # addressed to this leaf itself: no one here to take it
-                    break
+            key = self.down_private(key, item.payload)
+            if key is None:
+                return
         self.local_out.append(b"MSG " + key + b"\0" + item.payload)
+
+    def down_private(self, key: bytes, payload: bytes) -> Optional[bytes]:
+        """The key a private message from the upstream has here, or None when
+        it is for no one here. Our prefix as whoami answered it, or (when the
+        upstream is itself nested) its last form: the upstream's own clients
+        reach us by both."""
+        for own in self.own_forms:
+            if key.startswith(own):
+                key = key[len(own):]
+                # addressed to this leaf itself: no one here to take it
+                return key if key.startswith(CRED) else None
+        return key
 
     def from_local(self, packet: bytes) -> None:
         verb, key, payload = split(packet)
@@ -435,18 +455,24 @@ class Link:
                 del self.local_creds[payload]
 
     def on_publish(self, packet: bytes, key: bytes) -> None:
+        if key[:1] != b"!" or self.up_private(key, packet[5 + len(key):]) is not None:
+            self.send_up(packet, True)
+
+    def up_private(self, key: bytes, payload: bytes) -> Optional[bytes]:
+        """The key a local publish on a private key goes up with, or None when
+        it stays here (sent back down by this call when it must be)."""
         if self.prefix is not None and key.startswith(self.prefix + b"/" + CRED):
             # Nested under our own identity: a process here; the local rules decide.
             self.counts["kept_local"] += 1
-            self.send_local(b"MSG " + packet[5 + len(self.prefix):])
-            return
+            self.send_local(b"MSG " + key[len(self.prefix) + 1:] + b"\0" + payload)
+            return None
         if key.startswith(CRED):
             fields = cred_fields(key)
             if fields is not None and all(fields) and \
                     b"/".join(str(int(f)).encode() for f in fields) in self.local_creds:
                 self.counts["kept_local"] += 1
-                return
-        self.send_up(packet, True)
+                return None
+        return key
 
     # ---- the loop
     def run(self, runner: Optional[Runner] = None) -> int:
@@ -490,6 +516,8 @@ class Link:
         self.sel.close()
 
     def read_local(self) -> bool:
+        if not self.reference:
+            return self.read_local_batched()
         for _ in range(64):
             try:
                 packet = self.local.recv(RECV_SIZE)
@@ -502,6 +530,43 @@ class Link:
             self.from_local(packet)
         return True
 
+    def read_local_batched(self) -> bool:
+        """Up to 4 recvmmsg batches from the local broker; while the upstream
+        is up and nothing waits for it, the public messages go up in C (the
+        up Relay), the rest as the reference path takes them, in order."""
+        fd = self.local.fileno()
+        for _ in range(4):
+            relay = self.up_relay if self.state == "up" and not self.up_out else None
+            try:
+                batch = self.local_inbox.receive(fd, BATCH, socket.MSG_DONTWAIT, -1.0, relay)
+            except BlockingIOError:
+                return True
+            except ConnectionError:
+                return False
+            if relay is not None:
+                self.relayed_up(relay)
+            for item in batch:
+                if type(item) is ControlMessage:
+                    self.on_note(item.key, item.payload)
+                elif type(item) is Message:
+                    self.on_publish(b"MSG " + item.key + b"\0" + item.payload, item.key)
+                elif isinstance(item, ConnectionError):
+                    return False
+            if len(batch) + self.local_inbox.taken < BATCH:
+                break
+        return True
+
+    def relayed_up(self, relay: Relay) -> None:
+        """After a batch through the up Relay: send what it holds; what the
+        upstream did not take waits in up_out (held, within --upstream-buffer)."""
+        relay.flush()
+        self.counts["up_msgs"] += relay.sent
+        relay.sent = 0
+        if relay.error is not None:
+            self.lost(relay.error.strerror or str(relay.error))
+        for packet in relay.take_spill():
+            self.send_up(packet, True)
+
     def read_up(self) -> None:
         # Downward messages wait in the upstream's queue while ours is long.
         for _ in range(16):
@@ -509,14 +574,25 @@ class Link:
                 self.up_paused = True
                 self.watch_up()
                 break
+            # The C path: with nothing waiting before them, messages go down
+            # through the Relay (into the Outbox write_local sends first).
+            relay = self.down if not self.reference and self.state == "up" \
+                and not self.local_out else None
             try:
-                batch = self.inbox.receive(self.up.fileno(), BATCH, socket.MSG_DONTWAIT)
+                batch = self.inbox.receive(self.up.fileno(), BATCH, socket.MSG_DONTWAIT,
+                                           -1.0, relay)
             except BlockingIOError:
                 break
             except OSError as e:
                 self.lost(e.strerror or str(e))
                 break
-            if self.state == "up" and not self.local_out:
+            got = len(batch) + (self.inbox.taken if relay is not None else 0)
+            if relay is not None:
+                self.counts["down_msgs"] += self.inbox.taken
+                self.local_out.extend(relay.take_spill())
+                if relay.error is not None:     # the local broker is going: read_local sees it
+                    relay.error = None
+            elif self.state == "up" and not self.local_out:
                 batch = self.pack_public(batch)
             for item in batch:
                 if isinstance(item, ConnectionError):   # BusClosedError: the end, last
@@ -525,7 +601,7 @@ class Link:
                 self.from_up(item)
                 if self.up is None:
                     break
-            if self.up is None or len(batch) < BATCH:
+            if self.up is None or got < BATCH:
                 break
         self.write_local()
 
