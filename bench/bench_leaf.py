@@ -10,6 +10,7 @@ Rows (messages/s, first message received to last, and broker CPU per message):
 - ``leaf``: publisher on the upstream -> sbusd -> the leaf's link ->
   leaf sbusd -> subscriber on the leaf (``sbusd --upstream``). Its CPU counts
   the upstream, the leaf and the link process.
+- ``leaf up``: the other way, publisher on the leaf, subscriber on the upstream.
 
 The two rows alternate, ``--repeat`` times each; each takes the median. As
 programs do it, the publisher sends with ``Client.publish_many`` and the
@@ -100,7 +101,8 @@ def link_pid(leaf_pid: int) -> int:
 def one(row: str, up: Sbusd, leaf: Sbusd, count: int, payload: int) -> dict:
     me = [sys.executable, __file__, "--count", str(count), "--payload", str(payload)]
     sub_at = leaf.address if row == "leaf" else up.address
-    pids = [up.pid] + ([leaf.pid, link_pid(leaf.pid)] if row == "leaf" else [])
+    pub_at = leaf.address if row == "leaf up" else up.address
+    pids = [up.pid] + ([leaf.pid, link_pid(leaf.pid)] if row != "direct" else [])
     sub = subprocess.Popen(me + ["--worker", "sub", "--address", sub_at],
                            stdout=subprocess.PIPE, text=True)
     assert sub.stdout.readline().strip() == "ready"
@@ -112,7 +114,7 @@ def one(row: str, up: Sbusd, leaf: Sbusd, count: int, payload: int) -> dict:
                 raise SystemExit("the leaf's subscription never reached the upstream")
             time.sleep(0.02)
     cpu0 = [cpu_seconds(p) for p in pids]
-    subprocess.run(me + ["--worker", "pub", "--address", up.address], check=True)
+    subprocess.run(me + ["--worker", "pub", "--address", pub_at], check=True)
     out = json.loads(sub.stdout.readline())
     sub.wait(30)
     cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu0)]
@@ -142,7 +144,7 @@ def run(args) -> dict:
                   f"{r['cpu_us_per_msg']:.2f} us CPU/msg ({by})", file=sys.stderr)
 
         try:
-            series = alternate(("direct", "leaf"), args.repeat,
+            series = alternate(("direct", "leaf", "leaf up"), args.repeat,
                                lambda row: one(row, up, leaf, args.count, args.payload), progress)
         finally:
             leaf.stop()
@@ -153,10 +155,11 @@ def run(args) -> dict:
                   "lost": sum(r["lost"] for r in s.runs),
                   "cpu_us_per_msg_by_process": s.medians("cpu_us_per_msg_by_process")}
             for row, s in series.items()}
-    rows["leaf"]["vs_direct"] = rows["leaf"]["msgs_per_s"] / rows["direct"]["msgs_per_s"]
     # A short run (--quick) may take less CPU than a clock tick shows: no ratio then.
     direct_cpu = rows["direct"]["cpu_us_per_msg"]
-    rows["leaf"]["cpu_vs_direct"] = rows["leaf"]["cpu_us_per_msg"] / direct_cpu if direct_cpu else None
+    for row in ("leaf", "leaf up"):
+        rows[row]["vs_direct"] = rows[row]["msgs_per_s"] / rows["direct"]["msgs_per_s"]
+        rows[row]["cpu_vs_direct"] = rows[row]["cpu_us_per_msg"] / direct_cpu if direct_cpu else None
     return {"count": args.count, "payload": args.payload, "repeat": args.repeat,
             "rows": rows, "runs": runs}
 

@@ -6,6 +6,7 @@ from .batch import Outbox, Sink
 class Relay(Sink):
     spill: List[bytes]
     sent: int
+    hold: bool
     error: Optional[OSError]
     def __init__(self, box: Outbox, fd: int,
                  private: Callable[[bytes, bytes], Optional[bytes]]) -> None: ...

@@ -22,7 +22,8 @@ cdef class Relay(Sink):
     None when it is not to be sent (the link handled it). Once ``fd`` is full
     (EAGAIN), what the box holds and every later message of the batch
     (packets, bytes) go to ``spill``, in order, for the link's Python queue:
-    nothing is ever sent ahead of it. ``sent`` counts what went out. Any
+    nothing is ever sent ahead of it; ``hold`` set does the same from the
+    first message (the link's queue is not empty). ``sent`` counts what went out. Any
     other error of sendmmsg is kept in ``error`` (the batch spills from
     there), for the link to act on once the batch is in."""
 
@@ -32,6 +33,7 @@ cdef class Relay(Sink):
     cdef public list spill
     cdef public Py_ssize_t sent
     cdef public object error
+    cdef public bint hold
 
     def __cinit__(self, Outbox box, int fd, object private):
         self.box = box
@@ -55,7 +57,7 @@ cdef class Relay(Sink):
 
     cdef int relay(self, const char *key, size_t klen,
                    const char *payload, size_t plen) except -1:
-        if not self.spill and self.error is None:
+        if not self.spill and self.error is None and not self.hold:
             if self.box.pack_message(key, klen, payload, plen):
                 return 0
             self.flush()

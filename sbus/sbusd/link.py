@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import selectors
@@ -60,8 +61,6 @@ BACKOFF = Reconnect(initial_delay=0.1, max_delay=5.0, give_up_after=None,
                     confirm_timeout=WHOAMI_TIMEOUT)
 STATE_INTERVAL = 1.0        # seconds between link/state reports
 RECV_SIZE = 1 << 23         # above any --max-message
-LOCAL_BACKLOG = 1024        # downward packets waiting for the local broker before
-                            # the link stops reading the upstream (its queue holds them)
 BATCH = 64                  # packets per recvmmsg from the upstream, per sendmmsg down
 # The per-message reference path (a Python object per message) instead of the
 # C one (sbus._core.linkpath); the tests hold the two to the same output.
@@ -185,6 +184,7 @@ class Link:
         self.held_msgs = 0
         self.local_out: Deque[bytes] = collections.deque()
         self.local_writable = True  # not waiting for EVENT_WRITE on the local socket
+        self.local_paused = False   # not reading the leaf: the upstream is behind
         # Downward messages come in recvmmsg batches and go down in sendmmsg ones.
         self.inbox = Inbox(RECV_SIZE - 1, Message, ControlMessage, BATCH)
         self.outbox = Outbox(RECV_SIZE)
@@ -195,7 +195,8 @@ class Link:
         self.down = Relay(self.outbox, local.fileno(), self.down_private)
         self.up_box = Outbox(RECV_SIZE)
         self.up_relay: Optional[Relay] = None      # per upstream connection
-        self.up_paused = False      # not reading the upstream: local_out is long
+        self.up_batch = Outbox(RECV_SIZE)           # up_out's packets, per sendmmsg
+        self.up_paused = False      # not reading the upstream: the local broker is behind
         self.retry_at = 0.0
         self.failures = 0           # connection attempts failed in a row
         self.asked_at = 0.0
@@ -249,15 +250,39 @@ class Link:
                 out.extendleft(reversed(box.unsent()))
                 box.clear()
                 break
-        if self.up_paused and len(out) < LOCAL_BACKLOG // 2:
+        if self.up_paused and not out:
             self.up_paused = False
             self.watch_up()
         if self.local_writable != (not out):
             self.local_writable = not out
-            self.sel.modify(self.local, selectors.EVENT_READ |
-                            (0 if self.local_writable else selectors.EVENT_WRITE), "local")
+            self.watch_local()
 
-    def send_up(self, packet: bytes, is_msg: bool) -> None:
+    def watch_local(self) -> None:
+        mask = (0 if self.local_paused else selectors.EVENT_READ) | \
+            (0 if self.local_writable else selectors.EVENT_WRITE)
+        try:
+            self.sel.get_key(self.local)
+            watched = True
+        except KeyError:
+            watched = False
+        if mask and watched:
+            self.sel.modify(self.local, mask, "local")
+        elif mask:
+            self.sel.register(self.local, mask, "local")
+        elif watched:
+            self.sel.unregister(self.local)
+
+    def pause_local(self, pause: bool) -> None:
+        """While the upstream is up but behind (something waits for it), the
+        link reads no more from the leaf: the leaf's queue for it holds the
+        rest, and the leaf's publishers wait as for any block client, rather
+        than the link holding them, and dropping past --upstream-buffer (as it
+        must while the upstream is away)."""
+        if pause != self.local_paused:
+            self.local_paused = pause
+            self.watch_local()
+
+    def send_up(self, packet: bytes, is_msg: bool, write: bool = True) -> None:
         if is_msg:
             if self.held_msgs >= self.buffer_max:
                 self.counts["overflow_dropped"] += 1
@@ -269,23 +294,38 @@ class Link:
         elif self.state != "up":
             return      # subscriptions are made again from refs on the way back
         self.up_out.append((is_msg, packet))
-        if self.state == "up":
+        if self.state == "up" and write:
             self.write_up()
 
     def write_up(self) -> None:
-        while self.up_out:
-            is_msg, packet = self.up_out[0]
+        """Send what waits for the upstream, BATCH packets per sendmmsg."""
+        box, out = self.up_batch, self.up_out
+        while out:
+            n = 0
+            for _, packet in itertools.islice(out, BATCH):
+                if not box.add_packet(packet):
+                    break
+                n += 1
+            if not n:
+                break       # cannot be: the box holds any packet the local broker sends
             try:
-                self.up.send(packet)
+                box.send(self.up.fileno(), socket.MSG_DONTWAIT)
+                sent = n
             except BlockingIOError:
-                break
+                sent = n - len(box)
             except OSError as e:
+                box.clear()
                 self.lost(e.strerror or str(e))
                 return
-            self.up_out.popleft()
-            if is_msg:
-                self.held_msgs -= 1
-                self.counts["up_msgs"] += 1
+            box.clear()
+            for _ in range(sent):
+                if out.popleft()[0]:
+                    self.held_msgs -= 1
+                    self.counts["up_msgs"] += 1
+            if sent < n:
+                break
+        if self.local_paused and not out:
+            self.pause_local(False)
         self.watch_up()
 
     def watch_up(self) -> None:
@@ -364,6 +404,7 @@ class Link:
         was_up = self.state == "up"
         self.subscribed = False
         self.up_relay = None
+        self.pause_local(False)     # away: held within --upstream-buffer, or dropped
         if self.up is not None:
             self.up_paused = False
             try:
@@ -536,7 +577,12 @@ class Link:
         up Relay), the rest as the reference path takes them, in order."""
         fd = self.local.fileno()
         for _ in range(4):
-            relay = self.up_relay if self.state == "up" and not self.up_out else None
+            if self.state == "up" and self.up_out:
+                self.pause_local(True)
+                return True
+            relay = self.up_relay if self.state == "up" else None
+            if relay is not None:
+                relay.hold = bool(self.up_out)     # behind what waits: spilled, in order
             try:
                 batch = self.local_inbox.receive(fd, BATCH, socket.MSG_DONTWAIT, -1.0, relay)
             except BlockingIOError:
@@ -564,15 +610,17 @@ class Link:
         relay.sent = 0
         if relay.error is not None:
             self.lost(relay.error.strerror or str(relay.error))
-        for packet in relay.take_spill():
-            self.send_up(packet, True)
+        spill = relay.take_spill()
+        for packet in spill:
+            self.send_up(packet, True, write=False)
+        if spill and self.state == "up":
+            self.write_up()
 
     def read_up(self) -> None:
-        # Downward messages wait in the upstream's queue while ours is long.
         for _ in range(16):
-            if len(self.local_out) >= LOCAL_BACKLOG:
-                self.up_paused = True
-                self.watch_up()
+            if self.local_out:
+                self.write_local()
+            if self.pause_up():
                 break
             # The C path: with nothing waiting before them, messages go down
             # through the Relay (into the Outbox write_local sends first).
@@ -604,6 +652,16 @@ class Link:
             if self.up is None or got < BATCH:
                 break
         self.write_local()
+        self.pause_up()
+
+    def pause_up(self) -> bool:
+        """Read no more than the local broker takes: while it is behind, what
+        comes down waits in the upstream's queue for the link (and in the
+        socket), not in ours; write_local reads on once ours is empty."""
+        if self.local_out and self.up is not None and not self.up_paused:
+            self.up_paused = True
+            self.watch_up()
+        return bool(self.local_out)
 
     def pack_public(self, batch: list) -> list:
         """The common case, with nothing waiting before it: public messages go
