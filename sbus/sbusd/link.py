@@ -184,7 +184,6 @@ class Link:
         self.held_msgs = 0
         self.local_out: Deque[bytes] = collections.deque()
         self.local_writable = True  # not waiting for EVENT_WRITE on the local socket
-        self.local_paused = False   # not reading the leaf: the upstream is behind
         # Downward messages come in recvmmsg batches and go down in sendmmsg ones.
         self.inbox = Inbox(RECV_SIZE - 1, Message, ControlMessage, BATCH)
         self.outbox = Outbox(RECV_SIZE)
@@ -255,32 +254,8 @@ class Link:
             self.watch_up()
         if self.local_writable != (not out):
             self.local_writable = not out
-            self.watch_local()
-
-    def watch_local(self) -> None:
-        mask = (0 if self.local_paused else selectors.EVENT_READ) | \
-            (0 if self.local_writable else selectors.EVENT_WRITE)
-        try:
-            self.sel.get_key(self.local)
-            watched = True
-        except KeyError:
-            watched = False
-        if mask and watched:
-            self.sel.modify(self.local, mask, "local")
-        elif mask:
-            self.sel.register(self.local, mask, "local")
-        elif watched:
-            self.sel.unregister(self.local)
-
-    def pause_local(self, pause: bool) -> None:
-        """While the upstream is up but behind (something waits for it), the
-        link reads no more from the leaf: the leaf's queue for it holds the
-        rest, and the leaf's publishers wait as for any block client, rather
-        than the link holding them, and dropping past --upstream-buffer (as it
-        must while the upstream is away)."""
-        if pause != self.local_paused:
-            self.local_paused = pause
-            self.watch_local()
+            self.sel.modify(self.local, selectors.EVENT_READ |
+                            (0 if self.local_writable else selectors.EVENT_WRITE), "local")
 
     def send_up(self, packet: bytes, is_msg: bool, write: bool = True) -> None:
         if is_msg:
@@ -324,8 +299,6 @@ class Link:
                     self.counts["up_msgs"] += 1
             if sent < n:
                 break
-        if self.local_paused and not out:
-            self.pause_local(False)
         self.watch_up()
 
     def watch_up(self) -> None:
@@ -404,7 +377,6 @@ class Link:
         was_up = self.state == "up"
         self.subscribed = False
         self.up_relay = None
-        self.pause_local(False)     # away: held within --upstream-buffer, or dropped
         if self.up is not None:
             self.up_paused = False
             try:
@@ -577,9 +549,6 @@ class Link:
         up Relay), the rest as the reference path takes them, in order."""
         fd = self.local.fileno()
         for _ in range(4):
-            if self.state == "up" and self.up_out:
-                self.pause_local(True)
-                return True
             relay = self.up_relay if self.state == "up" else None
             if relay is not None:
                 relay.hold = bool(self.up_out)     # behind what waits: spilled, in order
