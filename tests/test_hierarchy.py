@@ -189,27 +189,33 @@ print(json.dumps({"received": got, "in_order": order}), flush=True)
 """
 
 
-def test_a_leaf_whose_subscriber_keeps_up_loses_nothing_at_full_rate(tmp_path):
-    """publish_many upstream as fast as the upstream takes it, far faster than
-    the link forwards; a subscriber on the leaf that keeps up (its own process,
-    receive_many). The upstream holds its publisher for the link rather than
-    discard for it (--upstream-flood block, the default): every message
+@pytest.mark.parametrize("way", ["down", "up"])
+def test_a_leaf_whose_subscriber_keeps_up_loses_nothing_at_full_rate(tmp_path, way):
+    """publish_many as fast as a broker takes it, far faster than the link
+    forwards; a subscriber that keeps up on the other broker (its own process,
+    receive_many). Down, the upstream holds its publisher for the link rather
+    than discard for it (--upstream-flood block, the default); up, the link
+    stops reading the leaf while the upstream is behind, so the leaf holds its
+    publisher rather than the link drop past its buffer. Every message
     arrives, once, in order."""
     up = broker(tmp_path, "up", log_level="warning")
     leaf = broker(tmp_path, "leaf", upstream=up)
+    source, sink = (up, leaf) if way == "down" else (leaf, up)
     n = 200_000
-    sub = subprocess.Popen([sys.executable, "-c", FULL_RATE_SUBSCRIBER, leaf.address, str(n)],
+    sub = subprocess.Popen([sys.executable, "-c", FULL_RATE_SUBSCRIBER, sink.address, str(n)],
                            stdout=subprocess.PIPE, text=True)
     try:
         assert sub.stdout.readline().strip() == "ready"
-        wait_patterns(up, leaf, 2)
+        if way == "down":
+            wait_patterns(up, leaf, 2)
         pad = b"x" * 54
-        with Client(up.address) as pub:
+        with Client(source.address) as pub:
             assert pub.publish_many((b"full/k", b"%010d" % i + pad) for i in range(n)) == n
         out = json.loads(sub.stdout.readline())
         assert out == {"received": n, "in_order": True}
         [link] = [c for c in up.stats()["clients"] if not c["echo"]]
         assert (link["hard"], link["drops_hard"]) == ("block", 0)
+        assert leaf.stats()["upstream"]["overflow_dropped"] == 0
     finally:
         sub.kill()
         sub.wait()

@@ -184,6 +184,7 @@ class Link:
         self.held_msgs = 0
         self.local_out: Deque[bytes] = collections.deque()
         self.local_writable = True  # not waiting for EVENT_WRITE on the local socket
+        self.local_paused = False   # not reading the leaf: the upstream is behind
         # Downward messages come in recvmmsg batches and go down in sendmmsg ones.
         self.inbox = Inbox(RECV_SIZE - 1, Message, ControlMessage, BATCH)
         self.outbox = Outbox(RECV_SIZE)
@@ -254,8 +255,34 @@ class Link:
             self.watch_up()
         if self.local_writable != (not out):
             self.local_writable = not out
-            self.sel.modify(self.local, selectors.EVENT_READ |
-                            (0 if self.local_writable else selectors.EVENT_WRITE), "local")
+            self.watch_local()
+
+    def watch_local(self) -> None:
+        mask = (0 if self.local_paused else selectors.EVENT_READ) | \
+            (0 if self.local_writable else selectors.EVENT_WRITE)
+        try:
+            self.sel.get_key(self.local)
+            watched = True
+        except KeyError:
+            watched = False
+        if mask and watched:
+            self.sel.modify(self.local, mask, "local")
+        elif mask:
+            self.sel.register(self.local, mask, "local")
+        elif watched:
+            self.sel.unregister(self.local)
+
+    def pause_local(self, pause: bool) -> None:
+        """While the upstream is up but behind (something waits for it), the
+        link reads no more from the leaf: the leaf's queue for it holds the
+        rest and the leaf's publishers wait, as for any block client, rather
+        than the link holding them and dropping past --upstream-buffer. Never
+        while it is not reading the upstream either (up_paused): then each
+        broker could wait for the other through the link."""
+        pause = pause and not self.up_paused and self.state == "up"
+        if pause != self.local_paused:
+            self.local_paused = pause
+            self.watch_local()
 
     def send_up(self, packet: bytes, is_msg: bool, write: bool = True) -> None:
         if is_msg:
@@ -299,6 +326,8 @@ class Link:
                     self.counts["up_msgs"] += 1
             if sent < n:
                 break
+        if self.local_paused and not out:
+            self.pause_local(False)
         self.watch_up()
 
     def watch_up(self) -> None:
@@ -377,6 +406,8 @@ class Link:
         was_up = self.state == "up"
         self.subscribed = False
         self.up_relay = None
+        self.state = "away"
+        self.pause_local(False)     # away: held within --upstream-buffer, or dropped
         if self.up is not None:
             self.up_paused = False
             try:
@@ -549,6 +580,10 @@ class Link:
         up Relay), the rest as the reference path takes them, in order."""
         fd = self.local.fileno()
         for _ in range(4):
+            if self.state == "up" and self.up_out:
+                self.pause_local(True)
+                if self.local_paused:
+                    return True
             relay = self.up_relay if self.state == "up" else None
             if relay is not None:
                 relay.hold = bool(self.up_out)     # behind what waits: spilled, in order
@@ -630,6 +665,7 @@ class Link:
         if self.local_out and self.up is not None and not self.up_paused:
             self.up_paused = True
             self.watch_up()
+            self.pause_local(False)
         return bool(self.local_out)
 
     def pack_public(self, batch: list) -> list:
