@@ -2,6 +2,7 @@
 """A leaf broker against a direct pair, in the same run.
 
     bench/bench_leaf.py [--count N] [--payload BYTES] [--repeat N] [--quick] [--json PATH]
+                        [--sbusd CMD] [--leaf-args ARGS]
 
 Rows (messages/s, first message received to last, and broker CPU per message):
 
@@ -9,10 +10,16 @@ Rows (messages/s, first message received to last, and broker CPU per message):
 - ``leaf``: publisher on the upstream -> sbusd -> the leaf's link ->
   leaf sbusd -> subscriber on the leaf (``sbusd --upstream``). Its CPU counts
   the upstream, the leaf and the link process.
+- ``leaf up``: the other way, publisher on the leaf, subscriber on the upstream.
 
-The two rows alternate, ``--repeat`` times each; each takes the median. The
-subscriber checks it got every message once, in order. Publisher and
-subscriber are processes of their own (``--worker``). Prints a table on
+The two rows alternate, ``--repeat`` times each; each takes the median. As
+programs do it, the publisher sends with ``Client.publish_many`` and the
+subscriber reads with ``Client.receive_many`` in ``blocking/hard/block``
+mode; it checks it got every message once, in order, and counts what a hop
+dropped. Publisher and subscriber are processes of their own (``--worker``).
+``--sbusd`` runs another broker build (both brokers; its link is that
+build's), ``--leaf-args`` gives the leaf more options (``--upstream-flood
+discard``). Prints a table on
 stdout and writes JSON (default bench/results/leaf-<UTC>.json). Nothing here
 asserts on speed.
 """
@@ -20,17 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from harness import Sbusd, alternate, cpu_seconds, results_path
+from harness import SBUSD, Sbusd, alternate, cpu_seconds, results_path
 
-from sbus._core.batch import Inbox
-from sbus.client.protocol import ControlMessage, Message
+from sbus import Client
 
 KEY = b"bench/leaf"
 IDLE = 2.0      # seconds without a message after which the rest counts as lost
@@ -39,24 +45,21 @@ PATTERN = b"bench/"
 
 def subscriber(address: str, count: int) -> None:
     """Subscribe (its broker blocks the publisher rather than drop for it),
-    say "ready", then read until the last message (or IDLE seconds without
-    one, when the last was lost); print rate and losses (a gap in the
-    sequence: a hop upstream dropped under its flood control). A message
-    out of order or twice ends it with an error."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    s.connect(address)
-    s.send(b"CMSG blocking/hard/block")
-    s.send(b"SUB " + PATTERN)
-    s.send(b"CMSG !/cred/whoami")
-    s.recv(4096)
+    say "ready", then read with ``Client.receive_many`` until the last
+    message (or IDLE seconds without one, when the last was lost); print
+    rate and losses (a gap in the sequence: a hop upstream dropped under its
+    flood control). A message out of order or twice ends it with an error."""
+    c = Client(address)
+    c.send_cmsg("blocking/hard/block")
+    c.subscribe(PATTERN)
+    c.whoami()
     print("ready", flush=True)
     expect = received = 0
     first = last = 0.0
-    inbox = Inbox(1 << 16, Message, ControlMessage)     # recvmmsg: the reader keeps up
     timeout = 30.0
     while expect < count:
         try:
-            batch = inbox.receive(s.fileno(), 64, 0, timeout)
+            batch = c.receive_many(64, timeout=timeout)
         except TimeoutError:
             if received:
                 break
@@ -75,13 +78,11 @@ def subscriber(address: str, count: int) -> None:
 
 
 def publisher(address: str, count: int, payload: int) -> None:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    s.connect(address)
+    """As programs publish in bulk: ``Client.publish_many`` (sendmmsg batches)."""
     pad = b"x" * max(0, payload - 10)
-    for i in range(count):
-        s.send(b"MSG " + KEY + b"\0" + b"%010d" % i + pad)
-    s.send(b"CMSG !/cred/whoami")
-    s.recv(4096)
+    with Client(address) as c:
+        c.publish_many((KEY, b"%010d" % i + pad) for i in range(count))
+        c.whoami()
 
 
 def worker(args) -> int:
@@ -100,7 +101,8 @@ def link_pid(leaf_pid: int) -> int:
 def one(row: str, up: Sbusd, leaf: Sbusd, count: int, payload: int) -> dict:
     me = [sys.executable, __file__, "--count", str(count), "--payload", str(payload)]
     sub_at = leaf.address if row == "leaf" else up.address
-    pids = [up.pid] + ([leaf.pid, link_pid(leaf.pid)] if row == "leaf" else [])
+    pub_at = leaf.address if row == "leaf up" else up.address
+    pids = [up.pid] + ([leaf.pid, link_pid(leaf.pid)] if row != "direct" else [])
     sub = subprocess.Popen(me + ["--worker", "sub", "--address", sub_at],
                            stdout=subprocess.PIPE, text=True)
     assert sub.stdout.readline().strip() == "ready"
@@ -112,7 +114,7 @@ def one(row: str, up: Sbusd, leaf: Sbusd, count: int, payload: int) -> dict:
                 raise SystemExit("the leaf's subscription never reached the upstream")
             time.sleep(0.02)
     cpu0 = [cpu_seconds(p) for p in pids]
-    subprocess.run(me + ["--worker", "pub", "--address", up.address], check=True)
+    subprocess.run(me + ["--worker", "pub", "--address", pub_at], check=True)
     out = json.loads(sub.stdout.readline())
     sub.wait(30)
     cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu0)]
@@ -128,16 +130,21 @@ def one(row: str, up: Sbusd, leaf: Sbusd, count: int, payload: int) -> dict:
 def run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-leaf-") as d:
         work = Path(d)
-        up = Sbusd.foreground(work, address=str(work / "up"), log_level="warning")
-        leaf = Sbusd.foreground(work, "--upstream", up.address, address=str(work / "leaf"),
-                                log_level="warning")
+        command = shlex.split(args.sbusd) if args.sbusd else [str(SBUSD)]
+
+        def start(name, *more):
+            return Sbusd(work, ["-f", "-a", str(work / name), *more], address=str(work / name),
+                         log_level="warning", command=command).ready(timeout=10.0)
+
+        up = start("up")
+        leaf = start("leaf", "--upstream", up.address, *shlex.split(args.leaf_args))
         def progress(_, row, r):
             by = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_us_per_msg_by_process"].items())
             print(f"{row}: {r['msgs_per_s']:.0f} msg/s, {r['lost']} lost, "
                   f"{r['cpu_us_per_msg']:.2f} us CPU/msg ({by})", file=sys.stderr)
 
         try:
-            series = alternate(("direct", "leaf"), args.repeat,
+            series = alternate(("direct", "leaf", "leaf up"), args.repeat,
                                lambda row: one(row, up, leaf, args.count, args.payload), progress)
         finally:
             leaf.stop()
@@ -148,10 +155,11 @@ def run(args) -> dict:
                   "lost": sum(r["lost"] for r in s.runs),
                   "cpu_us_per_msg_by_process": s.medians("cpu_us_per_msg_by_process")}
             for row, s in series.items()}
-    rows["leaf"]["vs_direct"] = rows["leaf"]["msgs_per_s"] / rows["direct"]["msgs_per_s"]
     # A short run (--quick) may take less CPU than a clock tick shows: no ratio then.
     direct_cpu = rows["direct"]["cpu_us_per_msg"]
-    rows["leaf"]["cpu_vs_direct"] = rows["leaf"]["cpu_us_per_msg"] / direct_cpu if direct_cpu else None
+    for row in ("leaf", "leaf up"):
+        rows[row]["vs_direct"] = rows[row]["msgs_per_s"] / rows["direct"]["msgs_per_s"]
+        rows[row]["cpu_vs_direct"] = rows[row]["cpu_us_per_msg"] / direct_cpu if direct_cpu else None
     return {"count": args.count, "payload": args.payload, "repeat": args.repeat,
             "rows": rows, "runs": runs}
 
@@ -163,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="2,000 messages, once")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--sbusd", metavar="CMD", help="the broker command (default .venv/bin/sbusd)")
+    ap.add_argument("--leaf-args", default="", metavar="ARGS", help="more options for the leaf")
     ap.add_argument("--worker", choices=("sub", "pub"), help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

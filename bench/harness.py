@@ -47,6 +47,9 @@ C_PROGRAMS = ("relay",)
 # The load generator is the package's (sbus/_core/csrc/loadgen/, compiled in
 # by `make build`), the same one `sbus bench` runs.
 LOADGEN = (str(PYTHON), "-m", "sbus.cli.loadgen")
+# Publishers in Python through sbus.Client, as programs send (bench/pypubs.py):
+# run as a loadgen mode, it prints loadgen's JSON.
+PYPUBS = (str(PYTHON), str(BENCH / "pypubs.py"))
 
 # Server on one core, load generator on the other: the two-core machine the targets assume.
 TWO_CORES = (os.cpu_count() or 1) >= 2
@@ -297,11 +300,12 @@ class Harness:
             load = others_busy(2.0)
         self.quiet_waited += time.monotonic() - t0
 
-    def loadgen(self, mode, server, args, timeout=120, cpus=LOADGEN_CPUS):
-        """One loadgen run; its JSON plus `foreign_cores`: the CPU other processes took meanwhile.
+    def loadgen(self, mode, server, args, timeout=120, cpus=LOADGEN_CPUS, program=LOADGEN):
+        """One loadgen run (or `program`'s, which takes loadgen's arguments and prints its
+        JSON); its JSON plus `foreign_cores`: the CPU other processes took meanwhile.
 
         A failed run is returned with an "error" key, so that a series keeps its place."""
-        argv = [*LOADGEN, mode, "-a", server.address, "-P", str(server.pid), *args]
+        argv = [*program, mode, "-a", server.address, "-P", str(server.pid), *args]
         t0, busy0, srv0 = time.monotonic(), machine_busy_seconds(), thread_cpu_seconds(server.pid)
         try:
             p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
@@ -330,7 +334,8 @@ class Harness:
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
         return json.loads(lines[-1]) if lines else {"error": p.stderr.strip()[-300:]}
 
-    def interleave(self, configs, reps, mode, loadgen_args, loadgen_cpus=LOADGEN_CPUS) -> dict[str, Series]:
+    def interleave(self, configs, reps, mode, loadgen_args, loadgen_cpus=LOADGEN_CPUS,
+                   program=LOADGEN) -> dict[str, Series]:
         """Starts every server of the group, then alternates their loadgen runs `reps` times.
 
         configs: {label: (kind, extra sbusd args)}; loadgen_args(kind, label) gives
@@ -348,7 +353,8 @@ class Harness:
                 server = servers[label]
                 if not server.alive():
                     raise BenchError(f"server exited: {server.stderr_tail()[-300:]}")
-                return self.loadgen(mode, server, loadgen_args(configs[label][0], label), cpus=loadgen_cpus)
+                return self.loadgen(mode, server, loadgen_args(configs[label][0], label), cpus=loadgen_cpus,
+                                    program=program)
 
             series = alternate(list(servers), reps, run_one)
         finally:

@@ -16,7 +16,20 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from harness import BENCH, LOADGEN_CPUS, PYTHON, ROOT, SERVER_CPUS, BenchError, Harness, Series, Summary, say, window
+from harness import (
+    BENCH,
+    LOADGEN_CPUS,
+    PYPUBS,
+    PYTHON,
+    ROOT,
+    SERVER_CPUS,
+    BenchError,
+    Harness,
+    Series,
+    Summary,
+    say,
+    window,
+)
 from report import (
     BYTES_PER_CLIENT_GOAL,
     LOG_DEFAULT_DROP_GOAL,
@@ -25,6 +38,8 @@ from report import (
     MANYPUBS_RATE_CPU_GOAL,
     MANYSUBS_VS_PAIR_GOAL,
     P99_US_GOAL,
+    PYPUBS_CPU_GOAL,
+    PYPUBS_P99_GOAL,
     THROUGHPUT_GOALS,
     Goal,
     Row,
@@ -127,6 +142,62 @@ def manypubs_rows(plan: Plan):
                             goals=goals, lower_is_better=lower, raw=raw(res)))
             say(f"{label} {size} B: relay {fmt(r.value)} sbus {fmt(s.value)} {unit}, "
                 f"µs/dlv relay {fmt(r.cpu_us)} sbus {fmt(s.cpu_us)} {' '.join(r.problems + s.problems)}")
+    return rows
+
+
+# ---------------------------------------------------------- Python publishers
+
+PY_RATES = (0, 10_000, 50_000, 100_000, 200_000)   # messages/s offered in all; 0: saturation
+# Publisher connections and the Python processes that drive them.
+PY_SHAPES = {"pypubs": (MANYPUBS_PUBLISHERS, 1), "pypair": (1, 1)}
+PY_SHORT = 0.95     # a fixed-rate run that sent less than this share of its rate says so
+
+
+def pyrates_rows(name, plan: Plan):
+    """Publishers in Python (bench/pypubs.py, sbus.Client.publish) to one
+    subscriber in blocking/hard/block mode, at saturation and at each offered
+    rate of PY_RATES: messages/s, server CPU per delivery and p50/p99
+    publish-to-delivery latency, beside the relay.  Every rate of both servers
+    runs in one alternation, so the machine's drift falls on all alike."""
+    pubs, procs = PY_SHAPES[name]
+    configs = {f"{label} {rate}": (kind, ()) for rate in PY_RATES for label, (kind, _) in RELAY_AND_SBUS.items()}
+    rows = []
+    for size in plan.sizes[:1]:
+        def loadgen_args(kind, label, size=size):
+            rate = int(label.split()[1])
+            return ["-N", str(pubs), "-G", str(procs), "-s", str(size), "-d", str(plan.duration),
+                    "-w", window(size), *(["-r", str(rate)] if rate else [])]
+
+        res = plan.harness.interleave(configs, plan.reps, "pubs", loadgen_args, program=PYPUBS)
+        for rate in PY_RATES:
+            pair = {"relay": res[f"relay {rate}"], "sbus": res[f"sbus {rate}"]}
+            label = name if not rate else f"{name} {rate // 1000}k/s"
+            sent = {k: v.summary("msgs_per_s").value for k, v in pair.items()}
+            note = None
+            if rate and any(v is not None and v < PY_SHORT * rate for v in sent.values()):
+                note = (f"offered {fmt(rate)}/s; the Python publishers sent relay {fmt(sent['relay'])}, "
+                        f"sbus {fmt(sent['sbus'])}/s")
+            elif not rate:
+                note = "latency at saturation is the window's queueing"
+            figures = ([("msgs_per_s", "msg/s")] if not rate else []) + [("p50_us", "p50 µs"), ("p99_us", "p99 µs")]
+            for i, (figure, unit) in enumerate(figures):
+                r, s = pair["relay"].summary(figure), pair["sbus"].summary(figure)
+                goals = ()
+                if name == "pypubs" and figure == "msgs_per_s":
+                    goals = (PYPUBS_CPU_GOAL,)
+                elif name == "pypubs" and rate == MANYPUBS_RATE and figure == "p99_us":
+                    goals = (PYPUBS_P99_GOAL,)
+                rows.append(Row(name, label, size, unit, relay=r.value, sbus=s.value,
+                                relay_cpu_us=r.cpu_us, sbus_cpu_us=s.cpu_us,
+                                relay_busy=pair["relay"].utilisation(), sbus_busy=pair["sbus"].utilisation(),
+                                problems=r.problems + s.problems,
+                                foreign_cores=worst_foreign(r.foreign_cores, s.foreign_cores),
+                                goals=goals, lower_is_better=figure != "msgs_per_s",
+                                note=note if i == 0 else None, raw=raw(pair) if i == 0 else None,
+                                details={"offered_rate": rate, "publishers": pubs, "publisher_procs": procs}))
+            say(f"{label} {size} B: sent relay {fmt(sent['relay'])} sbus {fmt(sent['sbus'])} msg/s, "
+                f"p99 relay {fmt(pair['relay'].summary('p99_us').value)} "
+                f"sbus {fmt(pair['sbus'].summary('p99_us').value)} µs")
     return rows
 
 
@@ -456,6 +527,8 @@ WORKLOADS = {w.name: w for w in [
     flood("slow", sbus_args=("-n", "4", "-S", "1"), relay_args=("-n", "4"), figure="deliveries_per_s",
           unit="dlv/s", note="relay: the 4 fast subscribers without the slow one"),
     Workload("manypubs", manypubs_rows),
+    Workload("pypubs", partial(pyrates_rows, "pypubs")),
+    Workload("pypair", partial(pyrates_rows, "pypair")),
     Workload("idle", idle_rows),
     latency("latency", one_core=False),
     latency("latency1", one_core=True),
@@ -466,7 +539,7 @@ WORKLOADS = {w.name: w for w in [
     Workload("analytics", analytics_rows),
 ]}
 # Names on the command line that stand for several workloads.
-ALIASES = {"fanout": ("fanout8", "fanout64")}
+ALIASES = {"fanout": ("fanout8", "fanout64"), "rates": ("pypubs", "pypair")}
 
 
 def choose(names):

@@ -40,7 +40,7 @@ def test_the_fields_are_the_ones_the_broker_and_the_logs_know():
         "total_max_bytes", "block_timeout", "max_subscriptions", "max_pattern", "sub_max_bytes",
         "user_sub_max_bytes", "total_sub_max_bytes", "user_max_connections", "user_queue_max_bytes",
         "policy",
-        "upstream", "upstream_export", "upstream_buffer", "log_format",
+        "upstream", "upstream_export", "upstream_buffer", "upstream_flood", "log_format",
         "log_file", "json_log", "log_level", "stats_interval", "log_messages"]
 
 

@@ -5,6 +5,7 @@ credentials: the spec's four-step identity proof across servers with
 eavesdroppers of another uid on every server (docs/hierarchy.md)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -161,6 +162,72 @@ def test_a_burst_comes_down_whole_and_in_order(tmp_path):
         wait_until(lambda: got.extend(here.drain(0.2)) or len(got) >= n, timeout=60,
                    what=f"{n} messages")
         assert [int(p[len(b"MSG burst/"):p.index(b"\0")]) for p in got] == list(range(n))
+    finally:
+        stop_all(leaf, up)
+
+
+FULL_RATE_SUBSCRIBER = """
+import json, sys, time
+from sbus import Client
+count = int(sys.argv[2])
+c = Client(sys.argv[1])
+c.send_cmsg("blocking/hard/block")
+c.subscribe("full/")
+c.whoami()
+print("ready", flush=True)
+got, order, timeout = 0, True, 60.0
+while got < count:
+    try:
+        batch = c.receive_many(64, timeout=timeout)
+    except TimeoutError:
+        break
+    timeout = 5.0   # the publisher is done when nothing comes this long
+    for m in batch:
+        order = order and int(m.payload[:10]) == got
+        got += 1
+print(json.dumps({"received": got, "in_order": order}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("way", ["down", "up"])
+def test_a_leaf_whose_subscriber_keeps_up_loses_nothing_at_full_rate(tmp_path, way):
+    """publish_many as fast as a broker takes it, far faster than the link
+    forwards; a subscriber that keeps up on the other broker (its own process,
+    receive_many). Down, the upstream holds its publisher for the link rather
+    than discard for it (--upstream-flood block, the default); up, the link
+    stops reading the leaf while the upstream is behind, so the leaf holds its
+    publisher rather than the link drop past its buffer. Every message
+    arrives, once, in order."""
+    up = broker(tmp_path, "up", log_level="warning")
+    leaf = broker(tmp_path, "leaf", upstream=up)
+    source, sink = (up, leaf) if way == "down" else (leaf, up)
+    n = 200_000
+    sub = subprocess.Popen([sys.executable, "-c", FULL_RATE_SUBSCRIBER, sink.address, str(n)],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert sub.stdout.readline().strip() == "ready"
+        if way == "down":
+            wait_patterns(up, leaf, 2)
+        pad = b"x" * 54
+        with Client(source.address) as pub:
+            assert pub.publish_many((b"full/k", b"%010d" % i + pad) for i in range(n)) == n
+        out = json.loads(sub.stdout.readline())
+        assert out == {"received": n, "in_order": True}
+        [link] = [c for c in up.stats()["clients"] if not c["echo"]]
+        assert (link["hard"], link["drops_hard"]) == ("block", 0)
+        assert leaf.stats()["upstream"]["overflow_dropped"] == 0
+    finally:
+        sub.kill()
+        sub.wait()
+        stop_all(leaf, up)
+
+
+def test_upstream_flood_discard_is_the_links_hard_mode_upstream(tmp_path):
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", "--upstream-flood", "discard", upstream=up)
+    try:
+        [link] = [c for c in up.stats()["clients"] if not c["echo"]]
+        assert (link["soft"], link["hard"]) == ("queue", "discard")
     finally:
         stop_all(leaf, up)
 

@@ -198,6 +198,10 @@ OPTIONS = (
     Option("upstream_buffer", "upstream-buffer", arg="N", default=UPSTREAM_BUFFER,
            parse=number(low=1),
            help="upward messages held while the upstream is away (default {default})"),
+    Option("upstream_flood", "upstream-flood", arg="MODE", default="block", choices=("block", "discard"),
+           help="when the link falls behind the upstream, the upstream holds its\n"
+                "publishers for it (block: nothing lost) or drops for it (discard)\n"
+                "(default {default})"),
     Option("log_format", "log-format", arg="FORMAT", default=None, choices=("json", "console"),
            help="{choices} (default: json unless stderr is a terminal)"),
     Option("log_file", "log-file", arg="PATH", default=None,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import selectors
@@ -47,6 +48,7 @@ from typing import Deque, List, Optional, Tuple
 from .. import address as addresses
 from .. import logschema as schema
 from .._core.batch import Inbox, Outbox
+from .._core.linkpath import Relay
 from ..client.chunks import chunk_pattern
 from ..client.driver import grow_buffers
 from ..client.protocol import MAX_MESSAGE, WHOAMI, ControlMessage, Message, pack_control, parse
@@ -61,16 +63,24 @@ BACKOFF = Reconnect(initial_delay=0.1, max_delay=5.0, give_up_after=None,
                     confirm_timeout=WHOAMI_TIMEOUT)
 STATE_INTERVAL = 1.0        # seconds between link/state reports
 RECV_SIZE = 1 << 23         # above any --max-message
-LOCAL_BACKLOG = 1024        # downward packets waiting for the local broker before
-                            # the link stops reading the upstream (its queue holds them)
 BATCH = 64                  # packets per recvmmsg from the upstream, per sendmmsg down
+# The per-message reference path (a Python object per message) instead of the
+# C one (sbus._core.linkpath); the tests hold the two to the same output.
+REFERENCE = os.environ.get("SBUS_LINK_REFERENCE", "") not in ("", "0")
 OWN_PRIVATE = b"!/cred////"  # every key private to the link itself, upstream
 CRED = b"!/cred/"
-# What the link says first on each upstream connection: it never hears its own
-# messages back; the broker queues, then discards, what the link cannot take;
-# and whoami, whose answer is the link's identity there.
-HELLO = (pack_control("echo/off"), pack_control("blocking/soft/queue"),
-         pack_control("blocking/hard/discard"), pack_control(WHOAMI))
+FLOODS = ("block", "discard")  # sbusd --upstream-flood: the link's hard mode upstream
+
+
+def hello(flood: str) -> Tuple[bytes, ...]:
+    """What the link says first on each upstream connection: it never hears
+    its own messages back; the upstream queues what the link cannot take yet,
+    and past its limits holds its publishers (block: a link slower than the
+    upstream's publishers loses nothing, the bus waits for it as for any block
+    client, up to --block-timeout) or discards for it; and whoami, whose
+    answer is the link's identity there."""
+    return (pack_control("echo/off"), pack_control("blocking/soft/queue"),
+            pack_control(f"blocking/hard/{flood}"), pack_control(WHOAMI))
 
 
 class UpstreamError(Exception):
@@ -163,10 +173,11 @@ class Link:
     """The link's state and its loop; ``run()`` returns when the local broker goes."""
 
     def __init__(self, local: socket.socket, upstream: str, exports: List[str],
-                 buffer_max: int, max_message: int = MAX_MESSAGE):
+                 buffer_max: int, max_message: int = MAX_MESSAGE, flood: str = "block"):
         self.local = local
         self.max_message = max_message
         self.upstream = upstream
+        self.hello = hello(flood)
         exports_raw = [p.encode() for p in exports]
         # With each export its chunk twin: a chunked message goes up as its chunks (docs/chunks.md).
         self.exports = exports_raw + [t for t in map(chunk_pattern, exports_raw) if t] or [b""]
@@ -182,10 +193,19 @@ class Link:
         self.held_msgs = 0
         self.local_out: Deque[bytes] = collections.deque()
         self.local_writable = True  # not waiting for EVENT_WRITE on the local socket
+        self.local_paused = False   # not reading the leaf: the upstream is behind
         # Downward messages come in recvmmsg batches and go down in sendmmsg ones.
         self.inbox = Inbox(RECV_SIZE - 1, Message, ControlMessage, BATCH)
         self.outbox = Outbox(RECV_SIZE)
-        self.up_paused = False      # not reading the upstream: local_out is long
+        # The C path: public messages cross in Relays (Inbox.receive's sink)
+        # with no Python object each; upward ones from local_inbox, in up_box.
+        self.reference = REFERENCE
+        self.local_inbox = Inbox(RECV_SIZE - 1, Message, ControlMessage, BATCH)
+        self.down = Relay(self.outbox, local.fileno(), self.down_private)
+        self.up_box = Outbox(RECV_SIZE)
+        self.up_relay: Optional[Relay] = None      # per upstream connection
+        self.up_batch = Outbox(RECV_SIZE)           # up_out's packets, per sendmmsg
+        self.up_paused = False      # not reading the upstream: the local broker is behind
         self.retry_at = 0.0
         self.failures = 0           # connection attempts failed in a row
         self.asked_at = 0.0
@@ -239,15 +259,41 @@ class Link:
                 out.extendleft(reversed(box.unsent()))
                 box.clear()
                 break
-        if self.up_paused and len(out) < LOCAL_BACKLOG // 2:
+        if self.up_paused and not out:
             self.up_paused = False
             self.watch_up()
         if self.local_writable != (not out):
             self.local_writable = not out
-            self.sel.modify(self.local, selectors.EVENT_READ |
-                            (0 if self.local_writable else selectors.EVENT_WRITE), "local")
+            self.watch_local()
 
-    def send_up(self, packet: bytes, is_msg: bool) -> None:
+    def watch_local(self) -> None:
+        mask = (0 if self.local_paused else selectors.EVENT_READ) | \
+            (0 if self.local_writable else selectors.EVENT_WRITE)
+        try:
+            self.sel.get_key(self.local)
+            watched = True
+        except KeyError:
+            watched = False
+        if mask and watched:
+            self.sel.modify(self.local, mask, "local")
+        elif mask:
+            self.sel.register(self.local, mask, "local")
+        elif watched:
+            self.sel.unregister(self.local)
+
+    def pause_local(self, pause: bool) -> None:
+        """While the upstream is up but behind (something waits for it), the
+        link reads no more from the leaf: the leaf's queue for it holds the
+        rest and the leaf's publishers wait, as for any block client, rather
+        than the link holding them and dropping past --upstream-buffer. Never
+        while it is not reading the upstream either (up_paused): then each
+        broker could wait for the other through the link."""
+        pause = pause and not self.up_paused and self.state == "up"
+        if pause != self.local_paused:
+            self.local_paused = pause
+            self.watch_local()
+
+    def send_up(self, packet: bytes, is_msg: bool, write: bool = True) -> None:
         if is_msg:
             if self.held_msgs >= self.buffer_max:
                 self.counts["overflow_dropped"] += 1
@@ -259,23 +305,38 @@ class Link:
         elif self.state != "up":
             return      # subscriptions are made again from refs on the way back
         self.up_out.append((is_msg, packet))
-        if self.state == "up":
+        if self.state == "up" and write:
             self.write_up()
 
     def write_up(self) -> None:
-        while self.up_out:
-            is_msg, packet = self.up_out[0]
+        """Send what waits for the upstream, BATCH packets per sendmmsg."""
+        box, out = self.up_batch, self.up_out
+        while out:
+            n = 0
+            for _, packet in itertools.islice(out, BATCH):
+                if not box.add_packet(packet):
+                    break
+                n += 1
+            if not n:
+                break       # cannot be: the box holds any packet the local broker sends
             try:
-                self.up.send(packet)
+                box.send(self.up.fileno(), socket.MSG_DONTWAIT)
+                sent = n
             except BlockingIOError:
-                break
+                sent = n - len(box)
             except OSError as e:
+                box.clear()
                 self.lost(e.strerror or str(e))
                 return
-            self.up_out.popleft()
-            if is_msg:
-                self.held_msgs -= 1
-                self.counts["up_msgs"] += 1
+            box.clear()
+            for _ in range(sent):
+                if out.popleft()[0]:
+                    self.held_msgs -= 1
+                    self.counts["up_msgs"] += 1
+            if sent < n:
+                break
+        if self.local_paused and not out:
+            self.pause_local(False)
         self.watch_up()
 
     def watch_up(self) -> None:
@@ -308,7 +369,7 @@ class Link:
         self.asked_at = time.monotonic()
         self.sel.register(sock, selectors.EVENT_READ, "up")
         try:
-            for packet in HELLO:
+            for packet in self.hello:
                 sock.send(packet)
         except OSError as e:
             self.lost(e.strerror or str(e))
@@ -328,6 +389,7 @@ class Link:
         self.subscribed = False
         self.up_out.extend(item for item in pending if item[0])
         self.state = "up"
+        self.up_relay = Relay(self.up_box, self.up.fileno(), self.up_private)
         self.failures = 0
         self.counts["connects"] += 1
         self.reason = ""
@@ -352,6 +414,9 @@ class Link:
     def lost(self, reason: str) -> None:
         was_up = self.state == "up"
         self.subscribed = False
+        self.up_relay = None
+        self.state = "away"
+        self.pause_local(False)     # away: held within --upstream-buffer, or dropped
         if self.up is not None:
             self.up_paused = False
             try:
@@ -397,15 +462,22 @@ class Link:
         self.counts["down_msgs"] += 1
         key = item.key
         if key[:1] == b"!":
-            # Our prefix as whoami answered it, or (when the upstream is itself
-            # nested) its last form: the upstream's own clients reach us by both.
-            for own in self.own_forms:
-                if key.startswith(own):
-                    key = key[len(own):]
-                    if not key.startswith(CRED):
-                        return      # addressed to this leaf itself: no one here to take it
-                    break
+            key = self.down_private(key, item.payload)
+            if key is None:
+                return
         self.local_out.append(b"MSG " + key + b"\0" + item.payload)
+
+    def down_private(self, key: bytes, payload: bytes) -> Optional[bytes]:
+        """The key a private message from the upstream has here, or None when
+        it is for no one here. Our prefix as whoami answered it, or (when the
+        upstream is itself nested) its last form: the upstream's own clients
+        reach us by both."""
+        for own in self.own_forms:
+            if key.startswith(own):
+                key = key[len(own):]
+                # addressed to this leaf itself: no one here to take it
+                return key if key.startswith(CRED) else None
+        return key
 
     def from_local(self, packet: bytes) -> None:
         verb, key, payload = split(packet)
@@ -436,18 +508,24 @@ class Link:
                 del self.local_creds[payload]
 
     def on_publish(self, packet: bytes, key: bytes) -> None:
+        if key[:1] != b"!" or self.up_private(key, packet[5 + len(key):]) is not None:
+            self.send_up(packet, True)
+
+    def up_private(self, key: bytes, payload: bytes) -> Optional[bytes]:
+        """The key a local publish on a private key goes up with, or None when
+        it stays here (sent back down by this call when it must be)."""
         if self.prefix is not None and key.startswith(self.prefix + b"/" + CRED):
             # Nested under our own identity: a process here; the local rules decide.
             self.counts["kept_local"] += 1
-            self.send_local(b"MSG " + packet[5 + len(self.prefix):])
-            return
+            self.send_local(b"MSG " + key[len(self.prefix) + 1:] + b"\0" + payload)
+            return None
         if key.startswith(CRED):
             fields = cred_fields(key)
             if fields is not None and all(fields) and \
                     b"/".join(str(int(f)).encode() for f in fields) in self.local_creds:
                 self.counts["kept_local"] += 1
-                return
-        self.send_up(packet, True)
+                return None
+        return key
 
     # ---- the loop
     def run(self, runner: Optional[Runner] = None) -> int:
@@ -491,6 +569,8 @@ class Link:
         self.sel.close()
 
     def read_local(self) -> bool:
+        if not self.reference:
+            return self.read_local_batched()
         for _ in range(64):
             try:
                 packet = self.local.recv(RECV_SIZE)
@@ -503,21 +583,77 @@ class Link:
             self.from_local(packet)
         return True
 
-    def read_up(self) -> None:
-        # Downward messages wait in the upstream's queue while ours is long.
-        for _ in range(16):
-            if len(self.local_out) >= LOCAL_BACKLOG:
-                self.up_paused = True
-                self.watch_up()
-                break
+    def read_local_batched(self) -> bool:
+        """Up to 4 recvmmsg batches from the local broker; while the upstream
+        is up and nothing waits for it, the public messages go up in C (the
+        up Relay), the rest as the reference path takes them, in order."""
+        fd = self.local.fileno()
+        for _ in range(4):
+            if self.state == "up" and self.up_out:
+                self.pause_local(True)
+                if self.local_paused:
+                    return True
+            relay = self.up_relay if self.state == "up" else None
+            if relay is not None:
+                relay.hold = bool(self.up_out)     # behind what waits: spilled, in order
             try:
-                batch = self.inbox.receive(self.up.fileno(), BATCH, socket.MSG_DONTWAIT)
+                batch = self.local_inbox.receive(fd, BATCH, socket.MSG_DONTWAIT, -1.0, relay)
+            except BlockingIOError:
+                return True
+            except ConnectionError:
+                return False
+            if relay is not None:
+                self.relayed_up(relay)
+            for item in batch:
+                if type(item) is ControlMessage:
+                    self.on_note(item.key, item.payload)
+                elif type(item) is Message:
+                    self.on_publish(b"MSG " + item.key + b"\0" + item.payload, item.key)
+                elif isinstance(item, ConnectionError):
+                    return False
+            if len(batch) + self.local_inbox.taken < BATCH:
+                break
+        return True
+
+    def relayed_up(self, relay: Relay) -> None:
+        """After a batch through the up Relay: send what it holds; what the
+        upstream did not take waits in up_out (held, within --upstream-buffer)."""
+        relay.flush()
+        self.counts["up_msgs"] += relay.sent
+        relay.sent = 0
+        if relay.error is not None:
+            self.lost(relay.error.strerror or str(relay.error))
+        spill = relay.take_spill()
+        for packet in spill:
+            self.send_up(packet, True, write=False)
+        if spill and self.state == "up":
+            self.write_up()
+
+    def read_up(self) -> None:
+        for _ in range(16):
+            if self.local_out:
+                self.write_local()
+            if self.pause_up():
+                break
+            # The C path: with nothing waiting before them, messages go down
+            # through the Relay (into the Outbox write_local sends first).
+            relay = self.down if not self.reference and self.state == "up" \
+                and not self.local_out else None
+            try:
+                batch = self.inbox.receive(self.up.fileno(), BATCH, socket.MSG_DONTWAIT,
+                                           -1.0, relay)
             except BlockingIOError:
                 break
             except OSError as e:
                 self.lost(e.strerror or str(e))
                 break
-            if self.state == "up" and not self.local_out:
+            got = len(batch) + (self.inbox.taken if relay is not None else 0)
+            if relay is not None:
+                self.counts["down_msgs"] += self.inbox.taken
+                self.local_out.extend(relay.take_spill())
+                if relay.error is not None:     # the local broker is going: read_local sees it
+                    relay.error = None
+            elif self.state == "up" and not self.local_out:
                 batch = self.pack_public(batch)
             for item in batch:
                 if isinstance(item, ConnectionError):   # BusClosedError: the end, last
@@ -526,9 +662,20 @@ class Link:
                 self.from_up(item)
                 if self.up is None:
                     break
-            if self.up is None or len(batch) < BATCH:
+            if self.up is None or got < BATCH:
                 break
         self.write_local()
+        self.pause_up()
+
+    def pause_up(self) -> bool:
+        """Read no more than the local broker takes: while it is behind, what
+        comes down waits in the upstream's queue for the link (and in the
+        socket), not in ours; write_local reads on once ours is empty."""
+        if self.local_out and self.up is not None and not self.up_paused:
+            self.up_paused = True
+            self.watch_up()
+            self.pause_local(False)
+        return bool(self.local_out)
 
     def pack_public(self, batch: list) -> list:
         """The common case, with nothing waiting before it: public messages go
@@ -552,13 +699,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--buffer", type=int, required=True)
     ap.add_argument("--max-message", type=int, default=MAX_MESSAGE,
                     help="the broker's --max-message: the largest packet sent up")
+    # A link that an older sbusd started (a live upgrade's) gets no --flood.
+    ap.add_argument("--flood", choices=FLOODS, default="block")
     ap.add_argument("--stderr-fd", type=int, help="sbusd's stderr, ours once we run "
                     "(until then our stderr is the pipe that tells sbusd why we did not)")
     args = ap.parse_args(argv)
     local = socket.socket(fileno=args.fd)
     grow_buffers(local, args.max_message)   # what comes down is as large as what goes up
     with Runner() as runner:
-        link = Link(local, args.upstream, args.export, args.buffer, args.max_message)
+        link = Link(local, args.upstream, args.export, args.buffer, args.max_message, args.flood)
         announce_started(args.stderr_fd)
         return link.run(runner)
 

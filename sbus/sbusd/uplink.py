@@ -103,7 +103,8 @@ class Uplink:
         # Not "python -m": the directory sbusd was started in must not shadow the package.
         argv = [*python_main("sbus.sbusd.link"), "--fd", str(theirs.fileno()),
                 "--upstream", self.cfg.upstream, "--buffer", str(self.cfg.upstream_buffer),
-                "--stderr-fd", str(real_stderr), "--max-message", str(self.cfg.max_message)]
+                "--flood", self.cfg.upstream_flood, "--stderr-fd", str(real_stderr),
+                "--max-message", str(self.cfg.max_message)]
         for pattern in self.cfg.upstream_export:
             argv += ["--export", pattern]
         try:

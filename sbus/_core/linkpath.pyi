@@ -1,0 +1,14 @@
+"""The leaf link's per-message path in C (see linkpath.pyx)."""
+from typing import Callable, List, Optional
+
+from .batch import Outbox, Sink
+
+class Relay(Sink):
+    spill: List[bytes]
+    sent: int
+    hold: bool
+    error: Optional[OSError]
+    def __init__(self, box: Outbox, fd: int,
+                 private: Callable[[bytes, bytes], Optional[bytes]]) -> None: ...
+    def flush(self) -> None: ...
+    def take_spill(self) -> List[bytes]: ...
