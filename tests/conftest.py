@@ -23,7 +23,10 @@ from support.systemd import sandbox_command
 # modules in collection order, so these start first rather than last, when one
 # of them would run on while the other workers idle.
 SLOW_MODULES = (
-    "test_wheel.py", "test_make_run.py", "test_analytics_cluster.py", "test_analytics.py",
+    # test_wheel.py compiles the release; the other two wait on its lock and
+    # copy it, so they come once a worker is free, not at the start.
+    "test_wheel.py", "test_make_run.py", "test_analytics_cluster.py", "test_wheel_source.py",
+    "test_wheel_install.py", "test_analytics.py",
     "test_analytics_dataset.py", "test_notebook.py", "test_flood.py", "test_client_spec.py",
     "test_properties.py", "test_soak.py", "test_analytics_daytables.py", "test_sbusd_cli.py",
     "test_hierarchy.py", "test_bridge.py", "test_compat.py",
