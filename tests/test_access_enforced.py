@@ -143,7 +143,9 @@ def test_c_trie_decides_as_the_compiled_policy():
         access = policy.compile_for(uid, uid)
         table = Table(access)
         assert len(access.table) > 8       # the trie, not the linear walk
-        for key in keys:
+        # Keys repeat and share the table's few remembered decisions: hits,
+        # misses and evictions must all decide as the walk does.
+        for key in keys + keys[::-1]:
             want = access.may_publish(key.encode())
             allowed, disconnect, rule = table.decide(key.encode())
             assert (allowed, rule) == (want.allowed, want.rule.number if want.rule else 0), \

@@ -16,6 +16,13 @@ cdef enum:
     ACL_DISCONNECT = 2      # a denied publish closes the connection, not just dropped
     ACL_DEFAULT = -1        # acl_decide: no entry matched, the header decides
     ACL_LINEAR_MAX = 8      # entries walked in order; more go through the trie
+    # A trie table remembers its last decisions, a slot per key by a cheap
+    # hash, as NATS keeps a publish-permission cache per client: a publisher
+    # mostly repeats a few keys, and a hit costs one compare instead of the
+    # walk. The decision is a function of the key alone (the table never
+    # changes; a reload makes new tables), so a slot never goes stale.
+    ACL_CACHE_SLOTS = 8     # a power of two
+    ACL_CACHE_KEY = 32      # longer keys are always walked
 
 
 cdef struct AclEntry:
@@ -23,6 +30,12 @@ cdef struct AclEntry:
     uint32_t len
     uint32_t rule           # the policy's rule number (from 1)
     uint8_t flags
+
+
+cdef struct AclCached:
+    uint32_t len            # 0: empty (the empty key is never kept)
+    int decided
+    char key[ACL_CACHE_KEY]
 
 
 cdef struct AclTable:
@@ -33,6 +46,7 @@ cdef struct AclTable:
     char *patterns
     bint indexed            # count > ACL_LINEAR_MAX: index holds the entries
     Index index             # owner of each Sub: its entry's position + 1
+    AclCached cache[ACL_CACHE_SLOTS]    # indexed tables only
     # The sbus.access Access it was made from (borrowed: the Table that owns
     # this struct holds it).
     void *access

@@ -27,12 +27,23 @@ cdef void take_first(void *ctx, Sub *sub) noexcept nogil:
 
 cdef int acl_decide(AclTable *t, const char *key, size_t klen) noexcept nogil:
     cdef uint32_t i
+    cdef AclCached *slot
     cdef int best = ACL_DEFAULT
     # A chunk's key is judged as its message's (docs/chunks.md, sbus.client.chunks.SUFFIX).
     if klen > 12 and memcmp(key + klen - 12, b"/.sbus-chunk", 12) == 0:
         klen -= 12
     if t.indexed:
+        if klen == 0 or klen > ACL_CACHE_KEY:
+            index_match(&t.index, key, klen, take_first, &best)
+            return best
+        slot = &t.cache[(klen + <uint8_t>key[klen - 1] * 7 + <uint8_t>key[klen >> 1] * 31)
+                        & (ACL_CACHE_SLOTS - 1)]
+        if slot.len == klen and memcmp(slot.key, key, klen) == 0:
+            return slot.decided
         index_match(&t.index, key, klen, take_first, &best)
+        memcpy(slot.key, key, klen)
+        slot.len = <uint32_t>klen
+        slot.decided = best
         return best
     for i in range(t.count):
         if pattern_matches(t.entries[i].pattern, t.entries[i].len, key, klen):
