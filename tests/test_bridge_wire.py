@@ -498,6 +498,7 @@ def test_the_reference_path_keeps_what_publish_refused_and_sends_it_first(tmp_pa
         listener, publisher = await nats.connect(server.url), await nats.connect(server.url)
         sub = await listener.subscribe("sbus.k.>")
         await listener.flush()
+        await publisher.flush()     # see nats_publish: a just-connected client's first messages can go nowhere
         sent = [await path.send(publisher, ex, 1 << 20), await path.send(publisher, ex, 1 << 20)]
         await publisher.flush()
         got = [await sub.next_msg(timeout=10) for _ in first + then]
