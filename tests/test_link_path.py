@@ -4,6 +4,7 @@ ways, public and private keys mixed, through real brokers and a real link,
 must reach the same subscribers as the same messages, exactly and in order."""
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -16,6 +17,12 @@ from support.sbusd import Sbusd
 from support.waiting import wait_until
 
 N = 3000        # messages each way, in publish_many batches: boxes fill and spill
+MAX_MESSAGE = 4096  # both brokers': BIG crosses as chunks, in the middle of each phase
+BIG = 5 * MAX_MESSAGE
+
+
+def big(phase: str) -> str:
+    return phase + "big" + "x" * (BIG - 4)
 
 # A subscriber of everything (public and its own private keys) in its own
 # process, so that its credentials name no connection of the publishers'
@@ -59,8 +66,11 @@ def traffic(tmp_path, monkeypatch, reference: bool) -> dict:
     monkeypatch.setenv("SBUS_LINK_REFERENCE", "1" if reference else "0")
     work = tmp_path / ("reference" if reference else "c")
     work.mkdir()
-    up = Sbusd.foreground(work, address=str(work / "up"), log_level="info")
-    leaf = Sbusd.foreground(work, "--upstream", up.address, address=str(work / "leaf"),
+    # Chunks are packets the link's C path hands to its Python (Inbox.chunks),
+    # so each phase has a turn that stops in the middle and goes on after.
+    limit = ("--max-message", str(MAX_MESSAGE))
+    up = Sbusd.foreground(work, *limit, address=str(work / "up"), log_level="info")
+    leaf = Sbusd.foreground(work, "--upstream", up.address, *limit, address=str(work / "leaf"),
                             log_level="info")
     procs = []
     try:
@@ -80,16 +90,19 @@ def traffic(tmp_path, monkeypatch, reference: bool) -> dict:
             yield f"t/end/{phase}", f"{phase}.end".encode()
             yield from more
 
-        with Client(up.address) as pub:
-            pub.publish_many(mixed("d", ["t/d/{i}", down_who + "/d{i}", "t/d/x/{i}", link + "/self{i}",
-                                         up_who + "/d{i}", "t/d/{i}"]))
-            pub.whoami()
-        with Client(leaf.address) as pub:
-            pub.publish_many(mixed("u", ["t/u/{i}", up_who + "/u{i}", local_form + "/u{i}",
-                                         link + "/" + local_form + "/n{i}", "t/u/y/{i}"],
-                                   # behind the last message the link sends back down
-                                   (link + "/" + local_form + "/nend", b"u.back.end")))
-            pub.whoami()
+        def publish(address, phase, messages):
+            with Client(address, max_message=MAX_MESSAGE) as pub:
+                pub.publish_many(itertools.islice(messages, N // 2))
+                pub.publish(f"t/{phase}/big", big(phase))
+                pub.publish_many(messages)
+                pub.whoami()
+
+        publish(up.address, "d", mixed("d", ["t/d/{i}", down_who + "/d{i}", "t/d/x/{i}",
+                                             link + "/self{i}", up_who + "/d{i}", "t/d/{i}"]))
+        publish(leaf.address, "u", mixed("u", ["t/u/{i}", up_who + "/u{i}", local_form + "/u{i}",
+                                              link + "/" + local_form + "/n{i}", "t/u/y/{i}"],
+                                         # behind the last message the link sends back down
+                                         (link + "/" + local_form + "/nend", b"u.back.end")))
         out = {}
         for name, p in (("leaf", down_p), ("upstream", up_p)):
             got = json.loads(p.communicate(timeout=120)[0])
@@ -133,12 +146,14 @@ def test_the_c_path_delivers_what_the_reference_does(tmp_path, monkeypatch):
     down_private = [m for m in leaf["d"] if m[0].startswith("!")]
     assert [m[1] for m in down_private] == [f"d{i}" for i in range(N) if i % 6 == 1]
     assert all(m[0] == f"{who['leaf']}/d{m[1][1:]}" for m in down_private)    # stripped
-    assert [m[1] for m in leaf["d"] if not m[0].startswith("!")] == \
-        [f"d{i}" for i in range(N) if i % 6 in (0, 2, 5)] + ["d.end"]
+    def public(phase, kept):
+        return [f"{phase}{i}" for i in range(N // 2) if kept(i)] + [big(phase)] + \
+            [f"{phase}{i}" for i in range(N // 2, N) if kept(i)] + [f"{phase}.end"]
+
+    assert [m[1] for m in leaf["d"] if not m[0].startswith("!")] == public("d", lambda i: i % 6 in (0, 2, 5))
     up_private = [m for m in upstream["u"] if m[0].startswith("!")]
     assert [m[1] for m in up_private] == [f"u{i}" for i in range(N) if i % 5 == 1]
-    assert [m[1] for m in upstream["u"] if not m[0].startswith("!")] == \
-        [f"u{i}" for i in range(N) if i % 5 in (0, 4)] + ["u.end"]
+    assert [m[1] for m in upstream["u"] if not m[0].startswith("!")] == public("u", lambda i: i % 5 in (0, 4))
     # Private to the leaf's collector: straight to it, or nested under the
     # link's identity and sent back down by the link, in order each.
     kept = [m for m in leaf["u"] if m[0].startswith("!")]

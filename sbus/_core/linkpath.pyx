@@ -10,7 +10,7 @@
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.string cimport memcpy
 
-from .batch cimport Outbox, Sink
+from .batch cimport Inbox, Outbox, Sink
 from .includes.sys cimport MSG_DONTWAIT
 
 
@@ -34,6 +34,9 @@ cdef class Relay(Sink):
     cdef public Py_ssize_t sent
     cdef public object error
     cdef public bint hold
+    cdef public Py_ssize_t pumped
+    cdef public int batches
+    cdef public bint drained
 
     def __cinit__(self, Outbox box, int fd, object private):
         self.box = box
@@ -87,6 +90,38 @@ cdef class Relay(Sink):
             self.sent += owed - len(self.box)
             self.spill.extend(self.box.unsent())
             self.box.clear()
+
+    def pump(self, Inbox inbox, int fd, int limit, int batches):
+        """Up to ``batches`` recvmmsg batches of ``limit`` packets from ``fd``
+        through this Relay (``inbox.receive``'s sink), with no Python between
+        them: one turn of the link's loop moves many batches for one return
+        to its Python. Stops after a batch that holds anything but plain
+        messages (returned, from its first such item on, as Inbox.receive
+        returns it), that spilled or failed to send, or that was short or
+        found nothing: ``drained`` then says ``fd`` has no more now.
+        ``pumped`` counts the messages the Relay took and ``batches`` the
+        recvmmsg calls made, set also when an OSError other than
+        BlockingIOError ends it (raised as it comes)."""
+        cdef list items = []
+        cdef int taken
+        self.pumped = 0
+        self.batches = 0
+        self.drained = False
+        while self.batches < batches:
+            self.batches += 1
+            try:
+                items = inbox.receive(fd, limit, MSG_DONTWAIT, -1.0, self)
+            except BlockingIOError:
+                self.drained = True
+                return []
+            taken = inbox.taken
+            self.pumped += taken
+            if len(items) + taken < limit:
+                self.drained = True
+                break
+            if items or self.spill or self.error is not None:
+                break
+        return items
 
     def take_spill(self):
         """The packets spilled since the last call, oldest first."""

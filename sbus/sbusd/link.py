@@ -586,24 +586,33 @@ class Link:
     def read_local_batched(self) -> bool:
         """Up to 4 recvmmsg batches from the local broker; while the upstream
         is up and nothing waits for it, the public messages go up in C (the
-        up Relay), the rest as the reference path takes them, in order."""
+        up Relay, several batches per pump), the rest as the reference path
+        takes them, in order."""
         fd = self.local.fileno()
-        for _ in range(4):
+        budget = 4
+        while budget > 0:
             if self.state == "up" and self.up_out:
                 self.pause_local(True)
                 if self.local_paused:
                     return True
             relay = self.up_relay if self.state == "up" else None
-            if relay is not None:
-                relay.hold = bool(self.up_out)     # behind what waits: spilled, in order
             try:
-                batch = self.local_inbox.receive(fd, BATCH, socket.MSG_DONTWAIT, -1.0, relay)
+                if relay is None:
+                    batch = self.local_inbox.receive(fd, BATCH, socket.MSG_DONTWAIT)
+                    budget -= 1
+                    drained = len(batch) < BATCH
+                else:
+                    relay.hold = bool(self.up_out)     # behind what waits: spilled, in order
+                    try:
+                        batch = relay.pump(self.local_inbox, fd, BATCH, budget)
+                    finally:
+                        self.relayed_up(relay)
+                    budget -= relay.batches
+                    drained = relay.drained
             except BlockingIOError:
                 return True
             except ConnectionError:
                 return False
-            if relay is not None:
-                self.relayed_up(relay)
             for item in batch:
                 if type(item) is ControlMessage:
                     self.on_note(item.key, item.payload)
@@ -611,7 +620,7 @@ class Link:
                     self.on_publish(b"MSG " + item.key + b"\0" + item.payload, item.key)
                 elif isinstance(item, ConnectionError):
                     return False
-            if len(batch) + self.local_inbox.taken < BATCH:
+            if drained:
                 break
         return True
 
@@ -630,30 +639,37 @@ class Link:
             self.write_up()
 
     def read_up(self) -> None:
-        for _ in range(16):
+        budget = 16     # recvmmsg batches per turn; then the leaf's side has its turn
+        while budget > 0:
             if self.local_out:
                 self.write_local()
             if self.pause_up():
                 break
             # The C path: with nothing waiting before them, messages go down
-            # through the Relay (into the Outbox write_local sends first).
+            # through the Relay (into the Outbox write_local sends first),
+            # batch after batch in one pump until something needs Python.
             relay = self.down if not self.reference and self.state == "up" \
                 and not self.local_out else None
             try:
-                batch = self.inbox.receive(self.up.fileno(), BATCH, socket.MSG_DONTWAIT,
-                                           -1.0, relay)
+                if relay is None:
+                    batch = self.inbox.receive(self.up.fileno(), BATCH, socket.MSG_DONTWAIT)
+                    budget -= 1
+                    drained = len(batch) < BATCH
+                else:
+                    try:
+                        batch = relay.pump(self.inbox, self.up.fileno(), BATCH, budget)
+                    finally:
+                        self.counts["down_msgs"] += relay.pumped
+                        self.local_out.extend(relay.take_spill())
+                        relay.error = None      # the local broker is going: read_local sees it
+                    budget -= relay.batches
+                    drained = relay.drained
             except BlockingIOError:
                 break
             except OSError as e:
                 self.lost(e.strerror or str(e))
                 break
-            got = len(batch) + (self.inbox.taken if relay is not None else 0)
-            if relay is not None:
-                self.counts["down_msgs"] += self.inbox.taken
-                self.local_out.extend(relay.take_spill())
-                if relay.error is not None:     # the local broker is going: read_local sees it
-                    relay.error = None
-            elif self.state == "up" and not self.local_out:
+            if relay is None and self.state == "up" and not self.local_out:
                 batch = self.pack_public(batch)
             for item in batch:
                 if isinstance(item, ConnectionError):   # BusClosedError: the end, last
@@ -662,7 +678,7 @@ class Link:
                 self.from_up(item)
                 if self.up is None:
                     break
-            if self.up is None or got < BATCH:
+            if self.up is None or drained:
                 break
         self.write_local()
         self.pause_up()
