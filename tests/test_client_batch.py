@@ -157,6 +157,40 @@ def test_a_refused_message_mid_batch_is_reported_with_its_index(start_broker, ba
         r.get("reason") in ("eof", None) for r in b.events("client_disconnect"))
 
 
+def test_a_key_is_checked_again_unless_it_is_the_same_immutable_object(start_broker, connect):
+    # The outbox reuses the last key's checked bytes for the same str or bytes
+    # object; a bytearray may change between pairs, so it is checked each time.
+    b = start_broker("--max-message", str(LIMIT))
+    sub = raw_subscriber(b)
+    key = bytearray(b"a/b")
+
+    def pairs():
+        yield key, b"1"
+        yield "s/k", b"2"
+        yield "s/k", b"3"
+        yield key, b"4"
+        key[:] = b"a/!/b"
+        yield key, b"5"
+
+    with connect(b.address, max_message=LIMIT) as c:
+        with pytest.raises(KeyRefusedError) as info:
+            c.publish_many(pairs())
+        assert (info.value.index, info.value.sent) == (4, 4)
+        c.whoami(timeout=TIMEOUT)
+    assert drain(sub, 4) == [b"MSG a/b\x001", b"MSG s/k\x002", b"MSG s/k\x003", b"MSG a/b\x004"]
+
+
+def test_an_iterator_that_raises_ends_publish_many_with_its_error(broker, connect):
+    def pairs():
+        yield "a/b", b"1"
+        raise ZeroDivisionError("the caller's own")
+
+    with connect(broker.address) as c:
+        with pytest.raises(ZeroDivisionError):
+            c.publish_many(pairs())
+        assert c.whoami(timeout=TIMEOUT).pid > 0     # still usable
+
+
 def test_single_calls_refuse_what_the_broker_would_refuse_before_sending(broker, connect):
     with connect(broker.address, buffered=True) as c:
         with pytest.raises(KeyRefusedError):

@@ -17,6 +17,10 @@ cdef class Outbox:
     cdef readonly size_t max_message
     cdef object held            # a (key, payload) that did not fit, packed first next time
     cdef readonly bint exhausted  # pack_many ran its iterator to the end
+    # The last key published (a str or bytes) and its checked bytes: a batch
+    # of one key is encoded and checked once, not per message.
+    cdef object last_key
+    cdef bytes last_key_bytes
 
     cpdef bint add_publish(self, object key, object payload) except -1
     cpdef bint add_packet(self, bytes packet) except -1
