@@ -315,6 +315,39 @@ def test_flags_pass_through_the_batched_calls():
         theirs.close()
 
 
+def test_after_a_batch_that_emptied_the_socket_the_next_call_waits_as_asked():
+    # A batch shorter than asked for emptied the socket; the next call then
+    # waits at once (no non-blocking read first), which must change nothing seen.
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        with Client(f"/dev/fd/{ours.detach()}") as c:
+            theirs.send(b"MSG a\x001")
+            assert c.receive_many(10) == [Message(b"a", b"1")]
+            theirs.send(b"MSG a\x002")
+            theirs.send(b"MSG a\x003")
+            assert c.receive_many(10, timeout=0) == [Message(b"a", b"2"), Message(b"a", b"3")]
+            with pytest.raises(TimeoutError):
+                c.receive_many(10, timeout=0)
+            with pytest.raises(BlockingIOError):
+                c.receive_many(10, flags=socket.MSG_DONTWAIT)
+            theirs.send(b"MSG a\x004")
+            assert c.receive_many(10) == [Message(b"a", b"4")]
+            later = threading.Timer(0.1, theirs.send, [b"MSG a\x005"])
+            later.start()
+            assert c.receive_many(10, timeout=TIMEOUT) == [Message(b"a", b"5")]
+            later.join()
+            for i in range(6, 16):
+                theirs.send(b"MSG a\x00%d" % i)
+            assert len(c.receive_many(10)) == 10        # a full batch: read first, as before
+            with pytest.raises(TimeoutError):
+                c.receive_many(10, timeout=0.05)
+            theirs.close()
+            with pytest.raises(BusClosedError):
+                c.receive_many(10, timeout=TIMEOUT)
+    finally:
+        theirs.close()
+
+
 def test_control_replies_reach_their_query_between_batches(broker, connect):
     with connect(broker.address) as c:
         c.subscribe("")

@@ -52,6 +52,7 @@ cdef class Inbox:
     cdef readonly int taken     # messages the last batch gave to its Sink
     cdef readonly int chunked   # chunks (sbus.client.chunks) in the last batch
     cdef public bint chunks     # count chunks as irregular (off: they are plain messages)
+    cdef bint drained           # the last recvmmsg took fewer than it asked for
 
     cdef object make(self, object cls, const char *key, size_t klen,
                      const char *payload, size_t plen)
