@@ -157,6 +157,40 @@ def test_a_refused_message_mid_batch_is_reported_with_its_index(start_broker, ba
         r.get("reason") in ("eof", None) for r in b.events("client_disconnect"))
 
 
+def test_a_key_is_checked_again_unless_it_is_the_same_immutable_object(start_broker, connect):
+    # The outbox reuses the last key's checked bytes for the same str or bytes
+    # object; a bytearray may change between pairs, so it is checked each time.
+    b = start_broker("--max-message", str(LIMIT))
+    sub = raw_subscriber(b)
+    key = bytearray(b"a/b")
+
+    def pairs():
+        yield key, b"1"
+        yield "s/k", b"2"
+        yield "s/k", b"3"
+        yield key, b"4"
+        key[:] = b"a/!/b"
+        yield key, b"5"
+
+    with connect(b.address, max_message=LIMIT) as c:
+        with pytest.raises(KeyRefusedError) as info:
+            c.publish_many(pairs())
+        assert (info.value.index, info.value.sent) == (4, 4)
+        c.whoami(timeout=TIMEOUT)
+    assert drain(sub, 4) == [b"MSG a/b\x001", b"MSG s/k\x002", b"MSG s/k\x003", b"MSG a/b\x004"]
+
+
+def test_an_iterator_that_raises_ends_publish_many_with_its_error(broker, connect):
+    def pairs():
+        yield "a/b", b"1"
+        raise ZeroDivisionError("the caller's own")
+
+    with connect(broker.address) as c:
+        with pytest.raises(ZeroDivisionError):
+            c.publish_many(pairs())
+        assert c.whoami(timeout=TIMEOUT).pid > 0     # still usable
+
+
 def test_single_calls_refuse_what_the_broker_would_refuse_before_sending(broker, connect):
     with connect(broker.address, buffered=True) as c:
         with pytest.raises(KeyRefusedError):
@@ -277,6 +311,39 @@ def test_flags_pass_through_the_batched_calls():
                 c.receive_many(10, timeout=0.05)
             theirs.send(b"MSG a\0b")
             assert c.receive_many(10, timeout=TIMEOUT) == [Message(b"a", b"b")]
+    finally:
+        theirs.close()
+
+
+def test_after_a_batch_that_emptied_the_socket_the_next_call_waits_as_asked():
+    # A batch shorter than asked for emptied the socket; the next call then
+    # waits at once (no non-blocking read first), which must change nothing seen.
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        with Client(f"/dev/fd/{ours.detach()}") as c:
+            theirs.send(b"MSG a\x001")
+            assert c.receive_many(10) == [Message(b"a", b"1")]
+            theirs.send(b"MSG a\x002")
+            theirs.send(b"MSG a\x003")
+            assert c.receive_many(10, timeout=0) == [Message(b"a", b"2"), Message(b"a", b"3")]
+            with pytest.raises(TimeoutError):
+                c.receive_many(10, timeout=0)
+            with pytest.raises(BlockingIOError):
+                c.receive_many(10, flags=socket.MSG_DONTWAIT)
+            theirs.send(b"MSG a\x004")
+            assert c.receive_many(10) == [Message(b"a", b"4")]
+            later = threading.Timer(0.1, theirs.send, [b"MSG a\x005"])
+            later.start()
+            assert c.receive_many(10, timeout=TIMEOUT) == [Message(b"a", b"5")]
+            later.join()
+            for i in range(6, 16):
+                theirs.send(b"MSG a\x00%d" % i)
+            assert len(c.receive_many(10)) == 10        # a full batch: read first, as before
+            with pytest.raises(TimeoutError):
+                c.receive_many(10, timeout=0.05)
+            theirs.close()
+            with pytest.raises(BusClosedError):
+                c.receive_many(10, timeout=TIMEOUT)
     finally:
         theirs.close()
 

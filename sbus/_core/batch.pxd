@@ -17,6 +17,10 @@ cdef class Outbox:
     cdef readonly size_t max_message
     cdef object held            # a (key, payload) that did not fit, packed first next time
     cdef readonly bint exhausted  # pack_many ran its iterator to the end
+    # The last key published (a str or bytes) and its checked bytes: a batch
+    # of one key is encoded and checked once, not per message.
+    cdef object last_key
+    cdef bytes last_key_bytes
 
     cpdef bint add_publish(self, object key, object payload) except -1
     cpdef bint add_packet(self, bytes packet) except -1
@@ -48,6 +52,7 @@ cdef class Inbox:
     cdef readonly int taken     # messages the last batch gave to its Sink
     cdef readonly int chunked   # chunks (sbus.client.chunks) in the last batch
     cdef public bint chunks     # count chunks as irregular (off: they are plain messages)
+    cdef bint drained           # the last recvmmsg took fewer than it asked for
 
     cdef object make(self, object cls, const char *key, size_t klen,
                      const char *payload, size_t plen)
