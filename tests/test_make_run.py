@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +21,6 @@ from support import ROOT, SBUSD, Conn, alive, read_records, wait_until
 from support.procfs import wait_gone
 
 MAKE_TIMEOUT = 300      # `make run` builds first: quick unless a .pyx changed
-SPARK_TIMEOUT = 300
 
 
 def make_run(paths: dict, **popen) -> subprocess.Popen:
@@ -147,32 +147,37 @@ def test_make_run_follows_its_broker_across_a_live_upgrade_and_ctrl_c_still_stop
     assert " client_connect " in after and " broker_stop " in after
 
 
-def analytics(log: Path, out: Path, *flags) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sbus.analytics", str(log), "--out", str(out), "--show", "0",
-         "--master", "local[1]", "--conf", "spark.ui.enabled=false", *flags],
-        capture_output=True, text=True, timeout=SPARK_TIMEOUT, cwd=ROOT)
+def analytics(capsys, log: Path, out: Path, *flags) -> SimpleNamespace:
+    """The job's command line (python -m sbus.analytics) run in this process
+    on the tests' Spark session, which it borrows: as a notebook runs it,
+    without a JVM of its own for each run."""
+    from sbus.analytics import cli
+
+    capsys.readouterr()
+    code = cli.main([str(log), "--out", str(out), "--show", "0", *flags])
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
 @pytest.mark.spark
-def test_the_json_log_of_make_run_is_what_the_job_reads(session):
+def test_the_json_log_of_make_run_is_what_the_job_reads(session, spark, capsys):
     log = session["paths"]["DEV_JSON_LOG"]
     records = read_records(log)
     events = [r["event"] for r in records]
     assert events[0] == "broker_start" and events[-1] == "broker_stop"
     assert events.count("client_disconnect") == 5
-    r = analytics(log, session["tmp"] / "dataset")
+    r = analytics(capsys, log, session["tmp"] / "dataset")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"{len(records)} lines: {len(records)} records, 0 malformed" in r.stdout
 
 
 @pytest.mark.spark
-def test_the_job_refuses_a_console_log_and_says_which_log_to_give_it(session):
+def test_the_job_refuses_a_console_log_and_says_which_log_to_give_it(session, spark, capsys):
     log = session["tmp"] / "console.log"
     log.write_text(session["console"])
     lines = len(session["console"].splitlines())
     dataset = session["tmp"] / "console-dataset"
-    r = analytics(log, dataset)
+    r = analytics(capsys, log, dataset)
     assert r.returncode == 1, r.stdout[-3000:]
     assert r.stderr.splitlines()[-2:] == [
         f"sbus.analytics: {lines} of {lines} lines are not sbusd JSON records, more than "
@@ -183,7 +188,7 @@ def test_the_job_refuses_a_console_log_and_says_which_log_to_give_it(session):
     ]
     assert not (dataset / "_manifest.json").exists()
     # The threshold is the user's to raise.
-    r = analytics(log, dataset, "--max-malformed", "1")
+    r = analytics(capsys, log, dataset, "--max-malformed", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"{lines} lines: 0 records, {lines} malformed" in r.stdout
 
