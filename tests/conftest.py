@@ -151,7 +151,7 @@ def spark():
         # change no result.
         "spark.sql.adaptive.enabled": "false",
         "spark.sql.codegen.wholeStage": "false",
-        "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
+        "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
     })
     session.sparkContext.setLogLevel("ERROR")
     yield session
