@@ -29,7 +29,7 @@ from sbus import logschema as ls
 from sbus.fdpass import wire
 from sbus.fdpass.client import FdsError, Giver, Receiver, claim, give, is_sealed, memfd_payload
 
-from support import NOBODY, SBUS, TESTS, Conn, asroot, fd_count, read_records, wait_for_record, wait_until
+from support import NOBODY, SBUS, TESTS, Conn, Started, asroot, fd_count, read_records, wait_for_record, wait_until
 from support.procfs import end_process
 
 TIMEOUT = 15.0
@@ -118,16 +118,13 @@ def bus(open_broker):
 
 @pytest.fixture
 def services(tmp_path):
-    started = []
+    started = Started()
 
     def start(address, *args) -> FdsProcess:
-        s = FdsProcess(tmp_path, address, *args)
-        started.append(s)
-        return s
+        return started.add(FdsProcess(tmp_path, address, *args))
 
     yield start
-    for s in started:
-        s.kill()
+    started.end(FdsProcess.kill)
 
 
 @pytest.fixture
