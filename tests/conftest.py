@@ -3,11 +3,10 @@ and how the suite shares the machine when pytest-xdist runs it over workers (``m
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 
-from support import BACKENDS, Sbusd, make_public_dir, spawn_children
+from support import BACKENDS, Sbusd, Started, spawn_children
 from support.report import PENDING
 from support.systemd import sandbox_command
 
@@ -81,16 +80,13 @@ def pytest_runtest_logreport(report):
 def start_broker(tmp_path):
     """Factory: ``start_broker(*args, backend=..., address=..., log_level=...)``
     starts ``sbusd -f`` (``Sbusd.foreground``); it is stopped at teardown."""
-    started = []
+    started = Started()
 
     def start(*args, **kwargs):
-        b = Sbusd.foreground(tmp_path, *args, **kwargs)
-        started.append(b)
-        return b
+        return started.add(Sbusd.foreground(tmp_path, *args, **kwargs))
 
     yield start
-    for b in started:
-        b.stop()
+    started.end()
 
 
 @pytest.fixture(params=BACKENDS)
@@ -105,6 +101,14 @@ def broker(start_broker, backend):
 
 
 @pytest.fixture
+def bus(start_broker):
+    """A broker with default settings on the default backend, for what runs on
+    top of it (services, clients); a module whose bus differs (world-reachable,
+    with a policy, shared) says so in its own fixture."""
+    return start_broker()
+
+
+@pytest.fixture
 def spawn():
     """Factory for second-user processes (support.Child); killed at teardown."""
     yield from spawn_children()
@@ -113,21 +117,14 @@ def spawn():
 @pytest.fixture
 def open_broker(tmp_path):
     """Factory: sbusd -f -o ARGS on a socket in a world-reachable directory."""
-    started, dirs = [], []
+    started = Started()
 
     def start(*args):
-        d = make_public_dir()
-        dirs.append(d)
-        b = Sbusd.foreground(tmp_path, "-o", "--stats-interval", "0.2", *args,
-                             address=d / "sbus.socket")
-        started.append(b)
-        return b
+        return started.add(Sbusd.foreground(tmp_path, "-o", "--stats-interval", "0.2", *args,
+                                            address=started.public_dir() / "sbus.socket"))
 
     yield start
-    for b in started:
-        b.stop()
-    for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
+    started.end()
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import threading
@@ -27,7 +26,7 @@ from sbus._core.acl import Table
 from sbus.access import parse
 from sbus.access.compiled import canonical_key
 
-from support import NOBODY, SBUSD, Conn, Sbusd, asroot, make_public_dir, wait_until
+from support import NOBODY, SBUSD, Conn, Sbusd, Started, asroot, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "docs" / "examples" / "system-bus-policy.toml"
@@ -52,11 +51,10 @@ def policy_bus(tmp_path):
     """Factory: ``policy_bus(text_or_path, *args)`` is sbusd -f -o --policy
     FILE (a copy of the text or the file, so a test may rewrite it) on a
     socket the second user reaches, with a pidfile; the copy is ``bus.policy``."""
-    started, dirs = [], []
+    started = Started()
 
     def start(policy=None, *args):
-        d = make_public_dir()
-        dirs.append(d)
+        d = started.public_dir()
         extra = []
         path = None
         if policy is not None:
@@ -68,14 +66,10 @@ def policy_bus(tmp_path):
                              *extra, *args, address=d / "sbus.socket")
         b.policy = path
         b.pidfile = pidfile
-        started.append(b)
-        return b
+        return started.add(b)
 
     yield start
-    for b in started:
-        b.stop()
-    for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
+    started.end()
 
 
 def try_subscribe(address, patterns):

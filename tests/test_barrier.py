@@ -17,11 +17,6 @@ TIMEOUT = 20.0
 AHEAD = 20000
 
 
-@pytest.fixture
-def bus(start_broker):
-    return start_broker()
-
-
 def _subscribe_behind_a_load(a: Client, barrier: bool) -> None:
     a.publish_many(("nobody/listens", b"") for _ in range(AHEAD))
     a.subscribe("k/")

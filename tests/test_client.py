@@ -9,43 +9,22 @@ import socket
 
 import pytest
 
-from sbus import Client
 from sbus.client import Credentials, Message, pack_publish
+
+from support.drivers import client_on_a_pair, clients_of, subscriber
 
 TIMEOUT = 5.0
 
 
 @pytest.fixture
-def connect(request):
-    """Factory for clients that are closed at teardown."""
-    clients = []
-
-    def make(*args, **kwargs) -> Client:
-        c = Client(*args, **kwargs)
-        clients.append(c)
-        return c
-
-    yield make
-    for c in clients:
-        c.close()
+def connect():
+    """Factory for blocking clients that are closed at teardown."""
+    yield from clients_of("sync")
 
 
 @pytest.fixture
 def pair(connect):
-    """A Client on one end of a SOCK_SEQPACKET pair (via /dev/fd/N) and the raw other end."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    client = connect(f"/dev/fd/{ours.detach()}")
-    theirs.settimeout(TIMEOUT)
-    yield client, theirs
-    theirs.close()
-
-
-def subscriber(connect, address, *patterns) -> Client:
-    c = connect(address)
-    for p in patterns:
-        c.subscribe(p)
-    c.whoami(timeout=TIMEOUT)
-    return c
+    yield from client_on_a_pair(connect)
 
 
 # -- flags pass through ------------------------------------------------------

@@ -24,7 +24,7 @@ from sbus.errors import ConnectError, PatternRefusedError
 from sbus.logschema import SUBSCRIBE
 
 from support import NOBODY, asroot, make_public_dir, recv_or_none
-from support.drivers import KINDS, clients_of
+from support.drivers import KINDS, client_on_a_pair, clients_of, subscriber
 
 TIMEOUT = 5.0
 
@@ -37,20 +37,7 @@ def connect(request):
 
 @pytest.fixture
 def pair(connect):
-    """A client on one end of a SOCK_SEQPACKET pair (via /dev/fd/N) and the raw other end."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    client = connect(f"/dev/fd/{ours.detach()}")
-    theirs.settimeout(TIMEOUT)
-    yield client, theirs
-    theirs.close()
-
-
-def subscriber(connect, address, *patterns):
-    c = connect(address)
-    for p in patterns:
-        c.subscribe(p)
-    c.whoami(timeout=TIMEOUT)   # the broker has registered the patterns once this returns
-    return c
+    yield from client_on_a_pair(connect)
 
 
 def nothing_within(client, seconds=0.1):

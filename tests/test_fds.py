@@ -29,7 +29,8 @@ from sbus import logschema as ls
 from sbus.fdpass import wire
 from sbus.fdpass.client import FdsError, Giver, Receiver, claim, give, is_sealed, memfd_payload
 
-from support import NOBODY, SBUS, TESTS, Conn, asroot, fd_count, read_records, wait_for_record, wait_until
+from support import NOBODY, SBUS, TESTS, Conn, Started, asroot, fd_count, read_records, wait_for_record, wait_until
+from support.logged import LoggedProcess
 from support.procfs import end_process
 
 TIMEOUT = 15.0
@@ -63,18 +64,14 @@ print(json.dumps(out), flush=True)
 """
 
 
-class FdsProcess:
+class FdsProcess(LoggedProcess):
     """``sbus -a ADDRESS fds ARGS...`` logging JSON (debug) to a file."""
+
+    event_timeout = TIMEOUT
 
     def __init__(self, workdir: Path, address: str, *args: str):
         self.address = address
-        self.log_path = Path(workdir) / f"fds-{time.monotonic_ns()}.log"
-        self.stderr_path = self.log_path.with_suffix(".stderr")
-        argv = [SBUS, "-a", address, "fds", *args, "--log-format", "json",
-                "--log-file", str(self.log_path), "--log-level", "debug"]
-        with open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=err)
+        super().__init__(workdir, "fds", [SBUS, "-a", address, "fds", *args])
         try:
             self.start_record = self.wait_for_event(ls.FDS_START, TIMEOUT)
         except AssertionError:
@@ -86,29 +83,8 @@ class FdsProcess:
         assert (ready["service"], ready["socket"]) == ("fds", self.socket), ready
         self.base_fds = fd_count(self.pid)      # no connection, no offer yet
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stderr_text(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
-
-    def records(self) -> list:
-        return read_records(self.log_path)
-
-    def events(self, name: str) -> list:
-        return [r for r in self.records() if r.get("event") == name]
-
-    def wait_for_event(self, name, timeout=TIMEOUT, predicate=lambda r: True, since=0):
-        return wait_for_record(self.log_path, name, predicate, timeout, since)
-
     def stop(self, sig=signal.SIGTERM) -> int:
-        return end_process(self.proc, sig, TIMEOUT)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        return super().stop(sig, TIMEOUT)
 
 
 @pytest.fixture
@@ -118,16 +94,13 @@ def bus(open_broker):
 
 @pytest.fixture
 def services(tmp_path):
-    started = []
+    started = Started()
 
     def start(address, *args) -> FdsProcess:
-        s = FdsProcess(tmp_path, address, *args)
-        started.append(s)
-        return s
+        return started.add(FdsProcess(tmp_path, address, *args))
 
     yield start
-    for s in started:
-        s.kill()
+    started.end(FdsProcess.kill)
 
 
 @pytest.fixture

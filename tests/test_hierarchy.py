@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -30,11 +31,27 @@ from support.waiting import wait_until
 _STARTED: list = []     # every broker a test started, stopped after it whatever happened
 
 
+def stop_started() -> None:
+    while _STARTED:
+        _STARTED.pop().stop()
+
+
 @pytest.fixture(autouse=True)
 def _stop_brokers():
     yield
-    while _STARTED:
-        _STARTED.pop().stop()
+    stop_started()
+
+
+@contextmanager
+def public_dir():
+    """A world-reachable directory for the sockets of the brokers a test
+    starts (a second user connects); they are stopped before it goes."""
+    d = make_public_dir()
+    try:
+        yield d
+    finally:
+        stop_started()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def broker(workdir, name, *args, upstream=None, log_level="info"):
@@ -688,58 +705,40 @@ def test_nested_patterns_only_under_the_leafs_own_identity(tmp_path):
 
 @asroot
 def test_identity_proof_between_an_upstream_and_a_leaf(tmp_path, spawn):
-    d = make_public_dir()
-    try:
+    with public_dir() as d:
         up = broker(d, "up", "-g", "-o")
         leaf = broker(d, "leaf", "-g", "-o", upstream=up)
-        try:
-            # A on the upstream, B on the leaf (its pub/hello has a chunk twin,
-            # docs/chunks.md); then the other way round
-            check_proof(spawn, (up, leaf), up, leaf,
-                        lambda: wait_patterns(up, leaf, 1 + 6))
-            check_proof(spawn, (up, leaf), leaf, up,
-                        lambda: wait_patterns(up, leaf, 1 + 5))
-        finally:
-            stop_all(leaf, up)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+        # A on the upstream, B on the leaf (its pub/hello has a chunk twin,
+        # docs/chunks.md); then the other way round
+        check_proof(spawn, (up, leaf), up, leaf,
+                    lambda: wait_patterns(up, leaf, 1 + 6))
+        check_proof(spawn, (up, leaf), leaf, up,
+                    lambda: wait_patterns(up, leaf, 1 + 5))
 
 
 @asroot
 def test_identity_proof_between_two_leaves(tmp_path, spawn):
-    d = make_public_dir()
-    try:
+    with public_dir() as d:
         up = broker(d, "up", "-g", "-o")
         one = broker(d, "one", "-g", "-o", upstream=up)
         two = broker(d, "two", "-g", "-o", upstream=up)
-        try:
-            assert link_identity(one) != link_identity(two)
-            check_proof(spawn, (up, one, two), one, two,
-                        lambda: (wait_patterns(up, one, 1 + 5), wait_patterns(up, two, 1 + 6)))
-        finally:
-            stop_all(one, two, up)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+        assert link_identity(one) != link_identity(two)
+        check_proof(spawn, (up, one, two), one, two,
+                    lambda: (wait_patterns(up, one, 1 + 5), wait_patterns(up, two, 1 + 6)))
 
 
 @asroot
 def test_a_foreign_uid_cannot_subscribe_to_a_nested_key_on_a_leaf(tmp_path, spawn):
-    d = make_public_dir()
-    try:
+    with public_dir() as d:
         up = broker(d, "up", "-g", "-o")
         leaf = broker(d, "leaf", "-g", "-o", upstream=up)
-        try:
-            root_cred = leaf.connect().whoami()      # root's nested identity here
+        root_cred = leaf.connect().whoami()      # root's nested identity here
 
-            def attempt():
-                c = Conn.to(leaf.address)
-                c.sub(root_cred + "/x")
-                return c.whoami() is None            # closed: cred_mismatch
-            assert spawn(lambda ctl: attempt()).result()
-        finally:
-            stop_all(leaf, up)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+        def attempt():
+            c = Conn.to(leaf.address)
+            c.sub(root_cred + "/x")
+            return c.whoami() is None            # closed: cred_mismatch
+        assert spawn(lambda ctl: attempt()).result()
 
 
 def test_after_a_live_upgrade_a_link_that_dies_is_restarted_and_handed_on(tmp_path):

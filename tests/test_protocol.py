@@ -17,6 +17,14 @@ def client(broker, sndbuf=None):
     return s
 
 
+def pub_sub(broker, pattern: bytes):
+    """A publisher, then a subscriber to pattern that the broker has heard."""
+    pub, sub = client(broker), client(broker)
+    sub.send(b"SUB " + pattern)
+    sub.sync()
+    return pub, sub
+
+
 def test_publish_reaches_every_matching_subscriber_byte_identical(broker):
     pub, a, b, other = client(broker), client(broker), client(broker), client(broker)
     a.send(b"SUB news/*")
@@ -33,9 +41,7 @@ def test_publish_reaches_every_matching_subscriber_byte_identical(broker):
 
 
 def test_spec_examples_over_the_wire(broker):
-    pub, sub = client(broker), client(broker)
-    sub.send(b"SUB a/*/c/")
-    sub.sync()
+    pub, sub = pub_sub(broker, b"a/*/c/")
     for key in (b"a/b/c/", b"a/b/c/d/e", b"a/b/c", b"a/c/d"):
         pub.send(b"MSG " + key + b"\0x")
     pub.sync()
@@ -45,18 +51,14 @@ def test_spec_examples_over_the_wire(broker):
 
 
 def test_empty_pattern_matches_everything(broker):
-    pub, sub = client(broker), client(broker)
-    sub.send(b"SUB ")
-    sub.sync()
+    pub, sub = pub_sub(broker, b"")
     for key in (b"", b"x", b"a/b/c", b"/"):
         pub.send(b"MSG " + key + b"\0p")
         assert sub.recv(100) == b"MSG " + key + b"\0p"
 
 
 def test_subscribe_tail_after_nul_is_ignored(broker):
-    pub, sub = client(broker), client(broker)
-    sub.send(b"SUB k\0this is ignored")
-    sub.sync()
+    pub, sub = pub_sub(broker, b"k\0this is ignored")
     pub.send(b"MSG k\0v")
     assert sub.recv(100) == b"MSG k\0v"
     pub.send(b"MSG k\0this is ignored\0v")
@@ -252,9 +254,7 @@ def test_max_message_is_configurable(start_broker, backend):
 
 
 def test_messages_arrive_in_order_under_load(broker):
-    pub, sub = client(broker), client(broker)
-    sub.send(b"SUB seq/")
-    sub.sync()
+    pub, sub = pub_sub(broker, b"seq/")
     n = 5000
     for i in range(n):
         pub.send(b"MSG seq/x\0%d" % i)
@@ -264,9 +264,7 @@ def test_messages_arrive_in_order_under_load(broker):
 
 
 def test_messages_sent_just_before_close_are_still_delivered(broker):
-    pub, sub = client(broker), client(broker)
-    sub.send(b"SUB last")
-    sub.sync()
+    pub, sub = pub_sub(broker, b"last")
     for i in range(50):
         pub.send(b"MSG last\0%d" % i)
     pub.close()
@@ -289,9 +287,7 @@ def test_disconnected_subscriber_no_longer_matches(broker):
 
 
 def test_stats_snapshot_counts_traffic(broker):
-    pub, sub = client(broker), client(broker)
-    sub.send(b"SUB k")
-    sub.sync()
+    pub, sub = pub_sub(broker, b"k")
     for _ in range(10):
         pub.send(b"MSG k\0abc")
     for _ in range(10):
@@ -320,9 +316,7 @@ def test_control_replies_are_counted_apart_from_deliveries(broker):
 
 
 def test_closing_with_unread_deliveries_is_an_ordinary_eof(broker):
-    pub, sub = client(broker), client(broker)
-    sub.send(b"SUB k")
-    sub.sync()
+    pub, sub = pub_sub(broker, b"k")
     for _ in range(5):
         pub.send(b"MSG k\0unread")
     pub.sync()

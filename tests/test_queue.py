@@ -25,30 +25,22 @@ from sbus.client.protocol import Credentials
 from sbus.queue import state as st
 from sbus.queue import wire
 
-from support import SBUS, TESTS, Conn, QueueService, asroot, start_worker, wait_until
+from support import SBUS, TESTS, Conn, QueueService, Started, asroot, start_worker, wait_until
 
 TIMEOUT = 20.0
 PATTERN = "jobs/"
 
 
 @pytest.fixture
-def bus(start_broker):
-    return start_broker()
-
-
-@pytest.fixture
 def queues(tmp_path):
     """Factory: ``queues(address, PATTERN, ARGS...)`` starts ``sbus queue``; stopped at teardown."""
-    started = []
+    started = Started()
 
     def start(address, pattern=PATTERN, *args):
-        q = QueueService.start(tmp_path, address, pattern, *args)
-        started.append(q)
-        return q
+        return started.add(QueueService.start(tmp_path, address, pattern, *args))
 
     yield start
-    for q in started:
-        q.stop()
+    started.end()
 
 
 class Consumers:

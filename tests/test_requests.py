@@ -24,11 +24,6 @@ PATTERN = "svc/"
 
 
 @pytest.fixture
-def bus(start_broker):
-    return start_broker()
-
-
-@pytest.fixture
 def server(bus):
     """A server process (tests/workers/server.py) on PATTERN, ready."""
     proc = start_worker("server", bus.address, PATTERN)

@@ -21,11 +21,6 @@ from sbus.store.segments import SUFFIX
 from support import SBUS, Conn, StoreProcess, asroot, make_public_dir, wait_until
 
 
-@pytest.fixture
-def bus(start_broker):
-    return start_broker()
-
-
 @pytest.fixture(autouse=True)
 def no_store_left():
     yield

@@ -222,6 +222,25 @@ def one(section: list, key: str) -> str:
     return found[0]
 
 
+def assert_sandboxed(svc: list, *also_yes: str) -> None:
+    """The sandbox every unit asks for, with also_yes set to yes as well."""
+    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "PrivateDevices",
+                "MemoryDenyWriteExecute", *also_yes):
+        assert one(svc, key) == "yes", key
+    assert one(svc, "ProtectSystem") == "strict"
+    assert one(svc, "RestrictAddressFamilies") == "AF_UNIX"
+    assert values(svc, "SystemCallFilter")[0] == "@system-service"
+
+
+def verify(*names: str) -> None:
+    """systemd-analyze verify finds nothing wrong with these units, where it is installed."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze:
+        r = subprocess.run([analyze, "verify", *(str(UNITS / n) for n in names)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_unit_files():
     sock = read_unit("sbusd.socket")["Socket"]
     svc = read_unit("sbusd.service")["Service"]
@@ -239,19 +258,9 @@ def test_unit_files():
     assert exec_start[exec_start.index("--log-format") + 1] == "json"
     assert exec_start[exec_start.index("-a") + 1] == path, "-a should name the socket unit's path"
     assert one(svc, "User") == "sbus"        # not root
-    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "PrivateDevices",
-                "MemoryDenyWriteExecute"):
-        assert one(svc, key) == "yes", key
-    assert one(svc, "ProtectSystem") == "strict"
-    assert one(svc, "RestrictAddressFamilies") == "AF_UNIX"
-    assert values(svc, "SystemCallFilter")[0] == "@system-service"
+    assert_sandboxed(svc)
     assert "PrivateUsers" not in dict(svc), "PrivateUsers= hides the clients' real uids"
-    analyze = shutil.which("systemd-analyze")
-    if analyze:
-        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"), str(UNITS / "sbus-fds.socket"),
-                            str(UNITS / "sbusd.service")], capture_output=True, text=True,
-                           timeout=60)
-        assert r.returncode == 0, r.stdout + r.stderr
+    verify("sbusd.socket", "sbus-fds.socket", "sbusd.service")
 
 
 def test_queue_unit_is_sandboxed_like_the_broker():
@@ -273,12 +282,7 @@ def test_queue_unit_is_sandboxed_like_the_broker():
         assert values(svc, key) == values(broker, key), key
     assert values(svc, "SystemCallFilter") == values(broker, "SystemCallFilter")
     assert "PrivateUsers" not in dict(svc), "PrivateUsers= would change its !/cred/ key"
-    analyze = shutil.which("systemd-analyze")
-    if analyze:
-        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"), str(UNITS / "sbus-fds.socket"),
-                            str(UNITS / "sbusd.service"), str(UNITS / "sbus-queue@.service")],
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stdout + r.stderr
+    verify("sbusd.socket", "sbus-fds.socket", "sbusd.service", "sbus-queue@.service")
 
 
 
@@ -295,18 +299,8 @@ def test_store_unit():
     assert exec_start[exec_start.index("--dir") + 1] == f"/var/lib/{state}", \
         "--dir should be the StateDirectory, the one place it may write"
     assert one(svc, "User") not in ("", "root")
-    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "PrivateDevices",
-                "PrivateNetwork", "MemoryDenyWriteExecute"):
-        assert one(svc, key) == "yes", key
-    assert one(svc, "ProtectSystem") == "strict"
-    assert one(svc, "RestrictAddressFamilies") == "AF_UNIX"
-    assert values(svc, "SystemCallFilter")[0] == "@system-service"
-    analyze = shutil.which("systemd-analyze")
-    if analyze:
-        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"), str(UNITS / "sbus-fds.socket"),
-                            str(UNITS / "sbus-store.service")], capture_output=True, text=True,
-                           timeout=60)
-        assert r.returncode == 0, r.stdout + r.stderr
+    assert_sandboxed(svc, "PrivateNetwork")
+    verify("sbusd.socket", "sbus-fds.socket", "sbus-store.service")
 
 
 def test_fds_units():
@@ -324,18 +318,8 @@ def test_fds_units():
     assert "--socket" not in exec_start, "the socket comes from systemd (fd 3)"
     assert exec_start[exec_start.index("--log-format") + 1] == "json"
     assert one(svc, "User") not in ("", "root")
-    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "PrivateDevices",
-                "PrivateNetwork", "MemoryDenyWriteExecute"):
-        assert one(svc, key) == "yes", key
-    assert one(svc, "ProtectSystem") == "strict"
-    assert one(svc, "RestrictAddressFamilies") == "AF_UNIX"
-    assert values(svc, "SystemCallFilter")[0] == "@system-service"
-    analyze = shutil.which("systemd-analyze")
-    if analyze:
-        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"), str(UNITS / "sbus-fds.socket"),
-                            str(UNITS / "sbus-fds.socket"), str(UNITS / "sbus-fds.service")],
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stdout + r.stderr
+    assert_sandboxed(svc, "PrivateNetwork")
+    verify("sbusd.socket", "sbus-fds.socket", "sbus-fds.service")
 
 
 def test_leaf_unit_runs_a_leaf_sandboxed_like_the_broker(tmp_path):
@@ -377,12 +361,7 @@ def test_leaf_unit_runs_a_leaf_sandboxed_like_the_broker(tmp_path):
     finally:
         leaf.stop()
         host.stop()
-    analyze = shutil.which("systemd-analyze")
-    if analyze:
-        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"), str(UNITS / "sbus-fds.socket"),
-                            str(UNITS / "sbusd.service"), str(UNITS / "sbusd-leaf.service")],
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stdout + r.stderr
+    verify("sbusd.socket", "sbus-fds.socket", "sbusd.service", "sbusd-leaf.service")
 
 
 # ---------------------------------------------------------------- sandbox
@@ -462,12 +441,7 @@ def test_metrics_units_write_the_textfile_node_exporter_reads(tmp_path, start_br
     assert families["sbus_messages_received"].type == "counter"
     assert [p.name for p in textdir.iterdir()] == [textfile.name]
     assert textfile.stat().st_mode & 0o777 == 0o644
-    analyze = shutil.which("systemd-analyze")
-    if analyze:
-        r = subprocess.run([analyze, "verify", *(str(UNITS / n) for n in (
-            "sbusd.socket", "sbusd.service", "sbus-metrics.service", "sbus-metrics.timer"))],
-            capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stdout + r.stderr
+    verify("sbusd.socket", "sbusd.service", "sbus-metrics.service", "sbus-metrics.timer")
 
 
 # What tools/systemd/README.md installs under /usr/share/doc/sbus/, from the
@@ -521,9 +495,4 @@ def test_service_units_are_type_notify_and_verify_clean():
         svc = read_unit(name)["Service"]
         assert one(svc, "Type") == "notify", name
         assert "NotifyAccess" not in dict(svc), "the main process itself says it"
-    analyze = shutil.which("systemd-analyze")
-    if analyze:
-        r = subprocess.run([analyze, "verify", str(UNITS / "sbusd.socket"), str(UNITS / "sbus-fds.socket"),
-                            str(UNITS / "sbusd.service"), *(str(UNITS / n) for n in names)],
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stdout + r.stderr
+    verify("sbusd.socket", "sbus-fds.socket", "sbusd.service", *names)

@@ -149,10 +149,10 @@ cdef class Hub:
         if not (self.tick_interval > 0 and self.now >= self.next_tick):
             return 0
         self.next_tick = self.now + self.tick_interval
-        if self.peers.disconnects != self.trimmed_at:
+        if self.peers.counts.disconnects != self.trimmed_at:
             # Clients left: hand the memory they used back to the system,
             # so RSS follows the load down after a churn.
-            self.trimmed_at = self.peers.disconnects
+            self.trimmed_at = self.peers.counts.disconnects
             malloc_trim(0)
         self.release_buffers()
         if self.on_tick is not None:
@@ -530,7 +530,7 @@ cdef class Hub:
         self.nclosing = 0
         if after_closing(&self.peers):
             self.poller.set(self.peers.listen_fd, EV_READ)
-        if self.auto_close and self.peers.had_client and self.peers.n == 0:
+        if self.auto_close and self.peers.counts.had_client and self.peers.n == 0:
             self.stop("auto_close")
         return 0
 
@@ -574,12 +574,12 @@ cdef class Hub:
         """Broker-wide counters (cumulative since start)."""
         cdef Budgets budgets
         budgets.sub_bytes = self.subs.bytes
-        budgets.conns_refused = self.peers.refused
+        budgets.conns_refused = self.peers.counts.refused
         budgets.subs_refused = self.subs.refused
         budgets.denied = self.denied
         budgets.policy_subs_refused = self.subs.policy_refused
         return report.totals(self.peers.conns, self.peers.cap, self.peers.n,
-                             self.peers.connects, self.peers.disconnects, &self.tot,
+                             self.peers.counts.connects, self.peers.counts.disconnects, &self.tot,
                              self.subs.index.nsubs, &budgets)
 
     def stats(self):

@@ -26,15 +26,21 @@ cdef enum:
     EXHAUSTED_PAUSE = 2     # not even the spare helped: stop accepting (log it)
 
 
+# The table's counters: kept as one struct so that the hand-over carries
+# and restores them whole.
+cdef struct PeerCounts:
+    uint64_t connects
+    uint64_t disconnects
+    uint64_t next_id
+    uint64_t refused        # refused at accept over a uid's connection budget
+    bint had_client
+
+
 cdef struct Peers:
     Conn **conns            # fd-indexed; NULL where no connection
     int cap
     uint32_t n
-    uint64_t next_id
-    uint64_t connects
-    uint64_t disconnects
-    uint64_t refused        # refused at accept over a uid's connection budget
-    bint had_client
+    PeerCounts counts
     Accounts accounts       # one per uid with a connection
     int fd_limit            # the poller watches descriptors below this
     int listen_fd
@@ -84,15 +90,6 @@ cdef Conn *next_conn(Peers *t, int *fd) noexcept nogil  # at *fd or after, *fd p
 
 
 # ---- the hand-over (handover.pyx)
-
-# The table's counters as they cross.
-cdef struct PeerCounts:
-    uint64_t connects
-    uint64_t disconnects
-    uint64_t next_id
-    uint64_t refused
-    bint had_client
-
 
 # A connection's record as it crosses: who it is, whether its peer stopped
 # reading (the message path's write_dead), what it counted. Its modes

@@ -33,7 +33,7 @@ cdef int peers_init(Peers *t, int listen_fd, int fd_limit, config, allowed_uids,
         raise MemoryError()
     t.listen_fd = listen_fd
     t.fd_limit = fd_limit
-    t.next_id = 1
+    t.counts.next_id = 1
     t.soft = MODE_NAMES.index(config.soft)
     t.hard = MODE_NAMES.index(config.hard)
     t.order = ORDER_NAMES.index(config.order)
@@ -170,11 +170,11 @@ cdef dict refusal(Peers *t, int fd, ucred *cred, str backend):
         reason = R_CONN_BUDGET
         detail = (f"uid {cred.uid} has {acct.conns} connections "
                   f"(--user-max-connections {acct.max_conns})")
-        t.refused += 1
+        t.counts.refused += 1
         account_drop_if_idle(&t.accounts, acct)
     close(fd)
-    record = report.refused(t.next_id, cred.pid, cred.uid, cred.gid, reason, detail)
-    t.next_id += 1
+    record = report.refused(t.counts.next_id, cred.pid, cred.uid, cred.gid, reason, detail)
+    t.counts.next_id += 1
     return record
 
 
@@ -226,8 +226,8 @@ cdef Conn *conn_open(Peers *t, int fd, ucred *cred, bint link, double now) excep
         raise
     c.acct.conns += 1
     c.fd = fd
-    c.id = t.next_id
-    t.next_id += 1
+    c.id = t.counts.next_id
+    t.counts.next_id += 1
     c.pid = cred.pid
     c.uid = cred.uid
     c.gid = cred.gid
@@ -241,8 +241,8 @@ cdef Conn *conn_open(Peers *t, int fd, ucred *cred, bint link, double now) excep
     c.pend_tail = -1
     t.conns[fd] = c
     t.n += 1
-    t.connects += 1
-    t.had_client = True
+    t.counts.connects += 1
+    t.counts.had_client = True
     return c
 
 
@@ -256,7 +256,7 @@ cdef uint64_t conn_close(Peers *t, Conn *c) noexcept:
     c.acct = NULL
     t.conns[c.fd] = NULL
     t.n -= 1
-    t.disconnects += 1
+    t.counts.disconnects += 1
     return dropped
 
 
@@ -278,19 +278,13 @@ cdef Conn *next_conn(Peers *t, int *fd) noexcept nogil:
 # ---- the hand-over -------------------------------------------------------------
 
 cdef void carry_counts(const Peers *t, PeerCounts *out) noexcept:
-    out.connects = t.connects
-    out.disconnects = t.disconnects
-    out.next_id = t.next_id
-    out.refused = t.refused
-    out.had_client = t.had_client
+    out[0] = t.counts
 
 
 cdef void restore_counts(Peers *t, const PeerCounts *k) noexcept:
-    t.connects = k.connects
-    t.disconnects = k.disconnects
-    t.next_id = k.next_id
-    t.refused = k.refused
-    t.had_client = k.had_client or t.had_client
+    cdef bint had_client = t.counts.had_client
+    t.counts = k[0]
+    t.counts.had_client = k.had_client or had_client
 
 
 cdef void conn_carry(const Conn *c, ConnRecord *out) noexcept:

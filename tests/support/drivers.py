@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any, Iterator, List
+import socket
+from typing import Any, Iterator, List, Tuple
 
 from sbus import Client, aio
 
 KINDS = ("sync", "aio")
+TIMEOUT = 5.0
 
 
 class AioDriver:
@@ -95,3 +97,23 @@ def clients_of(kind: str) -> Iterator[Clients]:
     clients = Clients(kind)
     yield clients
     clients.close_all()
+
+
+def client_on_a_pair(connect: Clients) -> Iterator[Tuple[Any, socket.socket]]:
+    """The body of a ``pair`` fixture: a client made by ``connect`` on one end
+    of a SOCK_SEQPACKET pair (via /dev/fd/N) and the raw other end, for what
+    the broker cannot be made to do on cue."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client = connect(f"/dev/fd/{ours.detach()}")
+    theirs.settimeout(TIMEOUT)
+    yield client, theirs
+    theirs.close()
+
+
+def subscriber(connect: Clients, address: str, *patterns: str) -> Any:
+    """A client made by ``connect`` on address, subscribed to patterns."""
+    c = connect(address)
+    for p in patterns:
+        c.subscribe(p)
+    c.whoami(timeout=TIMEOUT)   # the broker has registered the patterns once this returns
+    return c

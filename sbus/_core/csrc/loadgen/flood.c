@@ -136,24 +136,10 @@ flood(void)
 	uint64_t waits = 0;
 	uint64_t sent = publish(&pace, flood_send, &pub, &waits);
 	int stalled = atomic_load(&sh->stalled);
-	atomic_store(&sh->total, sent);
-	atomic_store(&sh->done, 1);
-
-	for (int i = 0; i < n_subs; i++) {
-		int st;
-		while (waitpid(pids[i], &st, 0) < 0 && errno == EINTR)
-			;
-	}
-	double cpu1 = server_cpu();
-	atomic_store(&sh->finish, 1);
-	for (int i = n_subs; i < n_subs + n_slow; i++)
-		waitpid(pids[i], NULL, 0);
-
 	struct sub_totals st;
-	sum_subscribers(t0, &st);
-	double seconds = st.t_end - t0;
-	double cpu = cpu0 >= 0 && cpu1 >= 0 ? cpu1 - cpu0 : -1;
-	print_common("flood", seconds, cpu);
+	finish_run(sent, pids, t0, cpu0, &st);
+	reap(pids + n_subs, n_slow);
+	print_common("flood", st.seconds, st.cpu);
 	printf(",\"subscribers\":%d,\"slow\":%d,\"idle_clients\":%d,\"idle_patterns\":%d,"
 	       "\"window\":%llu,\"messages\":%llu,\"deliveries\":%llu,\"expected_deliveries\":%llu,"
 	       "\"lost\":%llu,\"tail_lost\":%llu,\"reordered\":%llu,\"bad\":%llu,\"eof\":%d,\"unfinished\":%d,"
@@ -164,8 +150,9 @@ flood(void)
 	       (unsigned long long)sent * n_subs, (unsigned long long)st.lost, (unsigned long long)st.tail,
 	       (unsigned long long)st.reordered, (unsigned long long)st.bad, st.eof, st.unfinished,
 	       stalled ? "true" : "false", (unsigned long long)waits,
-	       seconds > 0 ? sent / seconds : 0, seconds > 0 ? st.received / seconds : 0,
-	       cpu >= 0 && st.received ? cpu * 1e6 / st.received : -1, cpu >= 0 && sent ? cpu * 1e6 / sent : -1);
+	       st.seconds > 0 ? sent / st.seconds : 0, st.seconds > 0 ? st.received / st.seconds : 0,
+	       st.cpu >= 0 && st.received ? st.cpu * 1e6 / st.received : -1,
+	       st.cpu >= 0 && sent ? st.cpu * 1e6 / sent : -1);
 	fflush(stdout);
 	for (int i = 0; i < n_idle; i++)
 		close(idle[i]);

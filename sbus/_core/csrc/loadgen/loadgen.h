@@ -149,15 +149,23 @@ void receive(int fd, struct receiver *r);
 /* The subscriber is finished: it holds no publisher back; exits. */
 void leave(struct sub_slot *slot) __attribute__((noreturn));
 
-/* What the subscribers counted, together; latencies are the worst one's. */
+/* How a run of flood or manypubs ended: what the subscribers counted,
+ * together (latencies are the worst one's), and what it cost the broker. */
 struct sub_totals {
-	double t_end;		/* the last receipt, or t0 */
+	double seconds;		/* from t0 to the last receipt */
+	double cpu;		/* the broker's CPU seconds until the subscribers left; -1: unknown */
 	uint64_t received, lost, reordered, bad, tail;
 	int eof, unfinished;
 	double p50_us, p99_us, max_us;
 };
 
-void sum_subscribers(double t0, struct sub_totals *out);
+/* Waits for the n processes in pids to exit. */
+void reap(const pid_t *pids, int n);
+/* Ends a run whose publishers sent `sent` messages from t0 on, with the
+ * broker at cpu0 CPU seconds then: tells the n_subs subscribers in subs the
+ * total, waits for them to leave, tells every other process to finish, and
+ * sums the run into out. */
+void finish_run(uint64_t sent, const pid_t *subs, double t0, double cpu0, struct sub_totals *out);
 
 /* The modes: each returns the process's exit status. */
 int flood(void);

@@ -195,31 +195,14 @@ manypubs(void)
 	double cpu0 = server_cpu();
 	sh->t0 = now();
 	atomic_store(&sh->go, 1);
-	for (int p = 0; p < n_pub_procs; p++) {
-		int st;
-		while (waitpid(pubs[p], &st, 0) < 0 && errno == EINTR)
-			;
-	}
+	reap(pubs, n_pub_procs);
 	uint64_t sent = 0;
 	for (int i = 0; i < n_pubs; i++)
 		sent += sh->pub_sent[i];
-	atomic_store(&sh->total, sent);
-	atomic_store(&sh->done, 1);
-	for (int i = 0; i < n_subs; i++) {
-		int st;
-		while (waitpid(subs[i], &st, 0) < 0 && errno == EINTR)
-			;
-	}
-	double cpu1 = server_cpu();
-	atomic_store(&sh->finish, 1);
-
-	double t0 = sh->t0;
-	int stalled = atomic_load(&sh->stalled);
 	struct sub_totals st;
-	sum_subscribers(t0, &st);
-	double seconds = st.t_end - t0;
-	double cpu = cpu0 >= 0 && cpu1 >= 0 ? cpu1 - cpu0 : -1;
-	print_common("manypubs", seconds, cpu);
+	finish_run(sent, subs, sh->t0, cpu0, &st);
+	int stalled = atomic_load(&sh->stalled);
+	print_common("manypubs", st.seconds, st.cpu);
 	printf(",\"publishers\":%d,\"publisher_procs\":%d,\"offered_rate\":%.1f,\"subscribers\":%d,"
 	       "\"window\":%llu,\"messages\":%llu,\"deliveries\":%llu,\"expected_deliveries\":%llu,"
 	       "\"lost\":%llu,\"tail_lost\":%llu,\"reordered\":%llu,\"bad\":%llu,\"eof\":%d,\"unfinished\":%d,"
@@ -231,8 +214,9 @@ manypubs(void)
 	       (unsigned long long)sent * n_subs, (unsigned long long)st.lost, (unsigned long long)st.tail,
 	       (unsigned long long)st.reordered, (unsigned long long)st.bad, st.eof, st.unfinished,
 	       stalled ? "true" : "false",
-	       seconds > 0 ? sent / seconds : 0, seconds > 0 ? st.received / seconds : 0,
-	       cpu >= 0 && st.received ? cpu * 1e6 / st.received : -1, cpu >= 0 && sent ? cpu * 1e6 / sent : -1,
+	       st.seconds > 0 ? sent / st.seconds : 0, st.seconds > 0 ? st.received / st.seconds : 0,
+	       st.cpu >= 0 && st.received ? st.cpu * 1e6 / st.received : -1,
+	       st.cpu >= 0 && sent ? st.cpu * 1e6 / sent : -1,
 	       st.p50_us, st.p99_us, st.max_us);
 	fflush(stdout);
 	return stalled || st.lost || st.reordered || st.bad || st.eof || st.unfinished ? 2 : 0;

@@ -1,7 +1,8 @@
 /* The subscriber loop of flood and manypubs: receive in batches, check each
  * packet against the one the publishers send, let the mode count it, report
  * progress to the publishers' window (waking one that sleeps on it), and
- * account for a tail that never comes. */
+ * account for a tail that never comes. Also how both modes end a run: wait
+ * for the subscribers, then sum what they counted. */
 #include "loadgen.h"
 
 void
@@ -87,14 +88,21 @@ leave(struct sub_slot *slot)
 }
 
 void
+reap(const pid_t *pids, int n)
+{
+	for (int i = 0; i < n; i++)
+		while (waitpid(pids[i], NULL, 0) < 0 && errno == EINTR)
+			;
+}
+
+static void
 sum_subscribers(double t0, struct sub_totals *out)
 {
-	memset(out, 0, sizeof(*out));
-	out->t_end = t0;
+	double t_end = t0;
 	for (int i = 0; i < n_subs; i++) {
 		struct sub_slot *s = &sh->sub[i];
-		if (s->t_last > out->t_end)
-			out->t_end = s->t_last;
+		if (s->t_last > t_end)
+			t_end = s->t_last;
 		out->received += s->received;
 		out->lost += s->lost;
 		out->reordered += s->reordered;
@@ -106,4 +114,19 @@ sum_subscribers(double t0, struct sub_totals *out)
 		out->p99_us = s->p99_us > out->p99_us ? s->p99_us : out->p99_us;
 		out->max_us = s->max_us > out->max_us ? s->max_us : out->max_us;
 	}
+	out->seconds = t_end - t0;
+}
+
+void
+finish_run(uint64_t sent, const pid_t *subs, double t0, double cpu0, struct sub_totals *out)
+{
+	atomic_store(&sh->total, sent);
+	atomic_store(&sh->done, 1);
+	reap(subs, n_subs);
+	/* Read before finish: the other clients' teardown is not the run's work. */
+	double cpu1 = server_cpu();
+	atomic_store(&sh->finish, 1);
+	memset(out, 0, sizeof(*out));
+	out->cpu = cpu0 >= 0 && cpu1 >= 0 ? cpu1 - cpu0 : -1;
+	sum_subscribers(t0, out);
 }
