@@ -50,7 +50,7 @@ from .private import PrivateInbox
 if TYPE_CHECKING:   # the contract; services.py imports this module
     from .services import BusClient
 from .protocol import ControlMessage
-from .steps import ITEM, Plan, Run, Steps
+from .steps import ITEMS, Plan, Run, Steps
 
 __all__ = ["Consumer", "consume", "consume_async"]
 
@@ -68,7 +68,7 @@ REPLY_TIMEOUT = 10.0
 BYE_CONFIRM = 2.0
 
 Packet = Tuple[str, bytes]     # (key, payload) to publish
-# What the plans yield besides client calls and (ITEM, job) (see .steps).
+# What the plans yield besides client calls and (ITEMS, jobs) (see .steps).
 NAP, RENEW = "nap", "renew"
 
 
@@ -202,8 +202,8 @@ def _consuming(s: _Session) -> Generator[Tuple[Any, ...], Any, None]:
         if s.token is not None and not renewing:
             renewing = True
             yield (RENEW,)
-        for job in jobs:
-            yield (ITEM, job)
+        if jobs:
+            yield (ITEMS, jobs)     # handed out one by one by Steps, the plan not resumed
 
 
 def _renewing(s: _Session) -> Generator[Tuple[Any, ...], Any, None]:
@@ -278,6 +278,7 @@ class Consumer(Steps):
 
     def _leave(self) -> _Session:
         self._left = True
+        self._items = ()    # the jobs not handed out go to others with the bye
         self._plan.close()
         s = self._s
         s.stopped = True
