@@ -16,7 +16,7 @@ from hypothesis import strategies as hyp
 
 from sbus import Client
 from sbus import logschema as ls
-from sbus._core.inflight import InFlight
+from sbus._core.inflight import Held, InFlight
 from sbus._core.jobs import Acks, jobs_from, pack_jobs, parse_jobs, parse_tags
 from sbus.aio import Client as AsyncClient
 from sbus.client.consume import consume
@@ -545,6 +545,7 @@ _TAG_ARGS = hyp.one_of(
 @given(steps=hyp.lists(hyp.one_of(
     hyp.tuples(hyp.just("add"), hyp.integers(0, 5), hyp.integers(0, 70)),
     hyp.tuples(hyp.just("settle"), _TAG_ARGS),
+    hyp.tuples(hyp.just("drop"), _TAG_ARGS),
     hyp.tuples(hyp.just("pop"), hyp.lists(hyp.integers(0, 300), max_size=10)),
     hyp.tuples(hyp.just("clear"))), max_size=40))
 def test_jobs_in_flight_are_kept_as_a_dict_of_tags_keeps_them(steps):
@@ -559,15 +560,18 @@ def test_jobs_in_flight_are_kept_as_a_dict_of_tags_keeps_them(steps):
             flight.add(tag, jobs)
             model.update(zip(range(tag, tag + len(jobs)), jobs))
             tag += len(jobs)
-        elif step[0] == "settle":
+        elif step[0] in ("settle", "drop"):
+            settle = flight.settle if step[0] == "settle" else flight.drop
             try:
                 tags = wire.parse_tags_py(step[1])
             except wire.WireError:
                 with pytest.raises(wire.WireError):
-                    flight.settle(step[1])
+                    settle(step[1])
                 continue
             expected = [model.pop(t) for t in tags if t in model]
-            assert flight.settle(step[1]) == (expected, len(tags))
+            if step[0] == "drop":
+                expected = len(expected)
+            assert settle(step[1]) == (expected, len(tags))
         elif step[0] == "pop":
             expected = [model.pop(t) for t in step[1] if t in model]
             assert flight.pop_tags(step[1]) == expected
@@ -593,6 +597,46 @@ def test_held_acks_go_out_as_the_convention_writes_them(tags):
     assert wire.parse_control(payload) == (wire.ACK, "t0k", " ".join(map(str, tags)).encode())
 
 
+@settings(max_examples=300, deadline=None)
+@given(steps=hyp.lists(hyp.one_of(
+    hyp.tuples(hyp.just("append"), hyp.integers(0, 100)),
+    hyp.tuples(hyp.just("requeue"), hyp.integers(0, 100)),
+    hyp.tuples(hyp.just("take"), hyp.integers(0, 120)),
+    hyp.tuples(hyp.just("deal"), hyp.integers(0, 120), hyp.integers(1, 5))), max_size=40))
+def test_held_jobs_are_kept_as_the_deque_they_replaced_kept_them(steps):
+    """The C ring of held jobs against a deque: the same jobs in the same
+    order, handed back in front, taken from the front, dealt round in turn."""
+    import collections
+    held, model, n = Held(), collections.deque(), 0
+    for step in steps:
+        if step[0] in ("append", "requeue"):
+            jobs = [(b"k", b"%d" % i) for i in range(n, n + step[1])]
+            n += step[1]
+            if step[0] == "append":
+                for job in jobs:
+                    held.append(job)
+                model.extend(jobs)
+            else:
+                held.requeue(jobs)
+                model.extendleft(reversed(jobs))
+        elif step[0] == "take":
+            expected = [model.popleft() for _ in range(min(step[1], len(model)))]
+            assert held.take(step[1]) == expected
+        else:
+            taken = [model.popleft() for _ in range(min(step[1], len(model)))]
+            hands = [[(b"k", b"before")] for _ in range(step[2])]
+            held.deal(step[1], hands)
+            assert hands == [[(b"k", b"before")] + taken[i::step[2]] for i in range(step[2])]
+        assert (len(held), bool(held), list(held)) == (len(model), bool(model), list(model))
+
+
+def test_jobs_batches_count_the_tags_width_as_it_grows():
+    entries = [(b"k", b"p")] * 12 + [(b"k", b"q", 3)]
+    for first in (1, 5, 99_995, 10 ** 17 - 3):
+        tags = list(range(first, first + len(entries)))
+        assert pack_jobs(first, entries, 1 << 20) == wire.pack_jobs_py(tags, entries, 1 << 20)
+
+
 @settings(max_examples=200, deadline=None)
 @given(jobs=hyp.lists(hyp.tuples(hyp.binary().filter(lambda k: b"\0" not in k), hyp.binary(),
                                  hyp.integers(0, 10 ** 6)), max_size=20),
@@ -600,7 +644,7 @@ def test_held_acks_go_out_as_the_convention_writes_them(tags):
 def test_jobs_batches_are_packed_and_parsed_as_their_plain_python_twins(jobs, first, limit):
     entries = [(k, p) if n == 0 else (k, p, n) for k, p, n in jobs]
     tags = list(range(first, first + len(entries)))
-    packed = pack_jobs(tags, entries, limit)
+    packed = pack_jobs(first, entries, limit)
     assert packed == wire.pack_jobs_py(tags, entries, limit)
     assert all(len(p) <= limit or len(parse_jobs(p)) == 1 for p in packed)
     records = [r for p in packed for r in parse_jobs(p)]
