@@ -317,6 +317,8 @@ cdef class Job:
         if self.settled:
             raise RuntimeError(f"job {self.tag} is already settled")
         self.settled = True
+        if type(self.settle) is Settler:
+            return (<Settler>self.settle).ack(self.tag)
         return self.settle(ACK, self.tag)
 
     def nack(self, bint requeue=True):
@@ -388,6 +390,10 @@ cdef class Acks:
         self.limit = limit if limit > 1 else 1
 
     def add(self, control, token, tag):
+        """Hold one ack; see ``hold``."""
+        return self.hold(control, token, tag)
+
+    cdef object hold(self, object control, object token, object tag):
         """Hold one ack. None if others were held already; else True. A
         packet (key, payload) instead if one must go out now: the acks held
         for another token or control key (this one is held), or, once
@@ -414,3 +420,36 @@ cdef class Acks:
         self.due = None
         # Packed from a list nobody else sees: Python code may run meanwhile.
         return (self.control, pack_acks(f"{ACK} {self.token}".encode(), tags))
+
+
+cdef class Settler:
+    """What settles the jobs delivered under one token (sbus.client.consume):
+    an ack is held in ``acks`` (Job.ack comes here in C: a consumer acks
+    every job); ``ack`` returns ``done`` while it is held, or what
+    ``publish`` returns for the packet that must go now, and wakes
+    ``session.wake()`` for the first held while nobody watches. Other verbs
+    go to ``other(verb, tag)``."""
+
+    cdef Acks acks
+    cdef object control
+    cdef object token
+    cdef object publish
+    cdef object done
+    cdef object session
+    cdef object other
+
+    def __init__(self, Acks acks, control, token, publish, done, session, other):
+        self.acks, self.control, self.token = acks, control, token
+        self.publish, self.done, self.session, self.other = publish, done, session, other
+
+    cdef object ack(self, object tag):
+        held = self.acks.hold(self.control, self.token, tag)
+        if held is None:
+            return self.done
+        if not self.acks.watched:
+            self.session.wake()     # the first held: the renewer sends it when it is due
+        # held: True, or the acks of an earlier token or half the prefetch, to go now
+        return self.done if held is True else self.publish(*held)
+
+    def __call__(self, verb, tag):
+        return self.ack(tag) if verb == ACK else self.other(verb, tag)

@@ -41,7 +41,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Generator, List, Optional, Tuple
 
-from .._core.jobs import Acks, Job, jobs_from
+from .._core.jobs import Acks, Job, Settler, jobs_from
 from ..errors import SbusError, ServiceRefusedError
 from ..queue import wire
 from ..queue.defaults import PREFETCH, RENEWALS_PER_LEASE
@@ -149,20 +149,14 @@ class _Session:
         that token, even once a new one has come. What it returns is what
         ``job.ack()`` returns: None, or for an asyncio client an awaitable."""
         acks, token, control, client = self.acks, self.token, self.control, self.client
-        add, done = acks.add, (_DONE if self.awaited else None)
 
-        def settle(verb: str, tag: int) -> Any:
-            if verb != wire.ACK:    # the acks held go first
-                packets = [acks.take(), (control, wire.pack_control(verb, token, tag))]
-                return client.publish_many([p for p in packets if p is not None])
-            held = add(control, token, tag)
-            if held is None:
-                return done
-            if not acks.watched:
-                self.wake()     # the first held: the renewer sends it when it is due
-            # held: True, or the acks of an earlier token or half the prefetch, to go now
-            return done if held is True else client.publish(*held)
+        def other(verb: str, tag: int) -> Any:     # nack, reject: the acks held go first
+            packets = [acks.take(), (control, wire.pack_control(verb, token, tag))]
+            return client.publish_many([p for p in packets if p is not None])
 
+        # An ack is held in C (jobs.Settler): a consumer acks every job.
+        settle = Settler(acks, control, token, client.publish,
+                         _DONE if self.awaited else None, self, other)
         self._settle = settle
         return settle
 
