@@ -453,3 +453,26 @@ cdef class Settler:
 
     def __call__(self, verb, tag):
         return self.ack(tag) if verb == ACK else self.other(verb, tag)
+
+
+cdef class Feed:
+    """What ``for job in consumer`` iterates (sbus.client.consume): the jobs
+    of the batch at hand, popped in C from ``items`` (the consumer's list of
+    them, last first), and ``more()`` (the consumer's ``__next__``, which
+    refills ``items`` or raises StopIteration) once it is empty. A job of a
+    batch then costs no Python call."""
+
+    cdef list items
+    cdef object more
+
+    def __init__(self, list items, more):
+        self.items, self.more = items, more
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        cdef Py_ssize_t n = PyList_GET_SIZE(self.items)
+        if n:
+            return self.items.pop()
+        return self.more()

@@ -41,7 +41,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Generator, List, Optional, Tuple
 
-from .._core.jobs import Acks, Job, Settler, jobs_from
+from .._core.jobs import Acks, Feed, Job, Settler, jobs_from
 from ..errors import SbusError, ServiceRefusedError
 from ..queue import wire
 from ..queue.defaults import PREFETCH, RENEWALS_PER_LEASE
@@ -250,6 +250,11 @@ class Consumer(Steps):
         self._plan = _consuming(self._s)
         self._renewer: Any = None
         self._left = False
+        self._items: List[Job] = []     # the batch at hand, last first (Steps)
+
+    def __iter__(self) -> Any:
+        """Jobs of a batch come out of ``Feed`` in C; the plan runs between batches."""
+        return Feed(self._items, self.__next__)
 
     def _special(self, action: Tuple[Any, ...]) -> bool:
         if action[0] is not RENEW:
@@ -272,7 +277,7 @@ class Consumer(Steps):
 
     def _leave(self) -> _Session:
         self._left = True
-        self._items = ()    # the jobs not handed out go to others with the bye
+        self._items.clear()     # the jobs not handed out go to others with the bye
         self._plan.close()
         s = self._s
         s.stopped = True

@@ -82,11 +82,16 @@ class Steps:
         return self
 
     def _take_items(self, values: list) -> bool:
-        """Keep an (ITEMS, values) list to hand out; whether it has any."""
+        """Keep an (ITEMS, values) list to hand out; whether it has any. A
+        subclass that made ``_items`` a list keeps that list (its iterator
+        may hold it)."""
         if not values:
             return False
         values.reverse()
-        self._items = values
+        if type(self._items) is list:
+            self._items.extend(values)
+        else:
+            self._items = values
         return True
 
     def __next__(self) -> Any:
