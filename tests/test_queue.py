@@ -251,6 +251,25 @@ def test_closing_the_generator_hands_prefetched_jobs_to_others(bus, queues, cons
     assert {j["deliveries"] for j in consumers.all()} == {2}
 
 
+def test_leaving_a_for_loop_mid_batch_hands_the_rest_of_the_batch_to_others(bus, queues, consumers):
+    """The jobs of a batch come out of the consumer's list (jobs.Feed), not
+    its plan: a ``break`` after the first still says bye, the first acked
+    and the other three, delivered in the same batch, handed back."""
+    q = queues(bus.address)
+    publish(bus.address, jobs(4))
+    wait_state(q, lambda s: s["held"] == 4, "4 held")
+    with Client(bus.address) as c:
+        for job in consume(c, PATTERN, prefetch=4):
+            assert wait_state(q, lambda s: s["in_flight"] == 4, "4 in one go")["delivered"] == 4
+            job.ack()
+            break
+        left = q.wait_for_event(ls.QUEUE_CONSUMER_LEAVE, timeout=10)
+    assert (left["reason"], left["requeued"], left["acked"]) == (st.LEFT_BYE, 3, 1)
+    consumers.start(16, "ack")
+    wait_until(lambda: len(consumers.all()) == 3, TIMEOUT, "the 3 handed back")
+    assert {j["deliveries"] for j in consumers.all()} == {2}
+
+
 def test_a_consumer_leaving_with_deliveries_unread_is_heard_saying_bye(bus, queues):
     """A client that closes with deliveries unread loses what the broker has
     not read of it yet: the consumer makes sure its last acks and its bye
