@@ -16,7 +16,7 @@ from hypothesis import strategies as hyp
 
 from sbus import Client
 from sbus import logschema as ls
-from sbus._core.inflight import InFlight
+from sbus._core.inflight import Held, InFlight
 from sbus._core.jobs import Acks, jobs_from, pack_jobs, parse_jobs, parse_tags
 from sbus.aio import Client as AsyncClient
 from sbus.client.consume import consume
@@ -238,6 +238,25 @@ def test_closing_the_generator_hands_prefetched_jobs_to_others(bus, queues, cons
         jobs_in.close()
     s = wait_state(q, lambda s: s["held"] == 3, "3 handed back")
     assert (s["in_flight"], len(s["consumers"])) == (0, 0)
+    consumers.start(16, "ack")
+    wait_until(lambda: len(consumers.all()) == 3, TIMEOUT, "the 3 handed back")
+    assert {j["deliveries"] for j in consumers.all()} == {2}
+
+
+def test_leaving_a_for_loop_mid_batch_hands_the_rest_of_the_batch_to_others(bus, queues, consumers):
+    """The jobs of a batch come out of the consumer's list (jobs.Feed), not
+    its plan: a ``break`` after the first still says bye, the first acked
+    and the other three, delivered in the same batch, handed back."""
+    q = queues(bus.address)
+    publish(bus.address, jobs(4))
+    wait_state(q, lambda s: s["held"] == 4, "4 held")
+    with Client(bus.address) as c:
+        for job in consume(c, PATTERN, prefetch=4):
+            assert wait_state(q, lambda s: s["in_flight"] == 4, "4 in one go")["delivered"] == 4
+            job.ack()
+            break
+        left = q.wait_for_event(ls.QUEUE_CONSUMER_LEAVE, timeout=10)
+    assert (left["reason"], left["requeued"], left["acked"]) == (st.LEFT_BYE, 3, 1)
     consumers.start(16, "ack")
     wait_until(lambda: len(consumers.all()) == 3, TIMEOUT, "the 3 handed back")
     assert {j["deliveries"] for j in consumers.all()} == {2}
@@ -537,6 +556,7 @@ _TAG_ARGS = hyp.one_of(
 @given(steps=hyp.lists(hyp.one_of(
     hyp.tuples(hyp.just("add"), hyp.integers(0, 5), hyp.integers(0, 70)),
     hyp.tuples(hyp.just("settle"), _TAG_ARGS),
+    hyp.tuples(hyp.just("drop"), _TAG_ARGS),
     hyp.tuples(hyp.just("pop"), hyp.lists(hyp.integers(0, 300), max_size=10)),
     hyp.tuples(hyp.just("clear"))), max_size=40))
 def test_jobs_in_flight_are_kept_as_a_dict_of_tags_keeps_them(steps):
@@ -551,15 +571,18 @@ def test_jobs_in_flight_are_kept_as_a_dict_of_tags_keeps_them(steps):
             flight.add(tag, jobs)
             model.update(zip(range(tag, tag + len(jobs)), jobs))
             tag += len(jobs)
-        elif step[0] == "settle":
+        elif step[0] in ("settle", "drop"):
+            settle = flight.settle if step[0] == "settle" else flight.drop
             try:
                 tags = wire.parse_tags_py(step[1])
             except wire.WireError:
                 with pytest.raises(wire.WireError):
-                    flight.settle(step[1])
+                    settle(step[1])
                 continue
             expected = [model.pop(t) for t in tags if t in model]
-            assert flight.settle(step[1]) == (expected, len(tags))
+            if step[0] == "drop":
+                expected = len(expected)
+            assert settle(step[1]) == (expected, len(tags))
         elif step[0] == "pop":
             expected = [model.pop(t) for t in step[1] if t in model]
             assert flight.pop_tags(step[1]) == expected
@@ -585,6 +608,46 @@ def test_held_acks_go_out_as_the_convention_writes_them(tags):
     assert wire.parse_control(payload) == (wire.ACK, "t0k", " ".join(map(str, tags)).encode())
 
 
+@settings(max_examples=300, deadline=None)
+@given(steps=hyp.lists(hyp.one_of(
+    hyp.tuples(hyp.just("append"), hyp.integers(0, 100)),
+    hyp.tuples(hyp.just("requeue"), hyp.integers(0, 100)),
+    hyp.tuples(hyp.just("take"), hyp.integers(0, 120)),
+    hyp.tuples(hyp.just("deal"), hyp.integers(0, 120), hyp.integers(1, 5))), max_size=40))
+def test_held_jobs_are_kept_as_the_deque_they_replaced_kept_them(steps):
+    """The C ring of held jobs against a deque: the same jobs in the same
+    order, handed back in front, taken from the front, dealt round in turn."""
+    import collections
+    held, model, n = Held(), collections.deque(), 0
+    for step in steps:
+        if step[0] in ("append", "requeue"):
+            jobs = [(b"k", b"%d" % i) for i in range(n, n + step[1])]
+            n += step[1]
+            if step[0] == "append":
+                for job in jobs:
+                    held.append(job)
+                model.extend(jobs)
+            else:
+                held.requeue(jobs)
+                model.extendleft(reversed(jobs))
+        elif step[0] == "take":
+            expected = [model.popleft() for _ in range(min(step[1], len(model)))]
+            assert held.take(step[1]) == expected
+        else:
+            taken = [model.popleft() for _ in range(min(step[1], len(model)))]
+            hands = [[(b"k", b"before")] for _ in range(step[2])]
+            held.deal(step[1], hands)
+            assert hands == [[(b"k", b"before")] + taken[i::step[2]] for i in range(step[2])]
+        assert (len(held), bool(held), list(held)) == (len(model), bool(model), list(model))
+
+
+def test_jobs_batches_count_the_tags_width_as_it_grows():
+    entries = [(b"k", b"p")] * 12 + [(b"k", b"q", 3)]
+    for first in (1, 5, 99_995, 10 ** 17 - 3):
+        tags = list(range(first, first + len(entries)))
+        assert pack_jobs(first, entries, 1 << 20) == wire.pack_jobs_py(tags, entries, 1 << 20)
+
+
 @settings(max_examples=200, deadline=None)
 @given(jobs=hyp.lists(hyp.tuples(hyp.binary().filter(lambda k: b"\0" not in k), hyp.binary(),
                                  hyp.integers(0, 10 ** 6)), max_size=20),
@@ -592,7 +655,7 @@ def test_held_acks_go_out_as_the_convention_writes_them(tags):
 def test_jobs_batches_are_packed_and_parsed_as_their_plain_python_twins(jobs, first, limit):
     entries = [(k, p) if n == 0 else (k, p, n) for k, p, n in jobs]
     tags = list(range(first, first + len(entries)))
-    packed = pack_jobs(tags, entries, limit)
+    packed = pack_jobs(first, entries, limit)
     assert packed == wire.pack_jobs_py(tags, entries, limit)
     assert all(len(p) <= limit or len(parse_jobs(p)) == 1 for p in packed)
     records = [r for p in packed for r in parse_jobs(p)]

@@ -1,10 +1,11 @@
-# The queue service's per-consumer jobs in flight, in C (inflight.pxd):
+# The queue service's per-consumer jobs in flight, in C (inflight.pxd),
+# and its held jobs (Held):
 # every job given out costs a dict entry and every ack an int and a dict
 # pop in Python; here a job is a pointer in an array and an ack is read
 # straight from its control payload. The jobs are the service's own
 # (key, payload) or (key, payload, deliveries) tuples, held by reference.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
-from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
@@ -113,14 +114,18 @@ cdef class InFlight:
     cdef object take(self, Py_ssize_t i):
         """The job at index i, settled; its reference passes to the caller."""
         cdef object job = <object>self.jobs[i]
-        Py_XDECREF(self.jobs[i])        # ``job`` holds it now
+        self.forget(i)      # ``job`` holds it now
+        return job
+
+    cdef void forget(self, Py_ssize_t i) noexcept:
+        """Settle the job at index i and let it go."""
+        Py_XDECREF(self.jobs[i])
         self.jobs[i] = NULL
         self.live -= 1
         while self.lo < self.hi and self.jobs[self.lo] == NULL:
             self.lo += 1
         if self.lo == self.hi:
             self.lo = self.hi = 0
-        return job
 
     def pop_tags(self, list tags):
         """The jobs of these tags (ints), in their order, settled; tags not
@@ -137,6 +142,21 @@ cdef class InFlight:
         """As ``pop_tags(jobs.parse_tags(args))``, without an int per tag:
         (the jobs settled, how many tags ``args`` named). WireError, with
         nothing settled, for arguments that are not counts separated by spaces."""
+        cdef list out = []
+        cdef Py_ssize_t named = self.settle_into(args, out)
+        return out, named
+
+    def drop(self, bytes args):
+        """``settle`` for an ack or a reject, which need not the jobs: they
+        are let go here. (How many were settled, how many tags ``args`` named.)"""
+        cdef Py_ssize_t before = self.live
+        cdef Py_ssize_t named = self.settle_into(args, None)
+        return before - self.live, named
+
+    cdef Py_ssize_t settle_into(self, bytes args, list out) except -1:
+        """Settle the tags of ``args``, their jobs appended to ``out`` (let
+        go if it is None); how many tags it named. WireError, with nothing
+        settled, for arguments that are not counts separated by spaces."""
         cdef const char *p = PyBytes_AS_STRING(args)
         cdef const char *end = p + PyBytes_GET_SIZE(args)
         cdef const char *start
@@ -144,7 +164,6 @@ cdef class InFlight:
         cdef uint64_t *parsed = <uint64_t *>PyMem_Malloc(
             (PyBytes_GET_SIZE(args) // 2 + 1) * sizeof(uint64_t))
         cdef Py_ssize_t n = 0, k, i
-        cdef list out = []
         if parsed == NULL:
             raise MemoryError()
         try:
@@ -163,11 +182,15 @@ cdef class InFlight:
                 n += 1
             for k in range(n):
                 i = self.find(parsed[k])
-                if i >= 0:
+                if i < 0:
+                    continue
+                if out is None:
+                    self.forget(i)
+                else:
                     out.append(self.take(i))
         finally:
             PyMem_Free(parsed)
-        return out, n
+        return n
 
     def clear(self):
         """Every job in flight, oldest first; none is left."""
@@ -178,3 +201,104 @@ cdef class InFlight:
             self.jobs[i] = NULL
         self.lo = self.hi = self.live = 0
         return out
+
+
+cdef class Held:
+    """The jobs waiting for a consumer, oldest first: a ring of references
+    to the service's job tuples, which the reader (jobs.Intake) appends to in
+    C, and ``deal`` hands round the consumers in C, where a deque took a
+    Python call per job each way."""
+
+    def __cinit__(self):
+        self.ring = NULL
+        self.head = self.size = self.cap = 0
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        for i in range(self.size):
+            Py_XDECREF(self.ring[(self.head + i) & (self.cap - 1)])
+        PyMem_Free(self.ring)
+
+    def __len__(self):
+        return self.size
+
+    def __bool__(self):
+        return self.size > 0
+
+    def __iter__(self):
+        return iter(self.take(self.size, False))
+
+    cdef int grow(self, Py_ssize_t n) except -1:
+        """Room for n more; the capacity stays a power of two."""
+        cdef Py_ssize_t cap = self.cap or MIN_CAP, i
+        cdef PyObject **ring
+        if self.size + n <= self.cap:
+            return 0
+        while cap < self.size + n:
+            cap *= 2
+        ring = <PyObject **>PyMem_Malloc(cap * sizeof(PyObject *))
+        if ring == NULL:
+            raise MemoryError()
+        for i in range(self.size):
+            ring[i] = self.ring[(self.head + i) & (self.cap - 1)]
+        PyMem_Free(self.ring)
+        self.ring, self.head, self.cap = ring, 0, cap
+        return 0
+
+    cdef int push(self, object job) except -1:
+        if self.size == self.cap:
+            self.grow(1)
+        Py_INCREF(job)
+        self.ring[(self.head + self.size) & (self.cap - 1)] = <PyObject *>job
+        self.size += 1
+        return 0
+
+    def append(self, job):
+        self.push(job)
+
+    def requeue(self, list jobs):
+        """Put ``jobs`` in front of the held ones, in their order."""
+        cdef Py_ssize_t n = PyList_GET_SIZE(jobs), i
+        cdef PyObject *job
+        self.grow(n)
+        for i in range(n - 1, -1, -1):
+            job = PyList_GET_ITEM(jobs, i)
+            Py_INCREF(<object>job)
+            self.head = (self.head - 1) & (self.cap - 1)
+            self.ring[self.head] = job
+            self.size += 1
+
+    def take(self, Py_ssize_t n, bint remove=True):
+        """The first n jobs (all of them if fewer are held), oldest first;
+        taken out unless ``remove`` is false."""
+        cdef Py_ssize_t i
+        cdef PyObject *job
+        cdef list out
+        n = min(n, self.size)
+        out = PyList_New(n)
+        for i in range(n):
+            job = self.ring[(self.head + i) & (self.cap - 1)]
+            if not remove:
+                Py_INCREF(<object>job)
+            PyList_SET_ITEM(out, i, <object>job)    # steals the reference
+        if remove:
+            self.head = (self.head + n) & (self.cap - 1) if self.cap else 0
+            self.size -= n
+        return out
+
+    def deal(self, Py_ssize_t n, list hands):
+        """Take the first n jobs out round ``hands`` (lists), one each in
+        turn: the k-th goes to ``hands[k % len(hands)]``."""
+        cdef Py_ssize_t width = PyList_GET_SIZE(hands), i
+        cdef PyObject *job
+        if width == 0:
+            return
+        n = min(n, self.size)
+        for i in range(n):
+            job = self.ring[(self.head + i) & (self.cap - 1)]
+            # PyList_Append takes a reference of its own: the ring's goes below.
+            (<list>PyList_GET_ITEM(hands, i % width)).append(<object>job)
+            Py_XDECREF(job)
+            self.ring[(self.head + i) & (self.cap - 1)] = NULL
+        self.head = (self.head + n) & (self.cap - 1) if self.cap else 0
+        self.size -= n

@@ -10,12 +10,14 @@
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsUnsignedLongLong, PyLong_FromUnsignedLongLong
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.stdint cimport uint64_t
 from libc.string cimport memchr, memcmp, memcpy
 
 from .batch cimport Sink
+from .inflight cimport Held
 from .includes.sys cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from ..queue.wire import ACK, NACK, REJECT, WireError
@@ -52,70 +54,96 @@ cdef inline char *put_count(char *at, uint64_t n, int width) noexcept:
     return at + width
 
 
-cdef inline Py_ssize_t job_size(uint64_t tag, uint64_t deliveries, Py_ssize_t klen,
-                                Py_ssize_t plen) noexcept:
-    return digits(tag) + 1 + digits(deliveries) + 1 + klen + 1 + plen
-
-
-def pack_jobs(list tags, list jobs, Py_ssize_t limit):
-    """The payloads of ``jobs`` deliveries for ``jobs[i]`` under ``tags[i]``,
-    in order, each at most ``limit`` bytes (a record larger than that alone
-    in its payload). A job is the service's in-flight entry: ``(key,
-    payload)`` delivered once, or ``(key, payload, deliveries)``."""
-    cdef Py_ssize_t n = PyList_GET_SIZE(jobs), i, j, start = 0, size = 0, rec = 0, body
-    cdef uint64_t tag, deliveries
-    cdef PyObject *job
-    cdef bytes key, payload
+def pack_jobs(uint64_t first, list jobs, Py_ssize_t limit):
+    """The payloads of ``jobs`` deliveries for ``jobs[i]`` under the tag
+    ``first + i``, in order, each at most ``limit`` bytes (a record larger
+    than that alone in its payload). A job is the service's in-flight entry:
+    ``(key, payload)`` delivered once, or ``(key, payload, deliveries)``."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(jobs), i, j, start = 0, size = 0
+    cdef Entry *es
+    cdef Entry *e
     cdef char *at
     cdef list out = []
-    if PyList_GET_SIZE(tags) != n:
-        raise ValueError("pack_jobs: as many tags as jobs")
     if n == 0:
         return out
-    for i in range(n + 1):
-        if i < n:
-            rec = record_size(tags, jobs, i)
-            if size == 0 or size + rec <= limit:
-                size += rec
+    es = <Entry *>PyMem_Malloc(n * sizeof(Entry))
+    if es == NULL:
+        raise MemoryError()
+    try:
+        entries(jobs, first, es)
+        for i in range(n + 1):
+            if i < n and (size == 0 or size + es[i].rec <= limit):
+                size += es[i].rec
                 continue
-        # jobs[start:i] make one payload of ``size`` bytes
-        packed = PyBytes_FromStringAndSize(NULL, size)
-        at = PyBytes_AS_STRING(packed)
-        for j in range(start, i):
-            job = PyList_GET_ITEM(jobs, j)
-            key = <bytes>PyTuple_GET_ITEM(<object>job, 0)
-            payload = <bytes>PyTuple_GET_ITEM(<object>job, 1)
-            deliveries = <uint64_t><object>PyTuple_GET_ITEM(<object>job, 2) \
-                if PyTuple_GET_SIZE(<object>job) > 2 else 1
-            tag = <uint64_t><object>PyList_GET_ITEM(tags, j)
-            body = job_size(tag, deliveries, PyBytes_GET_SIZE(key), PyBytes_GET_SIZE(payload))
-            at = put_count(at, body, digits(body))
-            at[0] = b' '
-            at = put_count(at + 1, tag, digits(tag))
-            at[0] = b' '
-            at = put_count(at + 1, deliveries, digits(deliveries))
-            at[0] = b' '
-            memcpy(at + 1, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key))
-            at += 1 + PyBytes_GET_SIZE(key)
-            at[0] = 0
-            memcpy(at + 1, PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload))
-            at += 1 + PyBytes_GET_SIZE(payload)
-        out.append(packed)
-        if i < n:
-            start, size = i, rec
+            # jobs[start:i] make one payload of ``size`` bytes
+            packed = PyBytes_FromStringAndSize(NULL, size)
+            at = PyBytes_AS_STRING(packed)
+            for j in range(start, i):
+                e = &es[j]
+                at = put_count(at, e.body, e.rec - e.body - 1)
+                at[0] = b' '
+                at = put_count(at + 1, first + <uint64_t>j, e.tag_digits)
+                at[0] = b' '
+                at = put_count(at + 1, e.deliveries, e.deliveries_digits)
+                at[0] = b' '
+                memcpy(at + 1, e.key, e.klen)
+                at += 1 + e.klen
+                at[0] = 0
+                memcpy(at + 1, e.payload, e.plen)
+                at += 1 + e.plen
+            out.append(packed)
+            if i < n:
+                start, size = i, es[i].rec
+    finally:
+        PyMem_Free(es)
     return out
 
 
-cdef Py_ssize_t record_size(list tags, list jobs, Py_ssize_t i) except -1:
-    cdef object job = <object>PyList_GET_ITEM(jobs, i)
-    cdef object tag = <object>PyList_GET_ITEM(tags, i)
-    cdef bytes key = <bytes>PyTuple_GET_ITEM(job, 0)
-    cdef bytes payload = <bytes>PyTuple_GET_ITEM(job, 1)
-    cdef uint64_t deliveries = <uint64_t><object>PyTuple_GET_ITEM(job, 2) \
-        if PyTuple_GET_SIZE(job) > 2 else 1
-    cdef Py_ssize_t body = job_size(<uint64_t>tag, deliveries, PyBytes_GET_SIZE(key),
-                                    PyBytes_GET_SIZE(payload))
-    return digits(body) + 1 + body
+cdef struct Entry:
+    uint64_t deliveries
+    int tag_digits
+    int deliveries_digits
+    const char *key
+    Py_ssize_t klen
+    const char *payload
+    Py_ssize_t plen
+    Py_ssize_t body     # the size of its ``job`` payload
+    Py_ssize_t rec      # the size of its record: the body's size, a space, the body
+
+
+cdef int entries(list jobs, uint64_t first, Entry *es) except -1:
+    """Each of ``jobs`` as a record under the tag first + its index (the list
+    keeps the bytes alive). Tags are consecutive: their width is counted
+    once, then grows at each power of ten."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(jobs), i
+    cdef PyObject *job
+    cdef PyObject *key
+    cdef PyObject *payload
+    cdef uint64_t tag = first, wider = 10
+    cdef int tag_digits = digits(first)
+    cdef Entry *e
+    for i in range(tag_digits - 1):
+        wider = wider * 10 if i < 18 else <uint64_t>-1    # 10 ** 20 is past uint64_t
+    for i in range(n):
+        e = &es[i]
+        job = PyList_GET_ITEM(jobs, i)
+        key = PyTuple_GET_ITEM(<object>job, 0)
+        payload = PyTuple_GET_ITEM(<object>job, 1)
+        if PyTuple_GET_SIZE(<object>job) > 2:
+            e.deliveries = <uint64_t><object>PyTuple_GET_ITEM(<object>job, 2)
+            e.deliveries_digits = digits(e.deliveries)
+        else:
+            e.deliveries, e.deliveries_digits = 1, 1
+        if tag >= wider and tag_digits < 20:
+            tag_digits += 1
+            wider = wider * 10 if tag_digits < 20 else <uint64_t>-1
+        e.tag_digits = tag_digits
+        tag += 1
+        e.key, e.klen = PyBytes_AS_STRING(<object>key), PyBytes_GET_SIZE(<object>key)
+        e.payload, e.plen = PyBytes_AS_STRING(<object>payload), PyBytes_GET_SIZE(<object>payload)
+        e.body = tag_digits + 1 + e.deliveries_digits + 1 + e.klen + 1 + e.plen
+        e.rec = digits(e.body) + 1 + e.body
+    return 0
 
 
 cdef int read_count(const char *p, const char *end, const char **after,
@@ -223,20 +251,20 @@ cdef bytes pack_acks(bytes head, list tags):
 
 cdef class Intake(Sink):
     """The queue service's reader (a batch.Sink for ``receive_into``): a
-    plain message that is a job goes to ``held.append`` as a ``(key,
-    payload)`` tuple, counted in ``received``; anything else, in order, to
+    plain message that is a job goes to ``held`` (an inflight.Held) as a
+    ``(key, payload)`` tuple, counted in ``received``; anything else, in order, to
     ``others`` for the service: a key that is private (``!``, the service's
     own inbox and control key) or under ``sbus/queue/``, or a job whose key
     and payload are longer than ``room`` (too large to deliver)."""
 
-    cdef object append
+    cdef Held held
     cdef list others
     cdef bytes last_key     # reused while the keys repeat
     cdef readonly Py_ssize_t room
     cdef public Py_ssize_t received
 
-    def __cinit__(self, object held, Py_ssize_t room):
-        self.append = held.append
+    def __cinit__(self, Held held, Py_ssize_t room):
+        self.held = held
         self.others = []
         self.last_key = b""
         self.room = room
@@ -253,7 +281,7 @@ cdef class Intake(Sink):
         if (klen and key[0] == b'!') or request or <Py_ssize_t>(klen + plen) > self.room:
             self.others.append(job)
         else:
-            self.append(job)
+            self.held.push(job)
             self.received += 1
         return 0
 
@@ -289,6 +317,8 @@ cdef class Job:
         if self.settled:
             raise RuntimeError(f"job {self.tag} is already settled")
         self.settled = True
+        if type(self.settle) is Settler:
+            return (<Settler>self.settle).ack(self.tag)
         return self.settle(ACK, self.tag)
 
     def nack(self, bint requeue=True):
@@ -360,6 +390,10 @@ cdef class Acks:
         self.limit = limit if limit > 1 else 1
 
     def add(self, control, token, tag):
+        """Hold one ack; see ``hold``."""
+        return self.hold(control, token, tag)
+
+    cdef object hold(self, object control, object token, object tag):
         """Hold one ack. None if others were held already; else True. A
         packet (key, payload) instead if one must go out now: the acks held
         for another token or control key (this one is held), or, once
@@ -386,3 +420,59 @@ cdef class Acks:
         self.due = None
         # Packed from a list nobody else sees: Python code may run meanwhile.
         return (self.control, pack_acks(f"{ACK} {self.token}".encode(), tags))
+
+
+cdef class Settler:
+    """What settles the jobs delivered under one token (sbus.client.consume):
+    an ack is held in ``acks`` (Job.ack comes here in C: a consumer acks
+    every job); ``ack`` returns ``done`` while it is held, or what
+    ``publish`` returns for the packet that must go now, and wakes
+    ``session.wake()`` for the first held while nobody watches. Other verbs
+    go to ``other(verb, tag)``."""
+
+    cdef Acks acks
+    cdef object control
+    cdef object token
+    cdef object publish
+    cdef object done
+    cdef object session
+    cdef object other
+
+    def __init__(self, Acks acks, control, token, publish, done, session, other):
+        self.acks, self.control, self.token = acks, control, token
+        self.publish, self.done, self.session, self.other = publish, done, session, other
+
+    cdef object ack(self, object tag):
+        held = self.acks.hold(self.control, self.token, tag)
+        if held is None:
+            return self.done
+        if not self.acks.watched:
+            self.session.wake()     # the first held: the renewer sends it when it is due
+        # held: True, or the acks of an earlier token or half the prefetch, to go now
+        return self.done if held is True else self.publish(*held)
+
+    def __call__(self, verb, tag):
+        return self.ack(tag) if verb == ACK else self.other(verb, tag)
+
+
+cdef class Feed:
+    """What ``for job in consumer`` iterates (sbus.client.consume): the jobs
+    of the batch at hand, popped in C from ``items`` (the consumer's list of
+    them, last first), and ``more()`` (the consumer's ``__next__``, which
+    refills ``items`` or raises StopIteration) once it is empty. A job of a
+    batch then costs no Python call."""
+
+    cdef list items
+    cdef object more
+
+    def __init__(self, list items, more):
+        self.items, self.more = items, more
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        cdef Py_ssize_t n = PyList_GET_SIZE(self.items)
+        if n:
+            return self.items.pop()
+        return self.more()

@@ -41,7 +41,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Generator, List, Optional, Tuple
 
-from .._core.jobs import Acks, Job, jobs_from
+from .._core.jobs import Acks, Feed, Job, Settler, jobs_from
 from ..errors import SbusError, ServiceRefusedError
 from ..queue import wire
 from ..queue.defaults import PREFETCH, RENEWALS_PER_LEASE
@@ -50,7 +50,7 @@ from .private import PrivateInbox
 if TYPE_CHECKING:   # the contract; services.py imports this module
     from .services import BusClient
 from .protocol import ControlMessage
-from .steps import ITEM, Plan, Run, Steps
+from .steps import ITEMS, Plan, Run, Steps
 
 __all__ = ["Consumer", "consume", "consume_async"]
 
@@ -68,7 +68,7 @@ REPLY_TIMEOUT = 10.0
 BYE_CONFIRM = 2.0
 
 Packet = Tuple[str, bytes]     # (key, payload) to publish
-# What the plans yield besides client calls and (ITEM, job) (see .steps).
+# What the plans yield besides client calls and (ITEMS, jobs) (see .steps).
 NAP, RENEW = "nap", "renew"
 
 
@@ -149,20 +149,14 @@ class _Session:
         that token, even once a new one has come. What it returns is what
         ``job.ack()`` returns: None, or for an asyncio client an awaitable."""
         acks, token, control, client = self.acks, self.token, self.control, self.client
-        add, done = acks.add, (_DONE if self.awaited else None)
 
-        def settle(verb: str, tag: int) -> Any:
-            if verb != wire.ACK:    # the acks held go first
-                packets = [acks.take(), (control, wire.pack_control(verb, token, tag))]
-                return client.publish_many([p for p in packets if p is not None])
-            held = add(control, token, tag)
-            if held is None:
-                return done
-            if not acks.watched:
-                self.wake()     # the first held: the renewer sends it when it is due
-            # held: True, or the acks of an earlier token or half the prefetch, to go now
-            return done if held is True else client.publish(*held)
+        def other(verb: str, tag: int) -> Any:     # nack, reject: the acks held go first
+            packets = [acks.take(), (control, wire.pack_control(verb, token, tag))]
+            return client.publish_many([p for p in packets if p is not None])
 
+        # An ack is held in C (jobs.Settler): a consumer acks every job.
+        settle = Settler(acks, control, token, client.publish,
+                         _DONE if self.awaited else None, self, other)
         self._settle = settle
         return settle
 
@@ -202,8 +196,8 @@ def _consuming(s: _Session) -> Generator[Tuple[Any, ...], Any, None]:
         if s.token is not None and not renewing:
             renewing = True
             yield (RENEW,)
-        for job in jobs:
-            yield (ITEM, job)
+        if jobs:
+            yield (ITEMS, jobs)     # handed out one by one by Steps, the plan not resumed
 
 
 def _renewing(s: _Session) -> Generator[Tuple[Any, ...], Any, None]:
@@ -256,6 +250,11 @@ class Consumer(Steps):
         self._plan = _consuming(self._s)
         self._renewer: Any = None
         self._left = False
+        self._items: List[Job] = []     # the batch at hand, last first (Steps)
+
+    def __iter__(self) -> Any:
+        """Jobs of a batch come out of ``Feed`` in C; the plan runs between batches."""
+        return Feed(self._items, self.__next__)
 
     def _special(self, action: Tuple[Any, ...]) -> bool:
         if action[0] is not RENEW:
@@ -278,6 +277,7 @@ class Consumer(Steps):
 
     def _leave(self) -> _Session:
         self._left = True
+        self._items.clear()     # the jobs not handed out go to others with the bye
         self._plan.close()
         s = self._s
         s.stopped = True

@@ -3,7 +3,10 @@
 A plan is a generator that yields the client calls it needs,
 ``(method, timeout, *args)`` (a public method of
 :class:`sbus.client.services.BusClient`; ``timeout`` None for none), and
-``(ITEM, value)`` for each value it hands out; a call's result is sent back,
+``(ITEM, value)`` for each value it hands out, or ``(ITEMS, values)`` for
+a list of them at once (handed out one by one without resuming the plan:
+a consumer's batch of jobs costs no generator round trip per job); a
+call's result is sent back,
 its exception thrown in (a ``TimeoutError`` once the timeout passed).
 :class:`Steps` iterates a plan: ``for`` over a blocking client, which makes
 the call; ``async for`` over an asyncio one, which awaits it. The consumer of
@@ -14,9 +17,10 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable, Generator, Optional, Tuple
 
-__all__ = ["ITEM", "Plan", "Run", "Steps", "adrive", "drive"]
+__all__ = ["ITEM", "ITEMS", "Plan", "Run", "Steps", "adrive", "drive"]
 
 ITEM = "item"
+ITEMS = "items"
 
 Plan = Generator[Tuple[Any, ...], Any, Any]
 
@@ -59,6 +63,8 @@ class Steps:
 
     _plan: Plan
     _client: Any
+    # The rest of an (ITEMS, values) list, last first; a tuple while none is left.
+    _items: Any = ()
 
     def _special(self, action: Tuple[Any, ...]) -> bool:
         return False
@@ -75,12 +81,31 @@ class Steps:
     def __iter__(self) -> "Steps":
         return self
 
+    def _take_items(self, values: list) -> bool:
+        """Keep an (ITEMS, values) list to hand out; whether it has any. A
+        subclass that made ``_items`` a list keeps that list (its iterator
+        may hold it)."""
+        if not values:
+            return False
+        values.reverse()
+        if type(self._items) is list:
+            self._items.extend(values)
+        else:
+            self._items = values
+        return True
+
     def __next__(self) -> Any:
+        if self._items:
+            return self._items.pop()
         value = error = None
         while True:
             action = self._next_call(value, error)
             if action[0] is ITEM:
                 return action[1]
+            if action[0] is ITEMS:
+                if self._take_items(action[1]):
+                    return self._items.pop()
+                continue
             value = error = None
             try:
                 method = getattr(self._client, action[0])
@@ -93,6 +118,8 @@ class Steps:
         return self
 
     async def __anext__(self) -> Any:
+        if self._items:
+            return self._items.pop()
         import asyncio  # here: a blocking client's import of this module needs none
         value = error = None
         while True:
@@ -102,6 +129,10 @@ class Steps:
                 raise StopAsyncIteration from None
             if action[0] is ITEM:
                 return action[1]
+            if action[0] is ITEMS:
+                if self._take_items(action[1]):
+                    return self._items.pop()
+                continue
             value = error = None
             try:
                 value = await asyncio.wait_for(getattr(self._client, action[0])(*action[2:]),

@@ -245,8 +245,7 @@ class QueueService:
             if c.batch:
                 key = (c.inbox + wire.JOBS).encode()
                 limit = min(JOBS_PACKET, self.settings.max_message - len(b"MSG \0") - len(key))
-                out.extend((key, p) for p in pack_jobs(list(range(first, first + len(jobs))),
-                                                       jobs, limit))
+                out.extend((key, p) for p in pack_jobs(first, jobs, limit))
             else:
                 key = (c.inbox + wire.JOB).encode()
                 out.extend((key, wire.pack_job(tag, st.deliveries(job), job[0], job[1]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 from typing import Deque, Dict, List, Optional, Tuple
 
-from .._core.inflight import InFlight
+from .._core.inflight import Held, InFlight
 from ..client.private import new_id
 
 # Why a consumer left (``queue_consumer_leave.reason``).
@@ -107,7 +107,7 @@ class Queue:
         self.ack_timeout = ack_timeout
         self.lease = lease
         self.max_held = max_held
-        self.held: Deque[Job] = collections.deque()
+        self.held = Held()     # in C: the reader (jobs.Intake) appends to it
         self._held_again = 0    # of the held, jobs given out before (3-tuples)
         self.consumers: Dict[str, Consumer] = {}
         self._by_inbox: Dict[str, str] = {}
@@ -127,7 +127,7 @@ class Queue:
         held = self.held
         if len(held) <= self.max_held:
             return []
-        dropped = [held.popleft() for _ in range(len(held) - self.max_held)]
+        dropped = held.take(len(held) - self.max_held)
         if self._held_again:
             self._held_again -= sum(len(job) > 2 for job in dropped)
         self.counts["dropped"] += len(dropped)
@@ -154,17 +154,7 @@ class Queue:
             width = len(turn)
             rounds = min(c.credit - len(got.get(c, ())) for c in turn)
             take = min(len(held), rounds * width)
-            if take == len(held):       # the usual case while consumers keep up
-                block = list(held)
-                held.clear()
-            else:
-                block = [held.popleft() for _ in range(take)]
-            for i, c in enumerate(turn):
-                jobs = block[i::width]
-                if c in got:
-                    got[c].extend(jobs)
-                else:
-                    got[c] = jobs
+            held.deal(take, [got.setdefault(c, []) for c in turn])    # one each in turn, in C
             # Who got the last job of a partial round goes to the back.
             served = take % width
             for c in turn[served:] + turn[:served]:
@@ -202,7 +192,7 @@ class Queue:
         # Handed-back jobs go first: they have waited longest.
         again = [job if len(job) > 2 else (job[0], job[1], 1) for job in jobs]
         self._held_again += len(again)
-        self.held.extendleft(reversed(again))
+        self.held.requeue(again)
 
     def _credit_back(self, c: Consumer) -> None:
         if not c.ready and c.credit > 0 and self.consumers.get(c.token) is c:
@@ -252,21 +242,28 @@ class Queue:
 
     def settle_args(self, c: Consumer, args: bytes, verb: str) -> None:
         """``settle`` with the tags as a control message names them
-        (wire.WireError, nothing settled, for malformed ones)."""
-        jobs, named = c.in_flight.settle(args)
-        self._settled(c, jobs, named, verb)
+        (wire.WireError, nothing settled, for malformed ones). An ack or a
+        reject lets its jobs go in C: only a nack needs them back."""
+        if verb == "nack":
+            jobs, named = c.in_flight.settle(args)
+            self._settled(c, jobs, named, verb)
+        else:
+            settled, named = c.in_flight.drop(args)
+            self._settled(c, settled, named, verb)
 
-    def _settled(self, c: Consumer, jobs: List[Job], named: int, verb: str) -> None:
+    def _settled(self, c: Consumer, jobs, named: int, verb: str) -> None:
+        """``jobs``: the jobs settled, or (an ack or a reject) how many."""
         counts = self.counts
-        counts["late_acks"] += named - len(jobs)
+        settled = jobs if type(jobs) is int else len(jobs)
+        counts["late_acks"] += named - settled
         if verb == "ack":
-            c.acked += len(jobs)
-            counts["acked"] += len(jobs)
+            c.acked += settled
+            counts["acked"] += settled
         elif verb == "nack":
             self._requeue(jobs)
-            counts["nacked"] += len(jobs)
+            counts["nacked"] += settled
         else:
-            counts["rejected"] += len(jobs)
+            counts["rejected"] += settled
         self._credit_back(c)
 
     def bye(self, c: Consumer) -> Departure:
