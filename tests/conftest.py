@@ -3,6 +3,7 @@ and how the suite shares the machine when pytest-xdist runs it over workers (``m
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -12,30 +13,58 @@ from support.systemd import sandbox_command
 
 # ---- running over workers ------------------------------------------------------
 #
-# ``make test`` hands whole modules to its workers (``--dist loadscope``), so a
-# module's fixtures (a built release, a compiled C client, a PySpark session) are
-# made once, by one worker. Then it runs the tests marked ``alone`` (they time a
-# start-up or a deadline, which another worker's load would stretch) in a
-# second run, one at a time.
+# ``make test`` hands whole modules to its workers (``--dist loadscope``; the
+# Spark modules as one, see SPARK_MODULES), so a module's fixtures (a compiled
+# C client, a broker, a Spark session) are made once, by one worker. Then it
+# runs the tests marked ``alone`` (they time a start-up or a deadline, which
+# another worker's load would stretch) in a second run, one at a time.
 
 # The modules that take longest (pytest --durations), longest first. Workers take
 # modules in collection order, so these start first rather than last, when one
 # of them would run on while the other workers idle.
 SLOW_MODULES = (
-    # test_wheel.py compiles the release; the other two wait on its lock and
-    # copy it, so they come once a worker is free, not at the start.
-    "test_wheel.py", "test_make_run.py", "test_analytics_cluster.py", "test_wheel_source.py",
-    "test_wheel_install.py", "test_analytics.py",
-    "test_analytics_dataset.py", "test_notebook.py", "test_flood.py", "test_client_spec.py",
-    "test_properties.py", "test_soak.py", "test_analytics_daytables.py", "test_sbusd_cli.py",
-    "test_hierarchy.py", "test_bridge.py", "test_compat.py",
+    # The Spark unit first (see SPARK_MODULES): the longest chain on one worker.
+    "test_analytics_cluster.py", "test_analytics_dataset.py", "test_analytics_daytables.py",
+    "test_analytics.py", "test_make_run.py", "test_queue.py", "test_analytics_tablefiles.py",
+    # The release's installs (`make test` compiled it before pytest).
+    "test_wheel_source.py", "test_notebook.py", "test_wheel_install.py", "test_wheel.py",
+    "test_flood.py", "test_properties.py", "test_hierarchy.py", "test_soak.py",
+    "test_fuzz.py", "test_client_spec.py", "test_upgrade.py", "test_tool.py", "test_sbusd_cli.py",
+    "test_bridge.py", "test_protocol.py", "test_compat.py",
 )
+
+
+# The modules whose tests use the session's `spark` fixture run as one unit of
+# work, on one worker, so one JVM serves them all: a Spark session costs some
+# 20 CPU-s to start and warm. Every other module is a unit of its own, as
+# --dist loadscope makes it.
+SPARK_MODULES = (
+    "test_analytics_cluster.py", "test_analytics_dataset.py", "test_analytics_daytables.py",
+    "test_analytics.py", "test_make_run.py", "test_queue.py", "test_analytics_tablefiles.py",
+)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndSpark(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            if Path(nodeid.split("::", 1)[0]).name in SPARK_MODULES:
+                return "spark"
+            return super()._split_scope(nodeid)
+
+    return ModulesAndSpark(config, log) if config.getvalue("dist") == "loadscope" else None
 
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         rank = {name: i for i, name in enumerate(SLOW_MODULES)}
         items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    strays = sorted({item.path.name for item in items if item.path.name not in SPARK_MODULES
+                     and "spark" in getattr(item, "fixturenames", ())})
+    if strays:
+        raise pytest.UsageError(f"tests/conftest.py: add {', '.join(strays)} to SPARK_MODULES "
+                                "(its tests use the spark fixture)")
 
 
 # A worker's support.report_line figures travel with a test's report (a module
@@ -138,8 +167,8 @@ def spark():
     # A session something else started is not this fixture's to stop.
     owned = SparkSession.getActiveSession() is None
 
-    session = spark_session("local[2]", app_name="sbus-tests", conf={
-        "spark.sql.shuffle.partitions": "2",
+    session = spark_session("local[1]", app_name="sbus-tests", conf={
+        "spark.sql.shuffle.partitions": "1",
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
         "spark.driver.memory": "1g",
