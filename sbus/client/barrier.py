@@ -11,6 +11,13 @@ first), matched each publish and queued it for its subscribers, and put in
 place each SUB and UNSUB. What it does not prove is said in docs/clients.md
 ("A barrier").
 
+The key goes out in its local form (``!/cred/G/U/P/...``, even where whoami
+answers a nested one), which the client's own broker delivers itself. Behind
+a leaf the nested form goes round through the leaf's link, which is not
+there while it is restarting, and no longer answers to the identity whoami
+named once a new link process has replaced it: the barrier, about this
+client's broker alone, needs none of that.
+
 The returning message is routed to its waiter like a reply
 (:meth:`sbus.client.connection.Connection.triage`); whatever else arrives
 meanwhile stays queued for ``receive()``, in order. A client that turned echo
@@ -24,6 +31,7 @@ import time
 
 from .._core.batch import Outbox, pack_publish
 from .connection import WAIT, Connection, Plan
+from .private import local_form
 
 __all__ = ["SYNC_TIMEOUT", "sync"]
 
@@ -42,7 +50,7 @@ def sync(conn: Connection, timeout: float) -> Plan:
     replies = yield from conn.open_replies(timeout, deadline)
     waiter = conn.new_waiter()
     key = replies.expect(waiter)
-    packet = pack_publish(key, b"", conn.max_message)
+    packet = pack_publish(local_form(key), b"", conn.max_message)
     box = Outbox(conn.max_message)
     for p in ((packet,) if conn.echo else (_ECHO_ON, packet, _ECHO_OFF)):
         box.add_packet(p)

@@ -105,6 +105,7 @@ class _Link:
         self.bus = bus
         self.sock: Optional[socket.socket] = None
         self.waiting = False    # a WAIT stands on this connection
+        self.timeout: Optional[float] = None    # the socket's, as last set
 
     def close(self) -> None:
         self.waiting = False
@@ -134,14 +135,22 @@ class _Link:
             sock.close()
             raise
         self.sock = sock
+        self.timeout = timeout
         return True
 
+    def _set_timeout(self, timeout: Optional[float]) -> None:
+        # settimeout is a system call (ioctl FIONBIO) each time: two of a
+        # hand-over's, on each side, when made for a timeout already set.
+        if timeout != self.timeout:
+            self.sock.settimeout(timeout)   # type: ignore[union-attr]
+            self.timeout = timeout
+
     def send(self, packet: bytes, fds: Sequence[int], timeout: Optional[float] = None) -> None:
-        self.sock.settimeout(timeout)   # type: ignore[union-attr]
+        self._set_timeout(timeout)
         wire.send_fds(self.sock, packet, fds)
 
     def recv(self, timeout: Optional[float] = None):
-        self.sock.settimeout(timeout)   # type: ignore[union-attr]
+        self._set_timeout(timeout)
         return wire.recv_fds(self.sock)
 
 

@@ -3,8 +3,9 @@
 A child process of sbusd that is a client of both brokers. Locally it holds
 the link end of a socketpair the broker made (``Broker.attach_link``): it
 receives every local publish its export patterns match, private keys
-included, never its own publishes, and a control message for each local
-connection and subscription change. Upstream it is an ordinary client with
+included, and every key nested under its own identity upstream; never its
+own publishes; and a control message for each local connection and
+subscription change. Upstream it is an ordinary client with
 echo off.
 
 * Upwards: a local publish goes up as written, unless it is a private key
@@ -69,6 +70,10 @@ BATCH = 64                  # packets per recvmmsg from the upstream, per sendmm
 REFERENCE = os.environ.get("SBUS_LINK_REFERENCE", "") not in ("", "0")
 OWN_PRIVATE = b"!/cred////"  # every key private to the link itself, upstream
 CRED = b"!/cred/"
+# After our identity, a local subscription to the keys nested under it.
+# '!*' also matches a segment such as '!x' (no reserved use): such a key goes
+# up as written, where the upstream gives it to this link alone.
+NESTED = b"/!*/"
 FLOODS = ("block", "discard")  # sbusd --upstream-flood: the link's hard mode upstream
 
 
@@ -375,6 +380,12 @@ class Link:
             self.lost(e.strerror or str(e))
 
     def identified(self, creds: bytes) -> None:
+        if b"" not in self.exports and creds != self.prefix:
+            # Keys nested under our identity are for processes here (up_private),
+            # whatever the exports let up; the subscription for '' takes them anyway.
+            if self.prefix is not None:
+                self.send_local(b"UNSUB " + self.prefix + NESTED)
+            self.send_local(b"SUB " + creds + NESTED)
         self.prefix = creds
         last = creds[creds.rfind(b"/!/cred/") + 1:] if b"/!/cred/" in creds else creds
         self.own_forms = tuple(dict.fromkeys((creds + b"/", last + b"/")))
