@@ -34,6 +34,13 @@ class BuildExt(build_ext):
     dir> in LDSHARED, which would put the build host's path into every .so of
     the wheel; auditwheel keeps it. The extensions do not link libpython."""
 
+    def finalize_options(self):
+        super().finalize_options()
+        # One compiler a core unless told (-j): a host installing the sdist
+        # waits for the modules' compile, not for each in turn.
+        if not self.parallel:
+            self.parallel = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else True
+
     def build_extensions(self):
         for attr in ("linker_so", "linker_so_cxx"):
             args = getattr(self.compiler, attr, None)

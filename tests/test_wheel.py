@@ -2,9 +2,9 @@
 
 tools/build_wheels.py, which ``make wheel`` runs, builds the sdist and one
 repaired manylinux wheel per supported CPython whose interpreter pyenv has
-(reused from build/release while the sources are unchanged). Then (here, and
-in test_wheel_install.py and test_wheel_source.py, which run on other workers
-once the wheels are built):
+(reused from build/release while the sources are unchanged; `make test`
+builds it before pytest). Then (here, and in test_wheel_install.py,
+test_wheel_sdist.py and test_wheel_source.py, which run on other workers):
 
 * each wheel's files, tags and metadata are checked, and the sdist's files;
 * for every supported version, the wheel goes into a fresh virtual

@@ -1,8 +1,7 @@
-"""The release's other ways onto a host: the sdist installed with pip on a
-version other than ours (this host may compile; pip fetches the build
-requirements from the index), and ``pysbus[analytics]`` installed from the
-wheel with the PySpark wheel pip already built into its cache, whose
-``python -m sbus.analytics`` aggregates the log the installed broker wrote.
+"""``pysbus[analytics]`` installed from the release's wheel, with the PySpark
+wheel pip already built into its cache, whose ``python -m sbus.analytics``
+aggregates the log the installed broker wrote. (The sdist's install is
+test_wheel_sdist.py: apart, so the two run on parallel workers.)
 """
 from __future__ import annotations
 
@@ -17,10 +16,8 @@ from pathlib import Path
 import pytest
 
 from support.release import (
-    BUILD_TIMEOUT,
     INTERPRETERS,
     NAME,
-    OURS,
     SPARK_TIMEOUT,
     SUPPORTED,
     build,
@@ -30,7 +27,6 @@ from support.release import (
     host_env,
     host_python,
     install_wheel,
-    interpreter,
     make_venv,
     pyproject,
     run,
@@ -48,27 +44,6 @@ def dist(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dependency_wheels(tmp_path_factory):
     return dependency_downloader(tmp_path_factory)
-
-
-def sdist_version() -> str:
-    """A supported version other than ours, the newest present."""
-    others = [v for v in reversed(SUPPORTED) if v != OURS and INTERPRETERS[v] is not None]
-    if not others:
-        pytest.skip(f"no supported CPython but {OURS} is installed")
-    return others[0]
-
-
-def test_sdist_installs_from_source(dist, tmp_path):
-    ver = sdist_version()
-    venv = make_venv(interpreter(ver), tmp_path / "from-sdist")
-    home = tmp_path / "home"
-    home.mkdir()
-    # This host may compile: pip builds a wheel from the sdist, in isolation,
-    # with setuptools and Cython from the index.
-    run([venv / "bin" / "python", "-m", "pip", "install", "--no-cache-dir", dist.sdist],
-        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}, timeout=BUILD_TIMEOUT)
-    env = host_env(venv, home, compiler_shims(tmp_path / "shims"))
-    check_installed(venv, home, env)
 
 
 # ---------------------------------------------------------------- analytics
