@@ -11,6 +11,9 @@ from support import BACKENDS, Sbusd, Started, spawn_children
 from support.report import PENDING
 from support.systemd import sandbox_command
 
+# dist and dependency_wheels, for the release's test modules.
+pytest_plugins = ("support.release_fixtures",)
+
 # ---- running over workers ------------------------------------------------------
 #
 # ``make test`` hands whole modules to its workers (``--dist loadscope``; the

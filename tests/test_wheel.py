@@ -41,7 +41,6 @@ from support.release import (
     ROOT,
     SOURCES,
     SUPPORTED,
-    build,
     ext_suffix,
     extension_modules,
     interpreter,
@@ -52,11 +51,6 @@ from support.release import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-
-
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory):
-    return build(tmp_path_factory)
 
 
 def test_release_covers_every_supported_version():

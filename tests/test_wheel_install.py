@@ -20,10 +20,8 @@ import pytest
 from support.release import (
     ROOT,
     TIMEOUT,
-    build,
     check_installed,
     compiler_shims,
-    dependency_downloader,
     host_env,
     host_python,
     install_wheel,
@@ -36,16 +34,6 @@ from support.release import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-
-
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory):
-    return build(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def dependency_wheels(tmp_path_factory):
-    return dependency_downloader(tmp_path_factory)
 
 
 @versions

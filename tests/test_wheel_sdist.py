@@ -13,7 +13,6 @@ from support.release import (
     INTERPRETERS,
     OURS,
     SUPPORTED,
-    build,
     check_installed,
     compiler_shims,
     host_env,
@@ -23,11 +22,6 @@ from support.release import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-
-
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory):
-    return build(tmp_path_factory)
 
 
 def sdist_version() -> str:

@@ -20,10 +20,8 @@ from support.release import (
     NAME,
     SPARK_TIMEOUT,
     SUPPORTED,
-    build,
     check_installed,
     compiler_shims,
-    dependency_downloader,
     host_env,
     host_python,
     install_wheel,
@@ -34,16 +32,6 @@ from support.release import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-
-
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory):
-    return build(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def dependency_wheels(tmp_path_factory):
-    return dependency_downloader(tmp_path_factory)
 
 
 # ---------------------------------------------------------------- analytics
