@@ -147,7 +147,10 @@ def test_notebook_runs_as_documented_on_a_real_broker_log(start_broker, tmp_path
     shutil.copy(b.log_path, clone / ".run" / "sbusd.json")
     (clone / "tools").symlink_to(ROOT / "tools")
     env = {**os.environ, "PATH": os.pathsep.join([str(jupyter.parent), os.environ["PATH"]]),
-           "SBUS_MASTER": "local[2]"}
+           "SBUS_MASTER": "local[1]",
+           # Every JVM the notebook starts without the optimising compiler, whose
+           # warm-up costs more CPU than this small log's queries (as the spark fixture).
+           "JDK_JAVA_OPTIONS": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
     r = subprocess.run(["sh", "-c", documented_command()], cwd=clone, env=env,
                        capture_output=True, text=True, timeout=800)
     assert r.returncode == 0, r.stderr[-5000:]
