@@ -57,11 +57,11 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from ..client.chunks import SUFFIX as CHUNK_SUFFIX
 from ..queue.wire import PUT_SUFFIX
-
-_DERIVED = (CHUNK_SUFFIX, PUT_SUFFIX.encode())
 from .keysets import KeySet, TooComplex, find_key, meet, within
 from .model import DISCONNECT, PUBLISH, SUBSCRIBE, Policy, Rule, Template
 
+# Derived keys the policy judges as the key they carry messages of.
+_DERIVED = (CHUNK_SUFFIX, PUT_SUFFIX.encode())
 HEADER = struct.Struct("<BBHII")
 ENTRY = struct.Struct("<BBHI")
 VERSION = 1
