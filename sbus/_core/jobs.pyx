@@ -3,10 +3,12 @@
 # bytes. A `jobs` payload is records back to back, each the decimal size of
 # a `job` payload, one space, and that payload: `TAG DELIVERIES KEY\0PAYLOAD`.
 # sbus.queue.wire has the plain-Python twins (pack_jobs_py, parse_jobs_py),
-# which the tests hold these to. Intake is the service's reader: it takes
-# the jobs off the bus in C, and leaves the rest to the service. Job and
-# Acks are the consumers' (sbus.client.consume): a delivery made straight
-# from its record, and the acks held to go out together.
+# which the tests hold these to. A producer's batch ("Producers' batches")
+# is records `SIZE PAYLOAD` on `KEY/.sbus-jobs`: pack_puts packs them
+# (twin: wire.pack_puts_py). Intake is the service's reader: it takes the
+# jobs off the bus in C, a batch's one by one, and leaves the rest to the
+# service. Job and Acks are the consumers' (sbus.client.consume): a delivery
+# made straight from its record, and the acks held to go out together.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsUnsignedLongLong, PyLong_FromUnsignedLongLong
