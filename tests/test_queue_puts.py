@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import subprocess
 import textwrap
 from collections import Counter
 
@@ -20,7 +21,7 @@ from sbus.access import parse
 from sbus.client.consume import job_packets
 from sbus.queue import wire
 
-from support import Conn, Sbusd, Started, asroot, make_public_dir, wait_until
+from support import TESTS, Conn, Sbusd, Started, asroot, make_public_dir, wait_until
 from support.queuesvc import Consumers, QueueService, wait_state
 
 PUTS = wire.PUT_SUFFIX.encode()
@@ -240,3 +241,22 @@ def test_a_producer_under_a_policy_batches_what_it_may_publish(tmp_path, spawn):
     finally:
         b.stop()
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_a_c_producer_written_from_the_docs(bus, queues, consumers, tmp_path):
+    exe = tmp_path / "queue_producer"
+    built = subprocess.run(["gcc", "-std=c99", "-D_DEFAULT_SOURCE", "-O2", "-Wall", "-Wextra",
+                            "-Werror", "-o", str(exe), str(TESTS / "c" / "queue_producer.c")],
+                           capture_output=True, text=True, timeout=TIMEOUT)
+    assert built.returncode == 0, built.stderr
+    q = queues(bus.address)
+    run = subprocess.run([str(exe), bus.address, "jobs/c", "one", "two two", "", "three"],
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    s = wait_state(q, lambda s: s["received"] == 4, "4 jobs")
+    assert s["bad_requests"] == 0
+    consumers.start(16, "ack")
+    wait_state(q, lambda s: s["acked"] == 4, "4 acks")
+    assert [(j["key"], j["payload"]) for j in consumers.all()] == [
+        ("jobs/c", "one"), ("jobs/c", "two two"), ("jobs/c", ""), ("jobs/c", "three")]
