@@ -4,6 +4,7 @@ with real sbusd, service and consumer processes; a raw-socket producer
 written from the docs; the access policy judging a batch as its jobs' key."""
 from __future__ import annotations
 
+import random
 import shutil
 import signal
 import subprocess
@@ -260,3 +261,34 @@ def test_a_c_producer_written_from_the_docs(bus, queues, consumers, tmp_path):
     wait_state(q, lambda s: s["acked"] == 4, "4 acks")
     assert [(j["key"], j["payload"]) for j in consumers.all()] == [
         ("jobs/c", "one"), ("jobs/c", "two two"), ("jobs/c", ""), ("jobs/c", "three")]
+
+
+def _leading_records(payload: bytes):
+    """(jobs, malformed): the records before the first that does not follow
+    the convention, as the service takes them, and whether one did not."""
+    jobs, at = 0, 0
+    while at < len(payload):
+        space = payload.find(b" ", at)
+        size = payload[at:space]
+        if space < 0 or not size.isdigit() or len(size) > 18 or space + 1 + int(size) > len(payload):
+            return jobs, True
+        jobs, at = jobs + 1, space + 1 + int(size)
+    return jobs, False
+
+
+def test_random_batches_are_taken_as_far_as_they_follow_the_convention(bus, queues):
+    rng = random.Random(39)
+    pieces = [b"3 abc", b"0 ", b"1 \0", b"12 ", b"x", b" ", b"5 ab", b"007 1234567",
+              b"9" * 19 + b" ", b"2 \xff\xfe", b"\0\0"]
+    payloads = [b"".join(rng.choice(pieces) for _ in range(rng.randrange(8)))
+                for _ in range(200)]
+    expected = [_leading_records(p) for p in payloads]
+    q = queues(bus.address, PATTERN, "--max-held", "10000")
+    with Client(bus.address) as pub:
+        pub.publish_many([("jobs/r/.sbus-jobs", p) for p in payloads])
+        pub.whoami(timeout=TIMEOUT)
+    jobs = sum(n for n, _ in expected)
+    bad = sum(1 for _, malformed in expected if malformed)
+    s = wait_state(q, lambda s: s["received"] == jobs and s["bad_requests"] == bad,
+                   f"{jobs} jobs and {bad} bad requests")
+    assert s["held"] == jobs and q.proc.poll() is None
