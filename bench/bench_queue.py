@@ -7,8 +7,9 @@ of 4 nats-py subscribers, in the same run.
 
 Rows (jobs/s, first job received to last job done, over all consumers):
 
-- ``queue_sbus``: one publisher (publish_many) -> sbusd -> ``sbus queue`` ->
-  N consumers (``sbus.client.consume``), each job acknowledged;
+- ``queue_sbus``: one publisher (``Client.produce``: many jobs to a packet;
+  ``--single``: ``publish_many``, a packet per job) -> sbusd -> ``sbus queue``
+  -> N consumers (``sbus.client.consume``), each job acknowledged;
 - ``queue_nats``: one nats-py publisher -> nats-server -> N nats-py subscribers
   in one queue group.
 
@@ -98,12 +99,16 @@ def sbus_consumer(address, prefetch):
             "cpu_s": cpu_now() - cpu}
 
 
-def sbus_publisher(address, count, payload, consumers):
+def sbus_publisher(address, count, payload, consumers, single):
     from sbus import Client
     cpu = cpu_now()
     with Client(address) as bus:
         for start in range(0, count, 1000):
-            bus.publish_many([(KEY, job(i, payload)) for i in range(start, min(count, start + 1000))])
+            jobs = [job(i, payload) for i in range(start, min(count, start + 1000))]
+            if single:
+                bus.publish_many([(KEY, j) for j in jobs])
+            else:
+                bus.produce(KEY, jobs)
         bus.publish_many([(KEY, STOP)] * consumers)
         bus.whoami(timeout=60)
     return {"sent": count, "cpu_s": cpu_now() - cpu}
@@ -150,7 +155,7 @@ def worker(args):
     if args.worker == "sbus_consumer":
         out = sbus_consumer(args.address, args.prefetch)
     elif args.worker == "sbus_publisher":
-        out = sbus_publisher(args.address, args.count, args.payload, args.consumers)
+        out = sbus_publisher(args.address, args.count, args.payload, args.consumers, args.single)
     elif args.worker == "nats_consumer":
         out = asyncio.run(_nats_consumer(args.address))
     else:
@@ -164,6 +169,8 @@ def spawn(args, kind, address, procs, **more):
     argv = [sys.executable, __file__, "--worker", kind, "--address", address,
             "--count", str(args.count), "--payload", str(args.payload),
             "--consumers", str(args.consumers), "--prefetch", str(args.prefetch)]
+    if args.single:
+        argv.append("--single")
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, **more)
     procs.append(p)
     return p
@@ -257,6 +264,9 @@ def main():
     ap.add_argument("--prefetch", type=int, default=256,
                     help="sbus queue --prefetch and the consumers' (default 256)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each row (default 3)")
+    ap.add_argument("--single", action="store_true",
+                    help="the sbus publisher sends a packet per job (publish_many), not "
+                         "producer's batches (Client.produce)")
     ap.add_argument("--quick", action="store_true", help="one short run of each: 5000 jobs")
     ap.add_argument("--json", metavar="PATH", help="where to write the results")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -303,7 +313,7 @@ def main():
     path.write_text(json.dumps({"time": stamp, "commit": rev, "cores": os.cpu_count(),
                                 "settings": {k: getattr(args, k) for k in
                                              ("count", "payload", "consumers", "prefetch",
-                                              "repeat")},
+                                              "repeat", "single")},
                                 "runs": runs, "medians": medians, "cpu_us_per_job": cpu},
                                indent=2))
     say(f"results: {path}")

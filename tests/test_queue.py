@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import threading
 from collections import Counter
 
 import pytest
@@ -25,7 +24,8 @@ from sbus.client.protocol import Credentials
 from sbus.queue import state as st
 from sbus.queue import wire
 
-from support import SBUS, TESTS, Conn, QueueService, Started, asroot, start_worker, wait_until
+from support import SBUS, TESTS, Conn, QueueService, Started, asroot, wait_until
+from support.queuesvc import Consumers, wait_state
 
 TIMEOUT = 20.0
 PATTERN = "jobs/"
@@ -41,43 +41,6 @@ def queues(tmp_path):
 
     yield start
     started.end()
-
-
-class Consumers:
-    """Consumer worker processes (tests/workers/consumer.py) and the jobs each printed."""
-
-    def __init__(self, address):
-        self.address = address
-        self.procs = []
-        self.jobs = []      # per consumer: the JSON lines it printed so far
-        self._lock = threading.Lock()
-
-    def start(self, prefetch, mode, pattern=PATTERN) -> int:
-        proc = start_worker("consumer", self.address, pattern, prefetch, mode)
-        index = len(self.procs)
-        self.procs.append(proc)
-        self.jobs.append([])
-        threading.Thread(target=self._read, args=(proc, index), daemon=True).start()
-        return index
-
-    def _read(self, proc, index):
-        for line in proc.stdout:
-            with self._lock:
-                self.jobs[index].append(json.loads(line))
-
-    def all(self) -> list:
-        with self._lock:
-            return [j for jobs in self.jobs for j in jobs]
-
-    def counts(self) -> list:
-        with self._lock:
-            return [len(j) for j in self.jobs]
-
-    def stop(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
 
 
 @pytest.fixture
@@ -96,14 +59,6 @@ def publish(address, keys_payloads):
 
 def jobs(n, start=0):
     return [(f"jobs/{i % 3}", f"job-{i}") for i in range(start, start + n)]
-
-
-def wait_state(q, predicate, what):
-    """The service's state once ``predicate`` holds for it."""
-    def matching():
-        state = q.state()
-        return state if predicate(state) else None
-    return wait_until(matching, TIMEOUT, what, interval=0.05)
 
 
 def test_jobs_go_round_the_consumers_within_their_prefetch(bus, queues, consumers):

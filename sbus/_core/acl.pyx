@@ -29,9 +29,12 @@ cdef int acl_decide(AclTable *t, const char *key, size_t klen) noexcept nogil:
     cdef uint32_t i
     cdef AclCached *slot
     cdef int best = ACL_DEFAULT
-    # A chunk's key is judged as its message's (docs/chunks.md, sbus.client.chunks.SUFFIX).
+    # A chunk's key is judged as its message's (docs/chunks.md, sbus.client.chunks.SUFFIX),
+    # a producer's batch of jobs as its jobs' (docs/queues.md, sbus.queue.wire.PUT_SUFFIX).
     if klen > 12 and memcmp(key + klen - 12, b"/.sbus-chunk", 12) == 0:
         klen -= 12
+    if klen > 11 and memcmp(key + klen - 11, b"/.sbus-jobs", 11) == 0:
+        klen -= 11
     if t.indexed:
         if klen == 0 or klen > ACL_CACHE_KEY:
             index_match(&t.index, key, klen, take_first, &best)

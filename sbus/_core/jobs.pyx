@@ -3,10 +3,12 @@
 # bytes. A `jobs` payload is records back to back, each the decimal size of
 # a `job` payload, one space, and that payload: `TAG DELIVERIES KEY\0PAYLOAD`.
 # sbus.queue.wire has the plain-Python twins (pack_jobs_py, parse_jobs_py),
-# which the tests hold these to. Intake is the service's reader: it takes
-# the jobs off the bus in C, and leaves the rest to the service. Job and
-# Acks are the consumers' (sbus.client.consume): a delivery made straight
-# from its record, and the acks held to go out together.
+# which the tests hold these to. A producer's batch ("Producers' batches")
+# is records `SIZE PAYLOAD` on `KEY/.sbus-jobs`: pack_puts packs them
+# (twin: wire.pack_puts_py). Intake is the service's reader: it takes the
+# jobs off the bus in C, a batch's one by one, and leaves the rest to the
+# service. Job and Acks are the consumers' (sbus.client.consume): a delivery
+# made straight from its record, and the acks held to go out together.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsUnsignedLongLong, PyLong_FromUnsignedLongLong
@@ -34,6 +36,9 @@ cdef enum:
 # Keys under this prefix are the service's requests, never jobs (wire.PREFIX).
 cdef const char *REQUESTS = b"sbus/queue/"
 cdef size_t REQUESTS_LEN = 11
+# A producer's batch of jobs on key K travels on K + this suffix (wire.PUT_SUFFIX).
+cdef const char *PUTS = b"/.sbus-jobs"
+cdef size_t PUTS_LEN = 11
 
 
 cdef inline int digits(uint64_t n) noexcept:
@@ -96,6 +101,53 @@ def pack_jobs(uint64_t first, list jobs, Py_ssize_t limit):
                 start, size = i, es[i].rec
     finally:
         PyMem_Free(es)
+    return out
+
+
+def pack_puts(bytes key, bytes batch_key, list payloads, Py_ssize_t limit):
+    """The packets that publish ``payloads`` as jobs on ``key`` (docs/queues.md,
+    "Producers' batches"): ``(batch_key, records)`` pairs, each payload at most
+    ``limit`` bytes of records ``SIZE PAYLOAD``, in order; a job whose record
+    alone is over ``limit`` goes as ``(key, payload)``, a plain job, where it
+    falls. Nothing is made per job but its record's bytes in a packet."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(payloads), i, j, start = 0, size = 0, rec, plen
+    cdef PyObject *item
+    cdef char *at
+    cdef list out = []
+    for i in range(n):
+        if not isinstance(<object>PyList_GET_ITEM(payloads, i), bytes):
+            raise TypeError(f"a job's payload must be bytes, not "
+                            f"{type(<object>PyList_GET_ITEM(payloads, i)).__name__}")
+    i = 0
+    while i <= n:
+        rec = 0
+        if i < n:
+            plen = PyBytes_GET_SIZE(<object>PyList_GET_ITEM(payloads, i))
+            rec = digits(<uint64_t>plen) + 1 + plen
+            if size == 0 or size + rec <= limit:
+                if rec <= limit:
+                    size += rec
+                    i += 1
+                    continue
+        if size:
+            # payloads[start:i] make one packet of ``size`` bytes
+            packed = PyBytes_FromStringAndSize(NULL, size)
+            at = PyBytes_AS_STRING(packed)
+            for j in range(start, i):
+                item = PyList_GET_ITEM(payloads, j)
+                plen = PyBytes_GET_SIZE(<object>item)
+                at = put_count(at, <uint64_t>plen, digits(<uint64_t>plen))
+                at[0] = b' '
+                memcpy(at + 1, PyBytes_AS_STRING(<object>item), plen)
+                at += 1 + plen
+            out.append((batch_key, packed))
+            size = 0
+        if i < n and rec > limit:
+            out.append((key, <object>PyList_GET_ITEM(payloads, i)))
+            i += 1
+        elif i == n:
+            break
+        start = i
     return out
 
 
@@ -252,37 +304,87 @@ cdef bytes pack_acks(bytes head, list tags):
 cdef class Intake(Sink):
     """The queue service's reader (a batch.Sink for ``receive_into``): a
     plain message that is a job goes to ``held`` (an inflight.Held) as a
-    ``(key, payload)`` tuple, counted in ``received``; anything else, in order, to
-    ``others`` for the service: a key that is private (``!``, the service's
-    own inbox and control key) or under ``sbus/queue/``, or a job whose key
-    and payload are longer than ``room`` (too large to deliver)."""
+    ``(key, payload)`` tuple, counted in ``received``, and so does each job of
+    a producer's batch (a key ending in ``/.sbus-jobs``), under the key
+    before that suffix; anything else, in order, to ``others`` for the
+    service: a key that is private (``!``, the service's own inbox and
+    control key) or under ``sbus/queue/``, a job whose key and payload are
+    longer than ``room`` (too large to deliver), or what is left of a batch
+    from a record that does not follow the convention, or whose key is not
+    under ``prefix`` (the queue's pattern when it ends in ``/``), under its
+    batch key."""
 
     cdef Held held
     cdef list others
     cdef bytes last_key     # reused while the keys repeat
+    cdef bytes prefix
     cdef readonly Py_ssize_t room
     cdef public Py_ssize_t received
 
-    def __cinit__(self, Held held, Py_ssize_t room):
+    def __cinit__(self, Held held, Py_ssize_t room, bytes prefix=b""):
         self.held = held
         self.others = []
         self.last_key = b""
         self.room = room
+        self.prefix = prefix
 
-    cdef int put(self, const char *key, size_t klen,
-                 const char *payload, size_t plen) except -1:
+    cdef inline bytes key_of(self, const char *key, size_t klen):
         cdef bytes k = self.last_key
         if <size_t>PyBytes_GET_SIZE(k) != klen or memcmp(PyBytes_AS_STRING(k), key, klen) != 0:
             k = PyBytes_FromStringAndSize(key, klen)
             self.last_key = k
+        return k
+
+    cdef inline int take(self, bytes k, const char *payload, size_t plen) except -1:
         job = (k, PyBytes_FromStringAndSize(payload, plen))
         PyObject_GC_UnTrack(job)
-        cdef bint request = klen >= REQUESTS_LEN and memcmp(key, REQUESTS, REQUESTS_LEN) == 0
-        if (klen and key[0] == b'!') or request or <Py_ssize_t>(klen + plen) > self.room:
+        if <Py_ssize_t>(PyBytes_GET_SIZE(k) + plen) > self.room:
             self.others.append(job)
         else:
             self.held.push(job)
             self.received += 1
+        return 0
+
+    cdef int put(self, const char *key, size_t klen,
+                 const char *payload, size_t plen) except -1:
+        if (klen and key[0] == b'!') or (
+                klen >= REQUESTS_LEN and memcmp(key, REQUESTS, REQUESTS_LEN) == 0):
+            self.others.append((PyBytes_FromStringAndSize(key, klen),
+                                PyBytes_FromStringAndSize(payload, plen)))
+            return 0
+        if klen > PUTS_LEN and memcmp(key + klen - PUTS_LEN, PUTS, PUTS_LEN) == 0:
+            return self.put_batch(key, klen, payload, plen)
+        return self.take(self.key_of(key, klen), payload, plen)
+
+    cdef int put_batch(self, const char *key, size_t klen,
+                       const char *payload, size_t plen) except -1:
+        """The jobs of a producer's batch: records ``SIZE PAYLOAD``, all on
+        the key before the suffix."""
+        cdef const char *p = payload
+        cdef const char *end = payload + plen
+        cdef const char *q
+        cdef uint64_t size
+        cdef size_t jlen = klen - PUTS_LEN
+        cdef Py_ssize_t plen_prefix = PyBytes_GET_SIZE(self.prefix)
+        if plen_prefix and (<Py_ssize_t>jlen < plen_prefix or memcmp(
+                key, PyBytes_AS_STRING(self.prefix), plen_prefix) != 0):
+            p = payload     # a key outside the queue's: none of it is a job
+        else:
+            k = self.key_of(key, jlen)
+            while p < end:
+                q = p
+                size = 0
+                while q < end and b'0' <= q[0] <= b'9' and q - p < MAX_DIGITS:
+                    size = size * 10 + <uint64_t>(q[0] - 48)
+                    q += 1
+                if q == p or q >= end or q[0] != b' ' or size > <uint64_t>(end - q - 1):
+                    break
+                self.take(k, q + 1, <size_t>size)
+                p = q + 1 + size
+            if p == end:
+                return 0
+        self.others.append((PyBytes_FromStringAndSize(key, klen),
+                            PyBytes_FromStringAndSize(p, end - p)))
         return 0
 
     def take_others(self):

@@ -56,9 +56,12 @@ import struct
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from ..client.chunks import SUFFIX as CHUNK_SUFFIX
+from ..queue.wire import PUT_SUFFIX
 from .keysets import KeySet, TooComplex, find_key, meet, within
 from .model import DISCONNECT, PUBLISH, SUBSCRIBE, Policy, Rule, Template
 
+# Derived keys the policy judges as the key they carry messages of.
+_DERIVED = (CHUNK_SUFFIX, PUT_SUFFIX.encode())
 HEADER = struct.Struct("<BBHII")
 ENTRY = struct.Struct("<BBHI")
 VERSION = 1
@@ -100,13 +103,22 @@ class Decision(NamedTuple):
     why: str = ""
 
 
+def _message_key(key: bytes) -> bytes:
+    """The key (or pattern) a derived one carries messages of: ``K`` for
+    ``K/.sbus-chunk``, ``K/.sbus-jobs`` and ``K/.sbus-jobs/.sbus-chunk``."""
+    for suffix in _DERIVED:
+        if key.endswith(suffix) and len(key) > len(suffix):
+            key = key[:-len(suffix)]
+    return key
+
+
 def canonical_key(key: bytes) -> bytes:
     """``key`` with the numbers of a leading ``!/cred/G/U/P/`` form without
     leading zeros: the broker delivers both spellings to the same client, so
     the policy must judge them alike. A chunk's key is judged as its
-    message's (docs/chunks.md): ``K/.sbus-chunk`` as ``K``."""
-    if key.endswith(CHUNK_SUFFIX) and len(key) > len(CHUNK_SUFFIX):
-        key = key[:-len(CHUNK_SUFFIX)]
+    message's (docs/chunks.md): ``K/.sbus-chunk`` as ``K``; and a producer's
+    batch of jobs as its jobs' (docs/queues.md): ``K/.sbus-jobs`` as ``K``."""
+    key = _message_key(key)
     m = _CRED.match(key)
     if m is None:
         return key
@@ -216,9 +228,9 @@ class Access:
         whole pattern settles it. A pattern too tangled to prove safe within
         ``keysets.BUDGET`` steps is refused: refusing is never a leak.
         A chunk twin ``P/.sbus-chunk`` is judged as ``P``, whose messages its
-        chunks carry (docs/chunks.md)."""
-        if pattern.endswith(CHUNK_SUFFIX) and len(pattern) > len(CHUNK_SUFFIX):
-            pattern = pattern[:-len(CHUNK_SUFFIX)]
+        chunks carry (docs/chunks.md), and so is a queue's twin
+        ``P/.sbus-jobs``, whose jobs its batches carry (docs/queues.md)."""
+        pattern = _message_key(pattern)
         wanted = KeySet(pattern)
         if wanted.dead:
             return Decision(True, None, why="the pattern matches no key ('*' takes the rest "

@@ -39,9 +39,9 @@ import asyncio
 import inspect
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Generator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, List, Optional, Tuple, Union
 
-from .._core.jobs import Acks, Feed, Job, Settler, jobs_from
+from .._core.jobs import Acks, Feed, Job, Settler, jobs_from, pack_puts
 from ..errors import SbusError, ServiceRefusedError
 from ..queue import wire
 from ..queue.defaults import PREFETCH, RENEWALS_PER_LEASE
@@ -52,7 +52,7 @@ if TYPE_CHECKING:   # the contract; services.py imports this module
 from .protocol import ControlMessage
 from .steps import ITEMS, Plan, Run, Steps
 
-__all__ = ["Consumer", "consume", "consume_async"]
+__all__ = ["Consumer", "consume", "consume_async", "job_packets"]
 
 # Seconds between hellos while no service has answered.
 HELLO_RETRY = 1.0
@@ -68,6 +68,7 @@ REPLY_TIMEOUT = 10.0
 BYE_CONFIRM = 2.0
 
 Packet = Tuple[str, bytes]     # (key, payload) to publish
+_PUT_SUFFIX = wire.PUT_SUFFIX.encode()
 # What the plans yield besides client calls and (ITEMS, jobs) (see .steps).
 NAP, RENEW = "nap", "renew"
 
@@ -369,6 +370,21 @@ def _renew_task(s: _Session) -> "asyncio.Task":
 
     s.wake = wake.set
     return asyncio.ensure_future(run())
+
+
+def job_packets(key: Union[str, bytes], payloads: Iterable[bytes],
+                max_message: int = 0) -> List[Tuple[bytes, bytes]]:
+    """The packets (key, payload) that give ``payloads`` to ``sbus queue`` as
+    jobs on ``key``, in order: a producer's batches of at most
+    ``wire.PUT_PACKET`` bytes (docs/queues.md, "Producers' batches"), a job
+    too large for one alone as a plain job. What ``Client.produce`` publishes;
+    ``max_message``, the broker's, bounds a batch's packet too."""
+    k = key.encode("utf-8", "surrogateescape") if isinstance(key, str) else bytes(key)
+    batch_key = k + _PUT_SUFFIX
+    limit = wire.PUT_PACKET
+    if max_message:
+        limit = min(limit, max_message - len(b"MSG \0") - len(batch_key))
+    return pack_puts(k, batch_key, payloads if type(payloads) is list else list(payloads), limit)
 
 
 def consume(client: BusClient, pattern: str, prefetch: int = PREFETCH) -> Consumer:

@@ -69,6 +69,12 @@ class ServiceMethods:
         """``for`` the jobs of ``sbus queue`` on ``pattern``: :func:`sbus.client.consume.consume`."""
         return _consume.Consumer(self, pattern, prefetch)
 
+    def produce(self, key: Text, payloads: Iterable[bytes]) -> int:
+        """Give ``sbus queue`` ``payloads`` as jobs on ``key``, many to a packet
+        (:func:`sbus.client.consume.job_packets`); raises as ``publish_many``
+        (``index`` counts packets). Returns how many packets went out."""
+        return self.publish_many(_consume.job_packets(key, payloads, self.max_message))
+
     def serve_proofs(self, pattern: Text, count: Optional[int] = None) -> _proof.Run:
         """``for`` each peer proved on ``pattern``: :func:`sbus.client.proof.serve_proofs`."""
         return _proof.serve_proofs(self, pattern, count)
@@ -92,6 +98,12 @@ class AsyncServiceMethods:
     def consume(self, pattern: str, prefetch: int = _consume.PREFETCH) -> _consume.Consumer:
         """``async for`` the jobs of ``sbus queue``: :func:`sbus.client.consume.consume`."""
         return _consume.Consumer(self, pattern, prefetch)
+
+    async def produce(self, key: Text, payloads: Iterable[bytes]) -> int:
+        """Give ``sbus queue`` ``payloads`` as jobs on ``key``, many to a packet
+        (:func:`sbus.client.consume.job_packets`); raises as ``publish_many``
+        (``index`` counts packets). Returns how many packets went out."""
+        return await self.publish_many(_consume.job_packets(key, payloads, self.max_message))
 
     def serve_proofs(self, pattern: Text, count: Optional[int] = None) -> _proof.Run:
         """``async for`` each peer proved on ``pattern``: :func:`sbus.client.proof.serve_proofs`."""

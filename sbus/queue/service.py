@@ -53,6 +53,7 @@ DROP_FULL = "full"          # --max-held were waiting
 DROP_OVERSIZE = "oversize"  # too large to deliver within the broker's --max-message
 HELLO = wire.HELLO_KEY.encode()
 STATE = wire.STATE_KEY.encode()
+PUTS = wire.PUT_SUFFIX.encode()
 
 
 @dataclass
@@ -103,6 +104,10 @@ class QueueService:
         self._control = self.inbox.key(wire.CONTROL).encode()
         for pattern in (self.inbox.pattern, wire.HELLO_KEY, wire.STATE_KEY, s.pattern):
             await self.bus.subscribe(pattern)
+        if s.pattern and not s.pattern.endswith("/"):
+            # A pattern anchored at the key's end does not match the keys
+            # of producers' batches; its twin matches exactly theirs.
+            await self.bus.subscribe(s.pattern + wire.PUT_SUFFIX)
         await self.bus.whoami()     # answered in order: the SUBs are in place
 
     # -- the reader --------------------------------------------------------------
@@ -112,7 +117,10 @@ class QueueService:
         # The most a job's key and payload may take: what a delivery adds
         # must fit within the broker's --max-message.
         room = self.settings.max_message - len(b"MSG \0") - wire.DELIVERY_OVERHEAD
-        intake = Intake(q.held, room)   # the jobs go to q.held in C
+        # The jobs go to q.held in C. A batch's key is in the pattern's
+        # namespace when the pattern is a prefix; the twin above when not.
+        prefix = self.pattern if self.pattern.endswith(b"/") else b""
+        intake = Intake(q.held, room, prefix)
         counts = q.counts
         while True:
             await bus.receive_into(intake, BATCH)   # control messages: none for us
@@ -126,6 +134,10 @@ class QueueService:
                     self._on_request(key, payload, now)
                 elif self.inbox.suffix_of(key) is not None:
                     counts["bad_requests"] += 1     # in our inbox, but not the control key
+                elif key.endswith(PUTS):
+                    # what is left of a producer's batch from a malformed
+                    # record, or one on a key outside the pattern
+                    self._bad(key, wire.WireError(f"a batch of jobs not in records: {payload[:40]!r}"))
                 elif len(key) + len(payload) > room:
                     counts["oversize"] += 1
                     self._dropped(DROP_OVERSIZE, 1, key, len(payload), now)

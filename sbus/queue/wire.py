@@ -17,6 +17,11 @@ PREFIX = b"sbus/queue/"
 HELLO_KEY = "sbus/queue/hello"     # <prefetch> [batch] <inbox> <pattern>; again to renew the lease
 STATE_KEY = "sbus/queue/state"     # <inbox> <pattern>
 
+# A producer's batch of jobs on key K is published on K + PUT_SUFFIX: records
+# <size> <payload>, back to back, in packets of at most PUT_PACKET bytes.
+PUT_SUFFIX = "/.sbus-jobs"
+PUT_PACKET = 32 << 10
+
 # Suffixes of a consumer's inbox (service -> consumer).
 WELCOME = "welcome"    # <token> <lease seconds> <control key>
 JOB = "job"            # <tag> <deliveries> <key>\0<payload>
@@ -175,6 +180,44 @@ def parse_jobs_py(payload: bytes) -> List[Tuple[int, int, bytes, bytes]]:
         if at > len(payload):
             raise WireError("a jobs record longer than its payload")
         out.append(parse_job(payload[space + 1:at]))
+    return out
+
+
+def pack_puts_py(key: bytes, payloads: List[bytes], limit: int = PUT_PACKET) -> List[Tuple[bytes, bytes]]:
+    """The plain-Python twin of ``sbus._core.jobs.pack_puts``: the packets
+    (key, payload) that publish ``payloads`` as jobs on ``key``, batches of
+    at most ``limit`` bytes on ``key`` + PUT_SUFFIX, a job whose record alone
+    is larger as a plain job on ``key``, in order."""
+    batch_key = key + PUT_SUFFIX.encode()
+    out: List[Tuple[bytes, bytes]] = []
+    packet = b""
+    for payload in payloads:
+        record = b"%d %s" % (len(payload), payload)
+        if packet and len(packet) + len(record) > limit:
+            out.append((batch_key, packet))
+            packet = b""
+        if len(record) > limit:
+            out.append((key, payload))
+        else:
+            packet += record
+    if packet:
+        out.append((batch_key, packet))
+    return out
+
+
+def parse_puts_py(payload: bytes) -> List[bytes]:
+    """The job payloads of a producer's batch (records ``SIZE PAYLOAD``)."""
+    out = []
+    at = 0
+    while at < len(payload):
+        space = payload.find(b" ", at)
+        if space < 0:
+            raise WireError("a batch record without its size")
+        size = _count(payload[at:space], "size")
+        at = space + 1 + size
+        if at > len(payload):
+            raise WireError("a batch record longer than its payload")
+        out.append(payload[space + 1:at])
     return out
 
 

@@ -1,7 +1,9 @@
-"""One wrapper for a running ``sbus queue`` service process."""
+"""One wrapper for a running ``sbus queue`` service process, and one for its
+consumer worker processes."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -11,6 +13,10 @@ from sbus.queue import wire
 
 from .logged import LoggedProcess
 from .sbusd import SBUS
+from .waiting import wait_until
+from .worker import start_worker
+
+TIMEOUT = 20.0
 
 
 class QueueService(LoggedProcess):
@@ -44,3 +50,48 @@ class QueueService(LoggedProcess):
                 m = bus.receive(timeout=max(0.0, deadline - time.monotonic()))
                 if inbox.suffix_of(m.key) == wire.STATE.encode():
                     return json.loads(m.payload)
+
+
+def wait_state(q, predicate, what, timeout=TIMEOUT):
+    """The service's state once ``predicate`` holds for it."""
+    def matching():
+        state = q.state()
+        return state if predicate(state) else None
+    return wait_until(matching, timeout, what, interval=0.05)
+
+
+class Consumers:
+    """Consumer worker processes (tests/workers/consumer.py) and the jobs each printed."""
+
+    def __init__(self, address):
+        self.address = address
+        self.procs = []
+        self.jobs = []      # per consumer: the JSON lines it printed so far
+        self._lock = threading.Lock()
+
+    def start(self, prefetch, mode, pattern="jobs/") -> int:
+        proc = start_worker("consumer", self.address, pattern, prefetch, mode)
+        index = len(self.procs)
+        self.procs.append(proc)
+        self.jobs.append([])
+        threading.Thread(target=self._read, args=(proc, index), daemon=True).start()
+        return index
+
+    def _read(self, proc, index):
+        for line in proc.stdout:
+            with self._lock:
+                self.jobs[index].append(json.loads(line))
+
+    def all(self) -> list:
+        with self._lock:
+            return [j for jobs in self.jobs for j in jobs]
+
+    def counts(self) -> list:
+        with self._lock:
+            return [len(j) for j in self.jobs]
+
+    def stop(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
