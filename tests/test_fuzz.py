@@ -7,7 +7,7 @@ patterns, SUB/UNSUB bursts, '!' in every position, invalid and foreign
 a well-behaved publisher and subscriber pair checks that every message of
 theirs (public and !/cred/ private) arrives once and in order.
 ``SBUS_FUZZ_SECONDS`` sets how long the hostile clients run per backend
-(default 6, or 30 when SBUS_FUZZ_EXAMPLES is raised above the default, as
+(default 4, or 30 when SBUS_FUZZ_EXAMPLES is raised above the default, as
 ``make fuzz`` does). The compiled core's properties are in test_properties.py.
 
 Then the limits against memory abuse: --max-subscriptions, --max-pattern and

@@ -1,6 +1,6 @@
 """Resources under churn: descriptors, memory, fd exhaustion and SIGPIPE.
 
-The churn soak runs for ``SBUS_SOAK_SECONDS`` in total (default 50, split
+The churn soak runs for ``SBUS_SOAK_SECONDS`` in total (default 30, split
 between the event-loop backends; ``make soak`` sets 600). Churn worker
 processes run waves of clients that connect, subscribe, publish and leave:
 some close cleanly, some close or half-close in the middle of a burst, some
