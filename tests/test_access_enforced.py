@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from sbus._core.acl import Table
+from sbus._core.acl import Table, memo_hits
 from sbus.access import parse
 from sbus.access.compiled import canonical_key
 
@@ -145,6 +145,23 @@ def test_c_trie_decides_as_the_compiled_policy():
             assert (allowed, rule) == (want.allowed, want.rule.number if want.rule else 0), \
                 (uid, key)
             assert disconnect == (want.action == "disconnect"), (uid, key)
+
+
+def test_a_remembered_decision_is_taken_only_for_the_same_key():
+    """A connection remembers its last publish decision and compares the
+    next key word by word (acl.pxd same_short): a key differing in any one
+    byte, or in length, must not take it, whatever the length; a key too
+    long to remember, or nothing remembered, never does."""
+    rng = random.Random(3637)
+    assert not memo_hits(None, b"") and not memo_hits(None, b"a")
+    for n in range(41):
+        key = bytes(rng.randrange(1, 256) for _ in range(n))
+        assert memo_hits(key, bytes(key)) == (n <= 32), n
+        assert not memo_hits(key, key + b"x") and not memo_hits(key + b"x", key), n
+        for i in range(n):
+            for flip in (1, 0x80):
+                other = key[:i] + bytes([key[i] ^ flip]) + key[i + 1:]
+                assert not memo_hits(key, other), (n, i, flip)
 
 
 # ---- the system-bus example ------------------------------------------------------
@@ -391,6 +408,66 @@ def test_reload_applies_at_once_to_clients_already_subscribed(policy_bus, spawn)
     assert revoked["uid"] == NOBODY and "''" in revoked["detail"]
     loaded = bus.events("policy_loaded")
     assert [r["reload"] for r in loaded] == [False, True] and loaded[1]["revoked"] == 1
+
+
+# Two keys of each length the per-connection memo compares differently
+# (bytes, 4-byte words, two to four 8-byte words): policy(0) denies uid
+# 65534 the first of each pair, policy(1) the second.
+SAME_LENGTH = [("k/a", "k/b"), ("svc/on", "svc/no"), ("user/65534/n/first", "user/65534/n/other"),
+               ("power/room-7/lights/dim-to-11", "power/room-7/lights/dim-to-12")]
+
+
+def policy(which):
+    return 'default = "allow"\n' + "".join(
+        f'\n[[rule]]\nuid = 65534\ndeny = "publish"\npattern = "{pair[which]}"\n'
+        for pair in SAME_LENGTH)
+
+
+@asroot
+def test_reload_flips_the_decision_for_the_key_a_connection_repeats(policy_bus, spawn):
+    """Each publish of a connection is decided from the table it holds now:
+    a key published before a reload that flips its decision is decided
+    afresh after it, both ways, and one uid's decision never reaches
+    another connection publishing the same key (root, allowed throughout),
+    nor a key of the same length from the same connection."""
+    bus = policy_bus(policy(0))
+    keys = [k for pair in SAME_LENGTH for k in pair]
+    # Each phase starts with the key the last one ended with: what the
+    # connection remembers from before the reload is that key's old decision.
+    sent = keys[::-1] + keys + [k for k in keys for _ in range(3)]
+
+    def child(ctl):
+        with Conn.to(bus.address) as c:
+            while (phase := ctl.wait(60)) is not None:
+                for key in sent:
+                    c.packet(msg(key, f"nobody {phase}".encode()))
+                c.sync()
+                ctl.send("published")
+            mine = [e for e in c.stats()["clients"] if e["pid"] == os.getpid()]
+            return mine[0]["denied"]
+
+    kid = spawn(child)
+    with bus.connect() as root, bus.connect() as observer:
+        assert observer.sub_ok("")
+        for phase, which in enumerate([0, 1, 0]):
+            if phase:
+                bus.policy.write_text(policy(which))
+                proc = reload(bus)
+                assert proc.returncode == 0, proc.stderr
+            kid.send(phase)
+            assert kid.recv() == "published"
+            for key in keys:
+                root.packet(msg(key, f"root {phase}".encode()))
+            root.sync()
+            got = [p[4:].split(b"\0") for p in observer.collect()]
+            allowed = {pair[1 - which] for pair in SAME_LENGTH}
+            assert sorted(k.decode() for k, payload in got if payload == f"nobody {phase}".encode()) == \
+                sorted(k for k in sent if k in allowed)
+            assert sorted(k.decode() for k, payload in got if payload == f"root {phase}".encode()) == \
+                sorted(keys)
+            assert len(got) == 5 * len(SAME_LENGTH) + len(keys)
+        kid.send(None)
+        assert kid.result() == 3 * 5 * len(SAME_LENGTH)
 
 
 @asroot

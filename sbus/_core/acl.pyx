@@ -128,3 +128,13 @@ cdef class Table:
         for i in range(self.t.count):
             n += self.t.entries[i].len
         return n
+
+
+def memo_hits(remembered, bytes key):
+    """Whether a connection that remembered a decision for remembered (None:
+    nothing yet) takes it for a publish of key (acl_memo_get): for the tests."""
+    cdef AclMemo m
+    m.len = 0
+    if remembered is not None:
+        acl_memo_put(&m, <bytes>remembered, len(remembered), 7)
+    return acl_memo_get(&m, key, len(key)) != ACL_MISS

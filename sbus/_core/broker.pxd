@@ -37,7 +37,6 @@
 # the loop's turn, which must not call across modules.
 from libc.stdint cimport uint8_t, int32_t, uint32_t, uint64_t, int64_t
 
-from sbus._core.acl cimport AclTable
 from sbus._core.conn cimport Conn
 from sbus._core.hub cimport Hub
 from sbus._core.includes.sys cimport mmsghdr, iovec
@@ -123,8 +122,6 @@ cdef class Broker(Hub):
     cdef int handle_packet(self, Conn *c, int slot, size_t n) except -1  # by verb, or close c
     cdef int publish(self, Conn *c, int slot, const char *key, size_t klen,
                      size_t n) except -1         # check the key, count, pend_add per recipient
-    cdef int policy_decide(self, AclTable *t, const char *key, size_t klen,
-                           const CredForm *form) except? -2   # acl_decide, !/cred/ canonical
     cdef int match_canonical(self, const char *key, size_t klen, CredForm *form,
                              FanOut *f) except -1   # match a !/cred/ key spelt with zeros again
 

@@ -25,7 +25,7 @@ from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memchr, memcmp, memcpy, memset
 from posix.unistd cimport read
 
-from sbus._core.acl cimport AclTable, ACL_ALLOW, acl_decide, acl_flags
+from sbus._core.acl cimport ACL_ALLOW, ACL_MISS, acl_flags, acl_memo_get
 from sbus._core.conn cimport Conn, MODE_BLOCK, R_EOF, R_ERROR, R_PROTOCOL, R_BANG, R_FLOOD, R_OVERSIZE
 from sbus._core.flood cimport on_full, could_block, start_blocking
 from sbus._core.hub cimport Hub
@@ -456,8 +456,10 @@ cdef class Broker(Hub):
                 return self.mark_closing(c, R_BANG, f"reserved '!' in key {text(key, klen)!r}")
         if c.access != NULL:
             # The access policy (sbusd --policy): without one, this branch is
-            # all the message path pays.
-            decided = self.policy_decide(c.access, key, klen, &form if f.is_cred else NULL)
+            # all the message path pays; with one, a repeated key is a compare.
+            decided = acl_memo_get(&c.memo, key, klen)
+            if decided == ACL_MISS:
+                decided = self.policy_decide(c, key, klen, &form if f.is_cred else NULL)
             if not acl_flags(c.access, decided) & ACL_ALLOW:
                 return self.deny_publish(c, key, klen, decided)
         c.counts.msgs_in += 1
@@ -478,29 +480,6 @@ cdef class Broker(Hub):
         if self.log_messages > 0:
             self.sample(c, key, klen, n, f.n)
         return 0
-
-    cdef int policy_decide(self, AclTable *t, const char *key, size_t klen,
-                           const CredForm *form) except? -2:
-        """acl_decide for key, a !/cred/ key (form) judged in its canonical
-        form, as delivery reads it (sbus.access.compiled's contract)."""
-        cdef char canon[CRED_CANONICAL_MAX]
-        cdef size_t clen
-        cdef size_t rest
-        cdef char *alt
-        cdef int decided
-        if form != NULL:
-            clen = cred_canonical_prefix(form, canon)
-            if not (clen == form.prefix_len and memcmp(canon, key, clen) == 0):
-                rest = klen - form.prefix_len
-                alt = <char *>malloc(clen + rest)
-                if alt == NULL:
-                    raise MemoryError()
-                memcpy(alt, canon, clen)
-                memcpy(alt + clen, key + form.prefix_len, rest)
-                decided = acl_decide(t, alt, clen + rest)
-                free(alt)
-                return decided
-        return acl_decide(t, key, klen)
 
     cdef int match_canonical(self, const char *key, size_t klen, CredForm *form,
                              FanOut *f) except -1:

@@ -6,7 +6,7 @@
 # the message path (broker.pyx) the pending chain, queue and counters.
 from libc.stdint cimport uint8_t, int32_t, uint32_t, uint64_t, int64_t
 
-from sbus._core.acl cimport AclTable
+from sbus._core.acl cimport AclTable, AclMemo
 from sbus._core.budget cimport Account
 from sbus._core.index cimport Sub
 from sbus._core.sendq cimport SendQueue
@@ -92,6 +92,7 @@ cdef struct Conn:
     uint64_t sub_bytes      # budget.pattern_cost of its patterns
     Account *acct           # its uid's account (budgets)
     AclTable *access        # its identity's publish decisions (Hub.tables); NULL: no policy
+    AclMemo memo            # its last publish decision from access (Hub.give_access forgets it)
     uint64_t denied         # its publishes the access policy denied
     uint64_t stamp          # seq of the last message it was picked for
     int32_t pend_head       # its deliveries pending in this batch

@@ -12,6 +12,7 @@ from sbus._core.flood cimport Flood
 from sbus._core.includes.sys cimport ucred
 from sbus._core.loop cimport Poller
 from sbus._core.peers cimport Peers
+from sbus._core.protocol cimport CredForm
 from sbus._core.subs cimport Subs
 
 
@@ -102,6 +103,8 @@ cdef class Hub:
     # hand-over): the lists grown for it first, then peers.conn_open.
     cdef Conn *open_conn(self, int fd, ucred *cred, bint link) except NULL
     cdef int give_access(self, Conn *c) except -1   # c.access: its identity's table
+    cdef int policy_decide(self, Conn *c, const char *key, size_t klen,
+                           const CredForm *form) except? -2   # c.memo missed: acl_decide
     cdef int deny_publish(self, Conn *c, const char *key, size_t klen,
                           int decided) except -1    # count, log, drop or close
     cdef int count_for_uid(self, uint32_t uid, int which) except -1   # 0 publish, 1 SUB

@@ -7,11 +7,13 @@ surface. broker.pyx's Broker is a Hub with the message path and the loop.
 """
 from libc.errno cimport errno
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport realloc, free
+from libc.stdlib cimport malloc, realloc, free
+from libc.string cimport memcmp, memcpy
 from posix.unistd cimport close
 
 from sbus._core cimport report
-from sbus._core.acl cimport Table, ACL_DISCONNECT, acl_flags, acl_rule
+from sbus._core.acl cimport (
+    Table, ACL_DISCONNECT, ACL_MISS, acl_decide, acl_flags, acl_memo_put, acl_rule)
 from sbus._core.conn cimport (
     Conn, MODE_QUEUE, R_FLOOD, R_SHUTDOWN, R_POLICY_DENIED, R_POLICY_REFUSED, R_POLICY_REVOKED)
 from sbus._core.control cimport (
@@ -29,6 +31,7 @@ from sbus._core.peers cimport (
     peers_init, peers_free, accept_peer, fd_exhausted, after_closing, refusal, give_sndbuf,
     conn_open, conn_close, conn_free, ACCEPT_AGAIN, ACCEPT_EXHAUSTED, ACCEPT_FAILED,
     EXHAUSTED_LOG, EXHAUSTED_PAUSE)
+from sbus._core.protocol cimport CredForm, CRED_CANONICAL_MAX, cred_canonical_prefix
 from sbus._core.report cimport Budgets
 from sbus._core.subs cimport subs_init, subs_free, drop_all, policy_refusal
 from sbus._core.subs cimport subscribe as subs_subscribe, unsubscribe as subs_unsubscribe
@@ -252,7 +255,34 @@ cdef class Hub:
         if table is None:
             table = self.tables[access] = Table(access)
         c.access = &table.t
+        c.memo.len = 0          # decided by the table it had, if any
         return 0
+
+    cdef int policy_decide(self, Conn *c, const char *key, size_t klen,
+                           const CredForm *form) except? -2:
+        """acl_decide by c's table for key, a !/cred/ key (form) judged in its
+        canonical form as delivery reads it (sbus.access.compiled's contract);
+        remembered in c.memo for the key as sent."""
+        cdef char canon[CRED_CANONICAL_MAX]
+        cdef size_t clen
+        cdef size_t rest
+        cdef char *alt
+        cdef int decided = ACL_MISS
+        if form != NULL:
+            clen = cred_canonical_prefix(form, canon)
+            if not (clen == form.prefix_len and memcmp(canon, key, clen) == 0):
+                rest = klen - form.prefix_len
+                alt = <char *>malloc(clen + rest)
+                if alt == NULL:
+                    raise MemoryError()
+                memcpy(alt, canon, clen)
+                memcpy(alt + clen, key + form.prefix_len, rest)
+                decided = acl_decide(c.access, alt, clen + rest)
+                free(alt)
+        if decided == ACL_MISS:
+            decided = acl_decide(c.access, key, klen)
+        acl_memo_put(&c.memo, key, klen, decided)
+        return decided
 
     cdef int deny_publish(self, Conn *c, const char *key, size_t klen, int decided) except -1:
         """A publish the policy denies: delivered to no one, counted, logged
