@@ -7,6 +7,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("SBUS_DEBUG") == "1"
+# -O2 unless the builder's CFLAGS name an optimisation level: a packager's -O
+# (or -O0 for a quick build of the sdist) comes before ours on gcc's command line.
+OPTIMISE = [] if any(f.startswith("-O") for f in os.environ.get("CFLAGS", "").split()) else ["-O2"]
 # Every .pyx of sbus/_core is an extension of the same name, so a new module
 # is in every build and every wheel without being listed here. The C files of
 # sbus/_core/csrc/NAME/, if there is such a directory, are compiled into NAME.
@@ -21,7 +24,7 @@ extensions = [
         f"sbus._core.{name}",
         [f"sbus/_core/{name}.pyx"] + sorted(glob.glob(f"sbus/_core/csrc/{name}/*.c")),
         depends=sorted(glob.glob(f"sbus/_core/csrc/{name}/*.h")),
-        extra_compile_args=["-O2", "-fno-strict-aliasing"] + (["-g", "-O0"] if DEBUG else []),
+        extra_compile_args=[*OPTIMISE, "-fno-strict-aliasing"] + (["-g", "-O0"] if DEBUG else []),
         define_macros=[("SBUS_DEBUG", "1" if DEBUG else "0")],
     )
     for name in MODULES

@@ -29,12 +29,14 @@ SLOW_MODULES = (
     # The Spark unit first (see SPARK_MODULES): the longest chain on one worker.
     "test_analytics_cluster.py", "test_analytics_dataset.py", "test_analytics_daytables.py",
     "test_analytics.py", "test_make_run.py", "test_queue.py", "test_analytics_tablefiles.py",
-    # The release's installs (`make test` compiled it before pytest), and a
-    # module that mostly waits out its deadlines: both leave room for others.
-    "test_wheel_source.py", "test_wheel_sdist.py", "test_notebook.py", "test_tool_waits.py",
-    "test_wheel_install.py", "test_wheel.py",
-    "test_flood.py", "test_properties.py", "test_hierarchy.py", "test_soak.py",
-    "test_fuzz.py", "test_client_spec.py", "test_upgrade.py", "test_tool.py", "test_sbusd_cli.py",
+    # Then, in turn, a module that keeps the CPU busy (the release's installs,
+    # `make test` compiled it before pytest; the notebook's JVM) and one that
+    # mostly waits out a slow reader or a deadline, so that while two workers
+    # compute the third leaves them the cores.
+    "test_wheel_sdist.py", "test_flood.py", "test_wheel_source.py", "test_tool_waits.py",
+    "test_notebook.py", "test_hierarchy.py", "test_wheel_install.py", "test_soak.py",
+    "test_wheel.py", "test_properties.py", "test_upgrade.py", "test_fuzz.py",
+    "test_client_spec.py", "test_tool.py", "test_sbusd_cli.py",
     "test_bridge.py", "test_protocol.py", "test_compat.py",
 )
 
