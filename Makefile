@@ -135,8 +135,10 @@ FUZZ_EXAMPLES ?= 20000
 fuzz: build
 	SBUS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/test_properties.py tests/test_fuzz.py
 
+# Seconds of churn, split between the backends (make test runs 30).
+SOAK_SECONDS ?= 600
 soak: build
-	SBUS_SOAK_SECONDS=600 $(PY) -m pytest -q tests/test_soak.py
+	SBUS_SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q tests/test_soak.py
 
 # The sdist and a repaired manylinux wheel per supported CPython (each found
 # with pyenv); reused from build/release while the sources are unchanged.
