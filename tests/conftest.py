@@ -12,7 +12,7 @@ from support.report import PENDING
 from support.systemd import sandbox_command
 
 # dist and dependency_wheels, for the release's test modules.
-pytest_plugins = ("support.release_fixtures",)
+pytest_plugins = ("support.release_fixtures", "support.queue_fixtures")
 
 # ---- running over workers ------------------------------------------------------
 #

@@ -24,30 +24,11 @@ from sbus.client.protocol import Credentials
 from sbus.queue import state as st
 from sbus.queue import wire
 
-from support import SBUS, TESTS, Conn, QueueService, Started, asroot, wait_until
-from support.queuesvc import Consumers, wait_state
+from support import SBUS, TESTS, Conn, QueueService, asroot, wait_until
+from support.queuesvc import wait_state
 
 TIMEOUT = 20.0
 PATTERN = "jobs/"
-
-
-@pytest.fixture
-def queues(tmp_path):
-    """Factory: ``queues(address, PATTERN, ARGS...)`` starts ``sbus queue``; stopped at teardown."""
-    started = Started()
-
-    def start(address, pattern=PATTERN, *args):
-        return started.add(QueueService.start(tmp_path, address, pattern, *args))
-
-    yield start
-    started.end()
-
-
-@pytest.fixture
-def consumers(bus):
-    c = Consumers(bus.address)
-    yield c
-    c.stop()
 
 
 def publish(address, keys_payloads):

@@ -22,31 +22,12 @@ from sbus.access import parse
 from sbus.client.consume import job_packets
 from sbus.queue import wire
 
-from support import TESTS, Conn, Sbusd, Started, asroot, make_public_dir, wait_until
-from support.queuesvc import Consumers, QueueService, wait_state
+from support import TESTS, Conn, Sbusd, asroot, make_public_dir, wait_until
+from support.queuesvc import QueueService, wait_state
 
 PUTS = wire.PUT_SUFFIX.encode()
 TIMEOUT = 20.0
 PATTERN = "jobs/"
-
-
-@pytest.fixture
-def queues(tmp_path):
-    """Factory: ``queues(address, PATTERN, ARGS...)`` starts ``sbus queue``; stopped at teardown."""
-    started = Started()
-
-    def start(address, pattern=PATTERN, *args):
-        return started.add(QueueService.start(tmp_path, address, pattern, *args))
-
-    yield start
-    started.end()
-
-
-@pytest.fixture
-def consumers(bus):
-    c = Consumers(bus.address)
-    yield c
-    c.stop()
 
 
 @settings(max_examples=300, deadline=None)

@@ -169,17 +169,23 @@ def pack_jobs_py(tags: List[int], jobs: List[tuple], limit: int) -> List[bytes]:
 def parse_jobs_py(payload: bytes) -> List[Tuple[int, int, bytes, bytes]]:
     """The plain-Python twin of ``sbus._core.jobs.parse_jobs``: the records
     of a ``jobs`` payload as (tag, deliveries, key, payload)."""
+    return [parse_job(record) for record in _records(payload, "a jobs record")]
+
+
+def _records(payload: bytes, what: str) -> List[bytes]:
+    """The records ``SIZE PAYLOAD`` one after another of a ``jobs`` payload or a
+    producer's batch, each record's payload; ``what`` names them in an error."""
     out = []
     at = 0
     while at < len(payload):
         space = payload.find(b" ", at)
         if space < 0:
-            raise WireError("a jobs record without its size")
+            raise WireError(f"{what} without its size")
         size = _count(payload[at:space], "size")
         at = space + 1 + size
         if at > len(payload):
-            raise WireError("a jobs record longer than its payload")
-        out.append(parse_job(payload[space + 1:at]))
+            raise WireError(f"{what} longer than its payload")
+        out.append(payload[space + 1:at])
     return out
 
 
@@ -207,18 +213,7 @@ def pack_puts_py(key: bytes, payloads: List[bytes], limit: int = PUT_PACKET) -> 
 
 def parse_puts_py(payload: bytes) -> List[bytes]:
     """The job payloads of a producer's batch (records ``SIZE PAYLOAD``)."""
-    out = []
-    at = 0
-    while at < len(payload):
-        space = payload.find(b" ", at)
-        if space < 0:
-            raise WireError("a batch record without its size")
-        size = _count(payload[at:space], "size")
-        at = space + 1 + size
-        if at > len(payload):
-            raise WireError("a batch record longer than its payload")
-        out.append(payload[space + 1:at])
-    return out
+    return _records(payload, "a batch record")
 
 
 def pack_state(state: Dict) -> bytes:
