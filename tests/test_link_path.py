@@ -1,7 +1,9 @@
 """The leaf link's C path (sbus._core.linkpath) against its Python reference
 (SBUS_LINK_REFERENCE=1, a Python object per message): the same traffic both
 ways, public and private keys mixed, through real brokers and a real link,
-must reach the same subscribers as the same messages, exactly and in order."""
+must reach the same subscribers as the same messages, exactly and in order.
+The C path crosses the leaf's socketpair in frames both ways; the reference
+in a packet per message."""
 from __future__ import annotations
 
 import itertools
@@ -107,7 +109,11 @@ def traffic(tmp_path, monkeypatch, reference: bool) -> dict:
         for name, p in (("leaf", down_p), ("upstream", up_p)):
             got = json.loads(p.communicate(timeout=120)[0])
             out[name] = {phase: [m for m in got if m[1][:1] == phase] for phase in "du"}
-        return out, {"link": link, "leaf": local_form, "upstream": up_who}
+        # The link's report (once a second) that counts both phases' traffic.
+        state = wait_until(lambda: (s := leaf.stats()["upstream"]).get("up_msgs", 0) >= N // 2
+                           and s.get("down_msgs", 0) >= N // 2 and s, timeout=10,
+                           what="the link's report of the traffic")
+        return out, {"link": link, "leaf": local_form, "upstream": up_who}, state
     finally:
         for p in procs:
             p.kill()
@@ -118,8 +124,12 @@ def traffic(tmp_path, monkeypatch, reference: bool) -> dict:
 
 @pytest.mark.timeout(600)
 def test_the_c_path_delivers_what_the_reference_does(tmp_path, monkeypatch):
-    ref, who = traffic(tmp_path, monkeypatch, reference=True)
-    c, who_c = traffic(tmp_path, monkeypatch, reference=False)
+    ref, who, ref_state = traffic(tmp_path, monkeypatch, reference=True)
+    c, who_c, c_state = traffic(tmp_path, monkeypatch, reference=False)
+    # The C path has frames on the leaf's socketpair both ways (frames.pxd);
+    # the reference never asks for them.
+    assert (ref_state["frames_down"], ref_state["frames_up"]) == (0, 0)
+    assert c_state["frames_down"] > 0 and c_state["frames_up"] > 0, c_state
     pid = {name: w.rsplit("/", 1)[1] for name, w in who.items()}
     pid_c = {name: w.rsplit("/", 1)[1] for name, w in who_c.items()}
 

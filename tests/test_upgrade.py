@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from sbus import Client
 from sbus.sbusd.upgrade import FAIL_ENV, SCM_MAX_FD, STATUS_SUFFIX, STEPS
 
 from support import BACKENDS, SBUSD, Conn, Sbusd, alive, wait_gone, wait_until
+from support.frames import frame, link_place, read_all
 from support.systemd import ACTIVATE, Notify, seqpacket_listener
 
 C_DIR = Path(__file__).resolve().parent / "c"
@@ -607,6 +609,26 @@ def test_upgrade_of_a_leaf_keeps_its_upstream_link(buses):
     assert len([r for r in leaf.first.records() if r.get("event") == "upstream_connected"]) == 1
     leaf.stop()
     assert wait_gone(link_conn["pid"], TIMEOUT)
+
+
+def test_upgrade_keeps_the_frames_of_the_link_place(buses):
+    """A link place that asked for frames (docs/hierarchy.md) is handed on
+    with them: its frames are taken, and its deliveries come in frames."""
+    bus = buses()
+    link = link_place(bus)
+    link.sub("f/")
+    sub = bus.connect()
+    sub.sub("g/")
+    barrier(link, sub)
+    upgraded(bus)
+    assert link.packet(frame(b"MSG g/1\0", b"MSG g/2\0"))
+    read_in_order(sub, b"g/", 2, start=1)
+    with Client(bus.address) as pub:
+        pub.publish_many([(b"f/%d" % i, b"") for i in range(300)])
+        pub.whoami()
+    got, frames, _ = read_all(link, 300)
+    assert got == [b"MSG f/%d\0" % i for i in range(300)]
+    assert frames > 0
 
 
 @pytest.mark.parametrize("sandboxed", [False, True], ids=["plain", "sandboxed"])

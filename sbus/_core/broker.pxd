@@ -42,17 +42,24 @@ from sbus._core.hub cimport Hub
 from sbus._core.includes.sys cimport mmsghdr, iovec
 from sbus._core.loop cimport Fired, RecvOp
 from sbus._core.protocol cimport CredForm
+from sbus._core.reads cimport RECV_BATCH
 from sbus._core.sendq cimport Packet
 
 
+# What siov[i] holds (sreply[i]), for send_prepared's counts.
 cdef enum:
-    RECV_BATCH = 32         # packets read from one connection per recvmmsg, at most
-    RECV_GROW_AFTER = 2     # full reads in a row before a connection is asked for more
+    SENT_DELIVERY = 0
+    SENT_REPLY = 1
+    SENT_FRAME = 2
+
+
+cdef enum:
     SEND_BATCH = 64         # packets written to one connection per sendmmsg
     TURN_SLOTS_MAX = 256    # receive slots one loop turn fills before a flush
     TURN_AREA_BYTES = 32 << 20  # ...and at most this much address space for them
     RECV_BATCH_MIN = 8      # a connection is read only with this many slots free
     HOLD_READS = 16         # connections read before the deliveries they brought go out
+    VIEW_SLOTS = 256        # packets of frames (frames.pxd) one flush holds: 4 full frames
 
 
 # One delivery waiting for the flush: a receive slot or a packet.
@@ -82,9 +89,12 @@ cdef class Broker(Hub):
     cdef size_t recv_high           # largest packet since the area was last released
     cdef uint32_t turn_slots        # slots in recv_area (TURN_SLOTS_MAX, TURN_AREA_BYTES)
     cdef uint32_t nslots            # slots used since the last flush
-    cdef mmsghdr rhdrs[TURN_SLOTS_MAX]
-    cdef iovec riov[TURN_SLOTS_MAX]
-    cdef uint64_t batch_seqs[TURN_SLOTS_MAX]
+    # Slots from TURN_SLOTS_MAX on are views: the packets of the frames read
+    # (a link's, frames.pxd), pointing into the frame's slot (take_frame).
+    cdef mmsghdr rhdrs[TURN_SLOTS_MAX + VIEW_SLOTS]
+    cdef iovec riov[TURN_SLOTS_MAX + VIEW_SLOTS]
+    cdef uint64_t batch_seqs[TURN_SLOTS_MAX + VIEW_SLOTS]
+    cdef uint32_t nviews            # views used since the last flush
     cdef Fired *readable            # batched receive: the turn's readable connections
     cdef RecvOp rops[RECV_BATCH]    # ...and one round's receives, into the next slots
     # 2. pending entries, chained per recipient (Conn.pend_head/pend_tail)
@@ -98,12 +108,15 @@ cdef class Broker(Hub):
     # 3. one sendmmsg per recipient: siov/sreply are filled, send_prepared writes them
     cdef mmsghdr shdrs[SEND_BATCH]
     cdef iovec siov[SEND_BATCH]
-    cdef uint8_t sreply[SEND_BATCH]
+    cdef uint8_t sreply[SEND_BATCH]         # SENT_DELIVERY, SENT_REPLY or SENT_FRAME
+    cdef uint32_t fmsgs[SEND_BATCH]         # a frame's deliveries...
+    cdef uint64_t fbytes[SEND_BATCH]        # ...and their bytes
+    cdef char *frame_area                   # SEND_BATCH frames of FRAME_BYTES, mapped
     cdef int32_t sent_entries[SEND_BATCH]   # the Pending entry behind each siov
     cdef Packet *ssel[SEND_BATCH]           # drain: the queued packets behind each siov
     cdef uint32_t spos[SEND_BATCH]
     # 4. a slot's shared packet, made once some recipient had to queue it
-    cdef Packet *batch_pkts[TURN_SLOTS_MAX]
+    cdef Packet *batch_pkts[TURN_SLOTS_MAX + VIEW_SLOTS]
 
     # ---- the loop's turn: poll, dispatch, before_sleep, Hub.housekeeping
     cdef int dispatch(self, int n) except -1     # handle fired[0:n]
@@ -118,16 +131,16 @@ cdef class Broker(Hub):
     cdef int read_rounds(self, int n) except -1  # readable[0:n] through Poller.recv_batch
     cdef int take_batch(self, Conn *c, int mask, uint32_t base, int first,
                         int want) except -1      # one connection's share of a round
-    cdef bint may_block_bus(self) noexcept       # the flush could stop the bus: flush first
+    cdef bint flush_first(self, bint frames) noexcept  # flush before the next read
     cdef int handle_packet(self, Conn *c, int slot, size_t n) except -1  # by verb, or close c
+    cdef int take_frame(self, Conn *c, int slot, size_t n) except -1   # each packet in a view
     cdef int publish(self, Conn *c, int slot, const char *key, size_t klen,
                      size_t n) except -1         # check the key, count, pend_add per recipient
-    cdef int match_canonical(self, const char *key, size_t klen, CredForm *form,
-                             FanOut *f) except -1   # match a !/cred/ key spelt with zeros again
 
     # ---- delivering: pending entries, one sendmmsg per recipient, the queue
     cdef int pend_add(self, Conn *c, int32_t slot, Packet *pkt) except -1  # chain onto c's entries
     cdef int flush_conn(self, Conn *c) except -1  # send c's chain; the rest goes to enqueue
+    cdef uint32_t pack_frame(self, int32_t *e, uint32_t k) noexcept  # siov[k]: a frame from *e on
     cdef int send_prepared(self, Conn *c, uint32_t k) except -1  # sendmmsg siov[0:k]; returns sent
     cdef int enqueue(self, Conn *c, Pending *e) except -1        # act on flood.on_full
     cdef Packet *shared_packet(self, Pending *e) noexcept        # the slot's; NULL: no memory

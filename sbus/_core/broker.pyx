@@ -1,34 +1,26 @@
 # cython: language_level=3
 """The sbus broker: the per-message path (receive, parse, match, fan out,
-send) and the loop's turn that drives it. Everything slower is Hub's
-(hub.pyx), which Broker extends: the rooms (peers, subs, flood, control),
-acting on their decisions, teardown and the Python surface.
-
-The message path is C over C structs (broker.pxd tells the life of a
-message): each readable connection's batch is read with recvmmsg into the
-loop turn's next free slots, each MSG is matched through the segment trie,
-every recipient gets a ``Pending`` entry, and once per turn each recipient's
-deliveries from every publisher go out in one sendmmsg, straight from the
-receive buffers. Only what cannot be sent without blocking is copied into a
-shared Packet. Python is called only for sampled message
-records, control replies and connection events.
-
-Connections that misbehave are only *marked* closing; they are torn down at
-the end of the loop turn, never while a batch or the fired-event array still
-points at them. A callback that raises does not cut a batch short: the first
-exception is kept, the turn finishes, and ``run()`` raises it once afterwards.
+send) and the loop's turn that drives it, in C over C structs; broker.pxd
+tells the life of a message. Everything slower is Hub's (hub.pyx), which
+Broker extends: the rooms, acting on their decisions, teardown and the Python
+surface. Connections that misbehave are only *marked* closing, and torn down
+at the end of the loop turn; a callback that raises does not cut a batch
+short: the turn finishes, and ``run()`` raises it once afterwards.
 """
 from cpython.exc cimport PyErr_CheckSignals
 from libc.errno cimport errno, EAGAIN, EINTR, ECONNRESET, EPIPE
 from libc.stdint cimport int32_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, realloc, free
-from libc.string cimport memchr, memcmp, memcpy, memset
+from libc.string cimport memchr, memcmp, memset
 from posix.unistd cimport read
 
 from sbus._core.acl cimport ACL_ALLOW, ACL_MISS, acl_flags, acl_memo_get
 from sbus._core.conn cimport Conn, MODE_BLOCK, R_EOF, R_ERROR, R_PROTOCOL, R_BANG, R_FLOOD, R_OVERSIZE
-from sbus._core.flood cimport on_full, could_block, start_blocking
+from sbus._core.flood cimport on_full, any_could_block, start_blocking
+from sbus._core.frames cimport (FRAME_HEAD, FRAME_ENTRY_HEAD, FRAME_MSGS, FRAME_BYTES, is_frame,
+                                frame_next, frame_packets, frame_put, frame_start)
 from sbus._core.hub cimport Hub
+from sbus._core.subs cimport match_canonical
 from sbus._core.includes.sys cimport (
     monotonic, recv, recvmmsg, sendmmsg, MSG_DONTWAIT, MSG_NOSIGNAL, MSG_TRUNC, MSG_PEEK, mmap, munmap,
     madvise, MAP_FAILED, PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE, MADV_DONTNEED)
@@ -36,10 +28,10 @@ from sbus._core.index cimport Sub, index_match
 from sbus._core.loop cimport EV_READ, EV_WRITE, EV_HUP, only_thread
 from sbus._core.policy cimport (
     FLOOD_QUEUE_BLOCK, FLOOD_DROP_SOFT, FLOOD_DROP_HARD, FLOOD_CLOSE_SOFT, FLOOD_CLOSE_HARD)
+from sbus._core.reads cimport read_want, note_read
 from sbus._core.protocol cimport (
     ParsedPacket, parse_packet, VERB_MSG, VERB_SUB, VERB_UNSUB, VERB_CMSG,
-    CredForm, parse_cred_form, is_cred_key, check_rest, KEY_OK, CRED_EMPTY,
-    CRED_CANONICAL_MAX, cred_canonical_prefix)
+    CredForm, parse_cred_form, is_cred_key, check_rest, KEY_OK, CRED_EMPTY)
 from sbus._core.report cimport text
 from sbus._core.sendq cimport (Packet, get_packet_stats, packet_new, packet_release,
                                sq_push, sq_select, sq_consume, sq_clear)
@@ -71,33 +63,6 @@ cdef void fan_one(void *ctx, Sub *sub) noexcept nogil:
     f.n += 1
 
 
-cdef inline uint32_t read_want(Conn *c, uint32_t room, bint per_op) noexcept:
-    """How many packets to ask c for, with room slots free; per_op (each a
-    receive of its own, recv_batch), a new record starts at one."""
-    if c.recv_want == 0:
-        c.recv_want = 1 if per_op else RECV_BATCH    # a new record: nothing known yet
-    return c.recv_want if room > c.recv_want else room
-
-
-cdef inline void note_read(Conn *c, uint32_t want, int got, bint per_op) noexcept:
-    """Adjusts c.recv_want after a read that asked for want packets and got
-    got: a read that asks for more than there is pays for a failed receive
-    (recvmmsg), or for a failed receive per packet missing (per_op)."""
-    if got == <int>want:
-        # Full: there may be more. Ask for more only once it keeps filling,
-        # so one packet a turn settles at one without a failed read; a
-        # backlog still doubles its way to RECV_BATCH.
-        c.recv_full += 1
-        if c.recv_full >= RECV_GROW_AFTER and want == c.recv_want:
-            c.recv_want = RECV_BATCH if want * 2 > RECV_BATCH else <uint8_t>(want * 2)
-            c.recv_full = 0
-    elif got > 0:
-        # Drained: shrink slowly, so a stream whose turns vary keeps its
-        # large reads; per_op, to what there was, each extra costing a receive.
-        c.recv_full = 0
-        c.recv_want = <uint8_t>(got if per_op or got > c.recv_want - 1 else c.recv_want - 1)
-
-
 cdef class Broker(Hub):
     """Serve the sbus protocol on an already listening socket.
 
@@ -122,15 +87,17 @@ cdef class Broker(Hub):
         # one apart; as many as TURN_AREA_BYTES holds, and never fewer than
         # one batch. Mapped, not malloc'd, so the pages a burst of large
         # packets touched can be handed back (release_buffers) without
-        # freeing the area; only touched pages count.
+        # freeing the area; only touched pages count. After them, the frames
+        # for a link that takes them (frames.pxd), SEND_BATCH of FRAME_BYTES.
         self.turn_slots = TURN_SLOTS_MAX if fit > TURN_SLOTS_MAX else (
             RECV_BATCH if fit < RECV_BATCH else <uint32_t>fit)
         self.recv_area_size = self.turn_slots * slot
-        area = mmap(NULL, self.recv_area_size, PROT_READ | PROT_WRITE,
+        area = mmap(NULL, self.recv_area_size + SEND_BATCH * FRAME_BYTES, PROT_READ | PROT_WRITE,
                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
         if area == MAP_FAILED:
             raise MemoryError()
         self.recv_area = <char *>area
+        self.frame_area = self.recv_area + self.recv_area_size
         memset(self.rhdrs, 0, sizeof(self.rhdrs))
         for i in range(self.turn_slots):
             self.riov[i].iov_base = self.recv_area + i * slot
@@ -158,7 +125,7 @@ cdef class Broker(Hub):
         free(self.pend)
         free(self.readable)
         if self.recv_area != NULL:
-            munmap(self.recv_area, self.recv_area_size)
+            munmap(self.recv_area, self.recv_area_size + SEND_BATCH * FRAME_BYTES)
 
     # ---- the loop ----------------------------------------------------------
 
@@ -252,13 +219,14 @@ cdef class Broker(Hub):
     cdef int on_readable(self, Conn *c, int mask) except -1:
         cdef int n, i
         cdef uint32_t base, room, want
-        if self.nslots + RECV_BATCH_MIN > self.turn_slots or self.reads_held >= HOLD_READS or (
-                self.nblockers and self.may_block_bus()):
+        if self.flush_first(c.frames):
             self.flush_pending()
         if not self.before_read(c, mask):
             return 0
         base = self.nslots
         room = self.turn_slots - base
+        if c.frames:
+            room = min(room, (VIEW_SLOTS - self.nviews) // FRAME_MSGS)    # each may be a frame
         want = read_want(c, room, False)
         n = recvmmsg(c.fd, &self.rhdrs[base], want, MSG_DONTWAIT, NULL)
         if n < 0:
@@ -335,13 +303,14 @@ cdef class Broker(Hub):
         cdef int round_mask[RECV_BATCH]
         cdef int round_first[RECV_BATCH]
         cdef int round_want[RECV_BATCH]
+        cdef uint32_t frames_room
         while i < n:
-            if self.nslots + RECV_BATCH_MIN > self.turn_slots or self.reads_held >= HOLD_READS or (
-                    self.nblockers and self.may_block_bus()):
+            if self.flush_first(True):
                 self.flush_pending()
             base = self.nslots
             nops = 0
             nround = 0
+            frames_room = (VIEW_SLOTS - self.nviews) // FRAME_MSGS
             while i < n and nops < RECV_BATCH:
                 fd = self.readable[i].fd
                 mask = self.readable[i].mask
@@ -355,8 +324,15 @@ cdef class Broker(Hub):
                 if not self.before_read(c, mask):
                     i += 1
                     continue
-                want = read_want(c, room if room < <uint32_t>(RECV_BATCH - nops)
-                                 else <uint32_t>(RECV_BATCH - nops), True)
+                if room > <uint32_t>(RECV_BATCH - nops):
+                    room = RECV_BATCH - nops
+                if c.frames:
+                    if frames_room == 0:
+                        break       # the next round flushes first
+                    room = min(room, frames_room)
+                want = read_want(c, room, True)
+                if c.frames:
+                    frames_room -= want
                 for j in range(nops, nops + <int>want):
                     self.rops[j].fd = fd
                     self.rops[j].buf = <char *>self.riov[base + j].iov_base
@@ -404,18 +380,14 @@ cdef class Broker(Hub):
         note_read(c, want, got, True)
         return 0
 
-    cdef bint may_block_bus(self) noexcept:
-        """Whether flushing the turn could make a recipient in a block mode
-        stop the bus: then the flush comes before another connection is
-        read, so the bus stops where it did with a flush per batch. pend_bytes
-        bounds what the flush can add to any queue, account or the total."""
-        cdef uint32_t i
-        cdef uint64_t packet_bytes = get_packet_stats().bytes
-        for i in range(self.nblockers):
-            if could_block(&self.flood, self.blockers[i], self.pend_bytes, <uint64_t>self.npend,
-                           packet_bytes):
-                return True
-        return False
+    cdef bint flush_first(self, bint frames) noexcept:
+        """Whether the turn's deliveries go out before the next read: its slots (or a frame
+        reader's views) run short, HOLD_READS reads are held, or the flush could make a
+        recipient in a block mode stop the bus (it stops where it did with a flush per batch)."""
+        return (self.nslots + RECV_BATCH_MIN > self.turn_slots or self.reads_held >= HOLD_READS
+                or (frames and self.nviews + FRAME_MSGS > VIEW_SLOTS) or (self.nblockers and any_could_block(
+                    &self.flood, self.blockers, self.nblockers, self.pend_bytes, <uint64_t>self.npend,
+                    get_packet_stats().bytes)))
 
     cdef int handle_packet(self, Conn *c, int slot, size_t n) except -1:
         cdef ParsedPacket p
@@ -423,6 +395,8 @@ cdef class Broker(Hub):
         cdef int verb = parse_packet(buf, n, &p)
         if verb == VERB_MSG:
             return self.publish(c, slot, p.key, p.key_len, n)
+        if c.frames and is_frame(buf, n) and slot < TURN_SLOTS_MAX:
+            return self.take_frame(c, slot, n)
         if verb == VERB_SUB:
             return self.subscribe(c, p.key, p.key_len)
         if verb == VERB_UNSUB:
@@ -433,6 +407,26 @@ cdef class Broker(Hub):
             return self.act(c, self.ctl.control(c, p.key, p.key_len))
         head = buf[:n if n < 24 else 24]
         return self.mark_closing(c, R_PROTOCOL, f"malformed packet {head!r}")
+
+    cdef int take_frame(self, Conn *c, int slot, size_t n) except -1:
+        """Each packet of c's frame (frames.pxd) in a view slot of its own,
+        handled as if it came alone; reads leave FRAME_MSGS views a frame."""
+        cdef const char *packet
+        cdef size_t at = FRAME_HEAD
+        cdef Py_ssize_t length
+        cdef uint32_t view
+        while not c.closing:
+            length = frame_next(<const char *>self.riov[slot].iov_base, n, &at, &packet)
+            if length == 0:
+                return 0
+            if length < 0 or self.nviews == VIEW_SLOTS:
+                return self.mark_closing(c, R_PROTOCOL, "malformed frame" if length < 0 else "frame too long")
+            view = TURN_SLOTS_MAX + self.nviews
+            self.nviews += 1
+            self.riov[view].iov_base = <void *>packet
+            self.rhdrs[view].msg_len = <unsigned int>length
+            self.handle_packet(c, view, <size_t>length)
+        return 0
 
     cdef int publish(self, Conn *c, int slot, const char *key, size_t klen, size_t n) except -1:
         cdef FanOut f
@@ -474,32 +468,11 @@ cdef class Broker(Hub):
         f.n = 0
         index_match(&self.subs.index, key, klen, fan_one, &f)
         if f.is_cred:
-            self.match_canonical(key, klen, &form, &f)
+            match_canonical(&self.subs, key, klen, &form, fan_one, &f)
         for i in range(f.n):
             self.pend_add(f.recips[i], slot, NULL)
         if self.log_messages > 0:
             self.sample(c, key, klen, n, f.n)
-        return 0
-
-    cdef int match_canonical(self, const char *key, size_t klen, CredForm *form,
-                             FanOut *f) except -1:
-        """Subscriptions store !/cred/ numbers without leading zeros, so a
-        key spelling them with zeros ("!/cred/007/...") is matched again in
-        that form: both spellings name the same client. Connections already
-        picked are not picked twice."""
-        cdef char canon[CRED_CANONICAL_MAX]
-        cdef size_t clen = cred_canonical_prefix(form, canon)
-        cdef size_t rest = klen - form.prefix_len
-        cdef char *alt
-        if clen == form.prefix_len and memcmp(canon, key, clen) == 0:
-            return 0
-        alt = <char *>malloc(clen + rest)
-        if alt == NULL:
-            raise MemoryError()
-        memcpy(alt, canon, clen)
-        memcpy(alt + clen, key + form.prefix_len, rest)
-        index_match(&self.subs.index, alt, clen + rest, fan_one, f)
-        free(alt)
         return 0
 
     # ---- delivering --------------------------------------------------------
@@ -550,7 +523,12 @@ cdef class Broker(Hub):
             if self.batch_pkts[i] != NULL:
                 packet_release(self.batch_pkts[i])
                 self.batch_pkts[i] = NULL
+        for i in range(TURN_SLOTS_MAX, TURN_SLOTS_MAX + self.nviews):
+            if self.batch_pkts[i] != NULL:
+                packet_release(self.batch_pkts[i])
+                self.batch_pkts[i] = NULL
         self.nslots = 0
+        self.nviews = 0
         return 0
 
     cdef int flush_deliveries(self) except -1:
@@ -588,15 +566,18 @@ cdef class Broker(Hub):
                 k = 0
                 while e >= 0 and k < SEND_BATCH:
                     p = &self.pend[e]
+                    self.sent_entries[k] = e
+                    if c.frames and self.pack_frame(&e, k):
+                        k += 1
+                        continue
                     if p.slot >= 0:
                         self.siov[k].iov_base = self.riov[p.slot].iov_base
                         self.siov[k].iov_len = self.rhdrs[p.slot].msg_len
-                        self.sreply[k] = 0
+                        self.sreply[k] = SENT_DELIVERY
                     else:
                         self.siov[k].iov_base = p.pkt.data
                         self.siov[k].iov_len = p.pkt.len
-                        self.sreply[k] = p.pkt.reply
-                    self.sent_entries[k] = e
+                        self.sreply[k] = SENT_REPLY if p.pkt.reply else SENT_DELIVERY
                     k += 1
                     e = p.next
                 sent = self.send_prepared(c, k)
@@ -621,26 +602,57 @@ cdef class Broker(Hub):
             e = p.next
         return 0
 
+    cdef uint32_t pack_frame(self, int32_t *e, uint32_t k) noexcept:
+        """siov[k]: a frame of the deliveries from *e on, copied (cheaper than the
+        kernel's work per packet), *e moved past them; 0 (nothing done) unless two fit."""
+        cdef char *out = self.frame_area + <size_t>k * FRAME_BYTES
+        cdef size_t at = frame_start(out)
+        cdef int32_t next = e[0], slot
+        cdef uint32_t m = 0, length
+        cdef uint64_t nbytes = 0
+        while next >= 0 and m < FRAME_MSGS and self.pend[next].slot >= 0:
+            slot = self.pend[next].slot
+            length = self.rhdrs[slot].msg_len
+            if at + FRAME_ENTRY_HEAD + length > FRAME_BYTES:
+                break
+            at = frame_put(out, at, <const char *>self.riov[slot].iov_base, length)
+            nbytes += length
+            m += 1
+            next = self.pend[next].next
+        if m < 2:
+            return 0
+        self.siov[k].iov_base = out
+        self.siov[k].iov_len = at
+        self.sreply[k] = SENT_FRAME
+        self.fmsgs[k] = m
+        self.fbytes[k] = nbytes
+        e[0] = next
+        return m
+
     cdef int send_prepared(self, Conn *c, uint32_t k) except -1:
-        """One sendmmsg of siov[0:k] to c, counted (deliveries apart from
-        the sreply-flagged control replies). Returns how many were sent: 0
-        when the socket is full, or after a failure was handled."""
+        """One sendmmsg of siov[0:k] to c, counted (deliveries, the ones in
+        frames too, apart from control replies). Returns how many were sent:
+        0 when the socket is full, or after a failure was handled."""
         cdef int sent = sendmmsg(c.fd, self.shdrs, k, MSG_DONTWAIT | MSG_NOSIGNAL)
         cdef int i, replies = 0
-        cdef uint64_t nbytes = 0
+        cdef uint64_t nbytes = 0, msgs = 0
         if sent < 0:
             if errno != EAGAIN:
                 self.send_failed(c, errno)
             return 0
         for i in range(sent):
-            if self.sreply[i]:
+            if self.sreply[i] == SENT_DELIVERY:
+                msgs += 1
+                nbytes += self.siov[i].iov_len
+            elif self.sreply[i] == SENT_REPLY:
                 replies += 1
             else:
-                nbytes += self.siov[i].iov_len
-        c.counts.msgs_out += sent - replies
+                msgs += self.fmsgs[i]
+                nbytes += self.fbytes[i]
+        c.counts.msgs_out += msgs
         c.counts.bytes_out += nbytes
         c.counts.replies_out += replies
-        self.tot.msgs_out += sent - replies
+        self.tot.msgs_out += msgs
         self.tot.bytes_out += nbytes
         self.tot.replies_out += replies
         return sent
@@ -692,23 +704,32 @@ cdef class Broker(Hub):
 
     cdef int drain(self, Conn *c) except -1:
         """Write queued packets in c's order, SEND_BATCH per syscall."""
-        cdef uint32_t k, i
+        cdef uint32_t k, i, m = 0
         cdef int sent
         cdef uint64_t queued
         while c.q.live:
             k = sq_select(&c.q, c.order, self.spos, self.ssel, SEND_BATCH)
-            for i in range(k):
+            if c.frames and k > 1:      # a link's: as many as fit in one frame
+                m = self.fmsgs[0] = frame_packets(self.frame_area, self.ssel, k, &self.siov[0].iov_len,
+                                                  &self.fbytes[0])
+            if m:
+                self.siov[0].iov_base = self.frame_area
+                self.sreply[0] = SENT_FRAME
+                sent = m if self.send_prepared(c, 1) else 0
+            for i in range(0 if m else k):
                 self.siov[i].iov_base = self.ssel[i].data
                 self.siov[i].iov_len = self.ssel[i].len
                 self.sreply[i] = self.ssel[i].reply
-            sent = self.send_prepared(c, k)
+            if not m:
+                sent = self.send_prepared(c, k)
             if sent == 0:
                 break
             queued = c.q.bytes
             sq_consume(&c.q, self.spos, sent)
             c.acct.queued_bytes -= queued - c.q.bytes
-            if <uint32_t>sent < k:
+            if <uint32_t>sent < k and not m:
                 break
+            m = 0
         self.update_interest(c)
         if c.blocking:
             self.release(c)

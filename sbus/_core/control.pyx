@@ -66,10 +66,15 @@ cdef class Control:
                        size_t plen) except -1:
         """What the link tells the broker: its credentials upstream
         (link/identity), a record for the log (link/log: JSON with "event"),
-        its state for stats (link/state: JSON)."""
+        its state for stats (link/state: JSON), and that it takes frames
+        (link/frames: answered "ok", and frames go both ways from then on)."""
         body = payload[:plen] if payload != NULL else b""
         if key_is(key, n, b"link/attach", 11):
             return self.claim(self.link)
+        if key_is(key, n, b"link/frames", 11):
+            self.link.frames = 1
+            self.answer = b"CMSG link/frames\0ok"
+            return CTL_ANSWER
         if key_is(key, n, b"link/identity", 13):
             self.upstream_cred = body if body.startswith(b"!/cred/") else None
             return CTL_DONE

@@ -80,3 +80,13 @@ cdef inline bint could_block(Flood *f, Conn *c, uint64_t pend_bytes, uint64_t np
         c.q.live + npend > f.queue_max_msgs or
         c.acct.queued_bytes + pend_bytes > c.acct.max_queued_bytes or
         packet_bytes + pend_bytes > f.total_max_bytes)
+
+
+# Whether flushing could make any of blockers[0:n] hold the bus (could_block).
+cdef inline bint any_could_block(Flood *f, Conn **blockers, uint32_t n, uint64_t pend_bytes,
+                                 uint64_t npend, uint64_t packet_bytes) noexcept nogil:
+    cdef uint32_t i
+    for i in range(n):
+        if could_block(f, blockers[i], pend_bytes, npend, packet_bytes):
+            return True
+    return False

@@ -189,7 +189,7 @@ def export_state(Broker b):
             put_u8(&o, m.hard)
             put_u8(&o, m.order)
             put_u8(&o, m.echo)
-            put_u8(&o, k.link)
+            put_u8(&o, k.link | (k.frames << 1))    # frames: a bit of its own, the format stays
             put_u8(&o, is_paused(c))
             put_u8(&o, blocking)
             put_u8(&o, k.write_dead)
@@ -497,6 +497,8 @@ def restore_state(Broker b, bytes blob, list fds, Prebuilt pre=None):
             m.order = get_u8(&r)
             m.echo = get_u8(&r)
             rec.link = get_u8(&r)
+            rec.frames = rec.link >> 1
+            rec.link &= 1
             paused = get_u8(&r)
             blocking = get_u8(&r)
             rec.write_dead = get_u8(&r)

@@ -7,11 +7,187 @@
 # on the way down, keep a local process's own on the way up), through the
 # `private` callable. link.py keeps the per-message reference path that the
 # tests hold this one to (SBUS_LINK_REFERENCE=1).
+#
+# On the socketpair to its own broker the link asks for frames (frames.pxd):
+# LinkInbox takes the broker's frames apart and FrameSender gathers the
+# Outbox's packets into frames, so neither side pays the kernel a packet per
+# message there. The upstream sees an ordinary client: a packet per message.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from libc.string cimport memcpy
+from cpython.exc cimport PyErr_CheckSignals
+from libc.errno cimport EINTR, errno
+from libc.stdint cimport uint32_t
+from libc.string cimport memchr, memcmp, memcpy, memset
 
 from .batch cimport Inbox, Outbox, Sink
-from .includes.sys cimport MSG_DONTWAIT
+from .frames cimport FRAME_BYTES, FRAME_ENTRY_HEAD, FRAME_HEAD, FRAME_MSGS, frame_next, frame_start, is_frame
+from .includes.sys cimport MSG_DONTWAIT, MSG_NOSIGNAL, MSG_TRUNC, iovec, mmsghdr, recvmmsg, sendmmsg
+
+import os
+
+from ..errors import BusClosedError, MessageTooLargeError, ProtocolError
+
+
+cdef enum:
+    FRAMES_PER_SEND = 8         # frames per sendmmsg: a full Outbox (512 packets) in one call
+    KEEP_MAPPED = 1 << 16       # slot bytes kept resident after a large packet (as batch.pyx)
+
+
+cdef char FRAME_MAGIC[FRAME_HEAD]
+frame_start(FRAME_MAGIC)
+
+
+cdef class LinkInbox(Inbox):
+    """The link's reader of its own broker: an Inbox (non-blocking only) that
+    also takes frames apart, each packet taken as if it had come alone. A
+    chunk is a plain message here: the link relays it as any other."""
+
+    cdef public Py_ssize_t frames   # frames taken apart, all told
+
+    def receive(self, int fd, int limit, int flags=0, double timeout=-1.0, Sink sink=None):
+        """As Inbox.receive, with MSG_DONTWAIT always; ``timeout`` is not used."""
+        cdef int n, i
+        cdef size_t size, at
+        cdef Py_ssize_t length
+        cdef const char *p
+        cdef const char *packet
+        cdef list out = []
+        limit = max(1, min(limit, self.slots))
+        n = recvmmsg(fd, self.hdrs, limit, flags | MSG_DONTWAIT, NULL)
+        if n < 0:
+            raise OSError(errno, os.strerror(errno))    # BlockingIOError for EAGAIN
+        self.drained = n < limit
+        self.taken = self.irregular = self.chunked = 0
+        for i in range(n):
+            size = self.hdrs[i].msg_len
+            p = <const char *>self.iov[i].iov_base
+            if size == 0:
+                out.append(BusClosedError("the broker closed the connection"))
+                self.irregular += 1
+                break
+            if size > self.max_message or self.hdrs[i].msg_hdr.msg_flags & MSG_TRUNC:
+                out.append(MessageTooLargeError(
+                    f"received a packet larger than {self.max_message} bytes; it was dropped"))
+                self.irregular += 1
+            elif is_frame(p, size):
+                self.frames += 1
+                at = FRAME_HEAD
+                length = frame_next(p, size, &at, &packet)
+                while length > 0:
+                    self.take(packet, <size_t>length, sink, out)
+                    length = frame_next(p, size, &at, &packet)
+                if length < 0:
+                    out.append(ProtocolError(f"malformed frame: {p[:size if size < 64 else 64]!r}"))
+                    self.irregular += 1
+            else:
+                self.take(p, size, sink, out)
+            if size > KEEP_MAPPED:
+                self.release(i)
+        return out
+
+    cdef int take(self, const char *p, size_t size, Sink sink, list out) except -1:
+        """One packet: a plain message to sink while nothing irregular came
+        before it in the batch, else an item of out."""
+        cdef const char *nul
+        cdef size_t klen
+        if size >= 4 and memcmp(p, b"MSG ", 4) == 0:
+            nul = <const char *>memchr(p + 4, 0, size - 4)
+            if nul != NULL:
+                klen = nul - (p + 4)
+                if sink is not None and not self.irregular:
+                    sink.put(p + 4, klen, nul + 1, size - 5 - klen)
+                    self.taken += 1
+                else:
+                    out.append(self.make(self.message_type, p + 4, klen, nul + 1, size - 5 - klen))
+                return 0
+        elif size >= 5 and memcmp(p, b"CMSG ", 5) == 0:
+            nul = <const char *>memchr(p + 5, 0, size - 5)
+            klen = nul - (p + 5) if nul != NULL else size - 5
+            out.append(self.make(self.control_type, p + 5, klen,
+                                 nul + 1 if nul != NULL else p, size - 6 - klen if nul != NULL else 0))
+            self.irregular += 1
+            return 0
+        out.append(ProtocolError(f"malformed packet: {p[:size if size < 64 else 64]!r}"))
+        self.irregular += 1
+        return 0
+
+
+cdef class FrameSender:
+    """Sends what an Outbox owes to the link's broker in frames: up to
+    FRAME_MSGS packets and ``frame_max`` bytes each (the broker's
+    --max-message bounds a frame as any packet), gathered from the box's
+    buffer with iovecs, FRAMES_PER_SEND frames per sendmmsg. A packet too
+    large for a frame, or the last one alone, goes as itself."""
+
+    cdef mmsghdr hdrs[FRAMES_PER_SEND]
+    cdef iovec iov[FRAMES_PER_SEND * (1 + 2 * FRAME_MSGS)]
+    cdef uint32_t lens[FRAMES_PER_SEND * FRAME_MSGS]
+    cdef int packets[FRAMES_PER_SEND]
+    cdef size_t frame_max
+    cdef public Py_ssize_t frames   # frames sent, all told
+
+    def __cinit__(self, size_t max_message):
+        self.frame_max = FRAME_BYTES if max_message > FRAME_BYTES else max_message
+        memset(self.hdrs, 0, sizeof(self.hdrs))
+
+    def send(self, Outbox box, int fd):
+        """As ``box.send(fd, MSG_DONTWAIT)``: returns how many packets went
+        out and clears the box; an OSError (BlockingIOError when the socket
+        is full) leaves the rest owed, ``box.head`` counting what went out."""
+        cdef int start = box.head
+        cdef int nframes, n, i
+        while box.head < box.count:
+            nframes = self.gather(box)
+            n = sendmmsg(fd, self.hdrs, nframes, MSG_DONTWAIT | MSG_NOSIGNAL)
+            if n < 0:
+                if errno == EINTR:
+                    PyErr_CheckSignals()
+                    continue
+                raise OSError(errno, os.strerror(errno))
+            for i in range(n):
+                box.head += self.packets[i]
+                self.frames += self.hdrs[i].msg_hdr.msg_iovlen > 1
+        sent = box.head - start
+        box.count = box.head = 0
+        box.used = 0
+        return sent
+
+    cdef int gather(self, Outbox box) noexcept:
+        """hdrs[0:return]: the packets box owes from box.head on, in frames."""
+        cdef int nframes = 0, j = box.head, v = 0, nlens = 0, m
+        cdef size_t size, length
+        while nframes < FRAMES_PER_SEND and j < box.count:
+            self.hdrs[nframes].msg_hdr.msg_iov = &self.iov[v]
+            length = box.iov[j].iov_len
+            if j + 1 == box.count or FRAME_HEAD + FRAME_ENTRY_HEAD + length > self.frame_max:
+                self.iov[v] = box.iov[j]
+                v += 1
+                j += 1
+                self.hdrs[nframes].msg_hdr.msg_iovlen = 1
+                self.packets[nframes] = 1
+                nframes += 1
+                continue
+            self.iov[v].iov_base = FRAME_MAGIC
+            self.iov[v].iov_len = FRAME_HEAD
+            v += 1
+            size = FRAME_HEAD
+            m = 0
+            while j < box.count and m < FRAME_MSGS:
+                length = box.iov[j].iov_len
+                if size + FRAME_ENTRY_HEAD + length > self.frame_max:
+                    break
+                self.lens[nlens] = <uint32_t>length
+                self.iov[v].iov_base = &self.lens[nlens]
+                self.iov[v].iov_len = FRAME_ENTRY_HEAD
+                self.iov[v + 1] = box.iov[j]
+                v += 2
+                nlens += 1
+                m += 1
+                j += 1
+                size += FRAME_ENTRY_HEAD + length
+            self.hdrs[nframes].msg_hdr.msg_iovlen = 1 + 2 * m
+            self.packets[nframes] = m
+            nframes += 1
+        return nframes
 
 
 cdef class Relay(Sink):
@@ -37,6 +213,7 @@ cdef class Relay(Sink):
     cdef public Py_ssize_t pumped
     cdef public int batches
     cdef public bint drained
+    cdef public FrameSender framer      # set once the broker takes frames: box goes in them
 
     def __cinit__(self, Outbox box, int fd, object private):
         self.box = box
@@ -83,7 +260,10 @@ cdef class Relay(Sink):
         if not owed:
             return
         try:
-            self.sent += self.box.send(self.fd, MSG_DONTWAIT)
+            if self.framer is not None:
+                self.sent += self.framer.send(self.box, self.fd)
+            else:
+                self.sent += self.box.send(self.fd, MSG_DONTWAIT)
         except OSError as e:
             if not isinstance(e, BlockingIOError):
                 self.error = e

@@ -101,6 +101,7 @@ cdef struct ConnRecord:
     int64_t uid
     int64_t gid
     uint8_t link
+    uint8_t frames
     uint8_t write_dead
     double connected_at
     Counters counts

@@ -293,6 +293,7 @@ cdef void conn_carry(const Conn *c, ConnRecord *out) noexcept:
     out.uid = c.uid
     out.gid = c.gid
     out.link = c.link
+    out.frames = c.frames
     out.write_dead = c.write_dead
     out.connected_at = c.connected_at
     out.counts = c.counts
@@ -303,6 +304,7 @@ cdef void conn_carry(const Conn *c, ConnRecord *out) noexcept:
 cdef void conn_restore(Conn *c, const ConnRecord *k) noexcept:
     # Identity, credentials and link are conn_open's, from k.
     c.id = k.id
+    c.frames = k.frames
     c.write_dead = k.write_dead
     c.connected_at = k.connected_at
     c.counts = k.counts

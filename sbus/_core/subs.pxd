@@ -10,7 +10,8 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memcmp
 
 from sbus._core.conn cimport Conn
-from sbus._core.index cimport Index, Sub
+from sbus._core.index cimport Index, Sub, match_fn
+from sbus._core.protocol cimport CredForm
 
 
 cdef struct Subs:
@@ -36,6 +37,10 @@ cdef tuple unsubscribe(Subs *s, Conn *c, const char *pat, size_t n, size_t neste
 # Every pattern of a closing connection out of the index and uncharged;
 # c.nsubs stays for its disconnect record.
 cdef void drop_all(Subs *s, Conn *c) noexcept
+# Match a !/cred/ key again spelt as subscriptions store it (no leading
+# zeros in its numbers) when it is spelt otherwise; fn as index_match's.
+cdef int match_canonical(Subs *s, const char *key, size_t klen, CredForm *form,
+                         match_fn fn, void *ctx) except -1
 # Why the access policy refuses pattern (as stored) to access: (rule, detail)
 # when it does, else None. The subscribe check and a reload's revocation.
 cdef tuple policy_refusal(access, bytes pattern)

@@ -9,9 +9,10 @@ from sbus._core cimport report
 from sbus._core.report cimport text
 from sbus._core.budget cimport pattern_cost
 from sbus._core.conn cimport R_ERROR, R_CRED, R_BANG, R_LIMIT, R_SUB_BUDGET, R_POLICY_REFUSED
-from sbus._core.index cimport index_init, index_free, index_add, index_remove
+from sbus._core.index cimport index_init, index_free, index_add, index_remove, index_match
 from sbus._core.protocol cimport (
-    is_cred_key, check_rest, KEY_OK, KEY_BANG_MISUSE, normalise_pattern, PATTERN_OK,
+    CRED_CANONICAL_MAX, cred_canonical_prefix, is_cred_key, check_rest, KEY_OK, KEY_BANG_MISUSE,
+    normalise_pattern, PATTERN_OK,
     PATTERN_CRED_MALFORMED, PATTERN_CRED_MISMATCH, PATTERN_NESTED_CRED_MALFORMED,
     PATTERN_BANG_MISUSE, PATTERN_TOO_LONG)
 
@@ -249,3 +250,25 @@ cdef int restore_sub(Subs *s, Conn *c, const char *pat, size_t n, Sub *prebuilt)
 
 cdef void restore_refused(Subs *s, uint64_t refused) noexcept:
     s.refused = refused
+
+
+cdef int match_canonical(Subs *s, const char *key, size_t klen, CredForm *form,
+                         match_fn fn, void *ctx) except -1:
+    """Subscriptions store !/cred/ numbers without leading zeros, so a key
+    spelling them with zeros ("!/cred/007/...") is matched again in that
+    form: both spellings name the same client (fn must not pick a connection
+    twice)."""
+    cdef char canon[CRED_CANONICAL_MAX]
+    cdef size_t clen = cred_canonical_prefix(form, canon)
+    cdef size_t rest = klen - form.prefix_len
+    cdef char *alt
+    if clen == form.prefix_len and memcmp(canon, key, clen) == 0:
+        return 0
+    alt = <char *>malloc(clen + rest)
+    if alt == NULL:
+        raise MemoryError()
+    memcpy(alt, canon, clen)
+    memcpy(alt + clen, key + form.prefix_len, rest)
+    index_match(&s.index, alt, clen + rest, fn, ctx)
+    free(alt)
+    return 0

@@ -49,7 +49,7 @@ from typing import Deque, List, Optional, Tuple
 from .. import address as addresses
 from .. import logschema as schema
 from .._core.batch import Inbox, Outbox
-from .._core.linkpath import Relay
+from .._core.linkpath import FrameSender, LinkInbox, Relay
 from ..client.chunks import chunk_pattern
 from ..client.driver import grow_buffers
 from ..client.protocol import MAX_MESSAGE, WHOAMI, ControlMessage, Message, pack_control, parse
@@ -205,8 +205,10 @@ class Link:
         # The C path: public messages cross in Relays (Inbox.receive's sink)
         # with no Python object each; upward ones from local_inbox, in up_box.
         self.reference = REFERENCE
-        self.local_inbox = Inbox(RECV_SIZE - 1, Message, ControlMessage, BATCH)
+        self.local_inbox = LinkInbox(RECV_SIZE - 1, Message, ControlMessage, BATCH)
         self.down = Relay(self.outbox, local.fileno(), self.down_private)
+        # Frames to and from the local broker once it says it takes them.
+        self.framer = FrameSender(max_message)
         self.up_box = Outbox(RECV_SIZE)
         self.up_relay: Optional[Relay] = None      # per upstream connection
         self.up_batch = Outbox(RECV_SIZE)           # up_out's packets, per sendmmsg
@@ -222,6 +224,8 @@ class Link:
         self.ready_said = False
         local.setblocking(False)
         self.sel.register(local, selectors.EVENT_READ, "local")
+        if not self.reference:
+            self.send_local(b"CMSG link/frames")
         for pattern in self.exports:
             self.send_local(b"SUB " + pattern)
 
@@ -235,7 +239,8 @@ class Link:
                  "identity": self.prefix.decode() if self.prefix else None,
                  "patterns": len(self.refs), "held": self.held_msgs,
                  "subscribed": self.subscribed,
-                 "reason": self.reason or None, **self.counts}
+                 "reason": self.reason or None, **self.counts,
+                 "frames_down": self.framer.frames, "frames_up": self.local_inbox.frames}
         self.send_local(b"CMSG link/state\0" + json.dumps(state).encode())
 
     # ---- writing
@@ -259,7 +264,10 @@ class Link:
             if not len(box):
                 break
             try:
-                box.send(fd, socket.MSG_DONTWAIT)
+                if self.down.framer is not None:
+                    self.down.framer.send(box, fd)
+                else:
+                    box.send(fd, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 out.extendleft(reversed(box.unsent()))
                 box.clear()
@@ -513,6 +521,9 @@ class Link:
                 self.send_up(b"UNSUB " + payload, False)
         elif key == b"link/conn":
             self.local_creds[payload] += 1
+        elif key == b"link/frames":
+            if payload == b"ok":    # from now on the broker takes our frames
+                self.down.framer = self.framer
         elif key == b"link/gone":
             self.local_creds[payload] -= 1
             if self.local_creds[payload] <= 0:

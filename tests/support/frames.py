@@ -1,0 +1,53 @@
+"""Frames as the link place's connection has them (sbus/_core/frames.pxd,
+docs/hierarchy.md): built and taken apart from the documented layout alone."""
+from __future__ import annotations
+
+import struct
+
+from .conn import Conn
+
+MAGIC = b"\0FRM"
+
+
+def frame(*packets: bytes) -> bytes:
+    return MAGIC + b"".join(struct.pack("=I", len(p)) + p for p in packets)
+
+
+def unframe(packet: bytes) -> list:
+    """The packets of a frame (checked whole), or [packet] for any other."""
+    if not packet.startswith(MAGIC):
+        return [packet]
+    out, at = [], len(MAGIC)
+    while at < len(packet):
+        (length,) = struct.unpack_from("=I", packet, at)
+        assert 0 < length <= len(packet) - at - 4, (at, length)
+        out.append(packet[at + 4:at + 4 + length])
+        at += 4 + length
+    assert out, "an empty frame"
+    return out
+
+
+def read_all(c: Conn, count: int) -> tuple:
+    """(packets, frames, reads): ``count`` packets, frames taken apart."""
+    got, frames, reads = [], 0, 0
+    while len(got) < count:
+        packet = c.next_packet(10)
+        assert packet, f"nothing more after {len(got)} of {count}"
+        frames += packet.startswith(MAGIC)
+        reads += 1
+        got += unframe(packet)
+    return got, frames, reads
+
+
+def link_place(broker, frames=True) -> Conn:
+    """A connection that took the link place (the broker's uid: root here)
+    and, with ``frames``, was answered "ok" for frames."""
+    c = Conn.to(broker.address)
+    c.cmsg("link/attach")
+    assert c.next_packet() == b"CMSG link/attach\0ok"
+    c.cmsg("blocking/hard/block")
+    c.cmsg("blocking/soft/queue")
+    if frames:
+        c.cmsg("link/frames")
+        assert c.next_packet() == b"CMSG link/frames\0ok"
+    return c

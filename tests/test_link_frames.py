@@ -1,0 +1,131 @@
+"""Frames (sbus/_core/frames.pxd) on the link place's connection: asked for
+with ``CMSG link/frames`` and answered "ok", they go both ways, every packet
+exactly and in order, on every backend and through the send queue. Nobody
+else sends or gets one, and a bad frame closes its sender alone."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from sbus import Client
+
+from support.conn import Conn
+from support.frames import MAGIC, frame, link_place, read_all
+from support.waiting import wait_until
+
+FRAME_MSGS = 64
+
+
+def test_deliveries_to_the_link_place_come_in_frames(broker):
+    link = link_place(broker)
+    link.sub("f/")
+    link.sync()
+    sent = [(b"f/%d" % i, b"x" * (i % 50)) for i in range(500)]
+    with Client(broker.address) as pub:
+        pub.publish_many(sent)
+        pub.whoami()
+    got, frames, _ = read_all(link, len(sent))
+    assert got == [b"MSG " + k + b"\0" + p for k, p in sent]
+    assert 0 < frames < len(sent)
+    link.sync()
+    # Counted as deliveries, one a message, in frames or not.
+    assert broker.stats()["totals"]["msgs_out"] == len(sent)
+
+
+def test_what_the_link_place_could_not_take_goes_out_of_its_queue_in_frames(broker):
+    """A link place that does not read: the broker queues for it, and the
+    queue drains in frames once it reads, with a control reply in the middle
+    kept in its place."""
+    link = link_place(broker)
+    link.sub("q/")
+    link.sync()
+    # Unread, what the broker writes waits in its socket, then in its queue.
+    first = [(b"q/%d" % i, b"y" * 500) for i in range(6000)]
+    with Client(broker.address) as pub:
+        pub.publish_many(first)
+        pub.whoami()
+        wait_until(lambda: broker.stats()["totals"]["queued_msgs"] > 0, 10)
+        link.cmsg("!/cred/whoami")      # answered behind what is queued
+        second = [(b"q/b%d" % i, b"z") for i in range(300)]
+        pub.publish_many(second)
+        pub.whoami()
+    got, frames, reads = read_all(link, len(first) + 1 + len(second))
+    whoami = [i for i, p in enumerate(got) if p.startswith(b"CMSG !/cred/whoami\0")]
+    assert whoami == [len(first)], whoami
+    del got[len(first)]
+    assert got == [b"MSG " + k + b"\0" + p for k, p in first + second]
+    # Thousands were queued: they came in frames too, not a packet each.
+    assert reads < len(first) // 10, (reads, frames)
+
+
+def test_frames_from_the_link_place_are_taken_packet_by_packet(broker):
+    link = link_place(broker)
+    sub = Conn.to(broker.address)
+    sub.sub("a/")
+    sub.sub("b/")
+    sub.sync()
+    packets = [b"MSG a/%d\0%s" % (i, b"p" * i) for i in range(FRAME_MSGS)]
+    assert link.packet(frame(*packets[:10]))
+    assert link.packet(frame(b"MSG b/one\0", b"SUB c/", b"MSG a/x\0last"))
+    assert link.packet(frame(*packets[10:]))
+    link.sync()
+    expect = packets[:10] + [b"MSG b/one\0", b"MSG a/x\0last"] + packets[10:]
+    got = [sub.next_packet(5) for _ in expect]
+    assert got == expect
+    # The SUB inside the frame holds: the link place gets c/ from now on.
+    with Client(broker.address) as pub:
+        pub.publish(b"c/1", b"to the link")
+        pub.whoami()
+    assert link.next_packet(5) == b"MSG c/1\0to the link"
+
+
+BAD_FRAMES = {
+    "entry longer than the frame": MAGIC + struct.pack("=I", 50) + b"MSG a/1\0",
+    "a zero length": MAGIC + struct.pack("=I", 0) + b"MSG a/1\0",
+    "a length cut short": frame(b"MSG a/1\0") + b"\1\0",
+    "a frame in a frame": frame(frame(b"MSG a/1\0", b"MSG a/2\0")),
+    "more packets than a flush holds": frame(*[b"MSG a/%d\0" % i for i in range(300)]),
+    "a packet that is no packet": frame(b"MSG a/1\0", b"BOGUS"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_FRAMES.values(), ids=BAD_FRAMES.keys())
+def test_a_bad_frame_closes_its_sender_alone(broker, bad):
+    link = link_place(broker)
+    other = Conn.to(broker.address)
+    other.sub("a/")
+    other.sync()
+    link.packet(bad)
+    assert link.next_packet(5) == b""
+    other.pub("a/after", "still here")
+    # What the frame held before its fault was published, as packets alone are.
+    while (packet := other.next_packet(5)) != b"MSG a/after\0still here":
+        assert packet and packet.startswith(b"MSG a/"), packet
+    wait_until(lambda: [r for r in broker.records() if r.get("event") == "client_disconnect"
+                        and r.get("reason") == "protocol_error"], 5)
+    assert other.sync()
+
+
+def test_nobody_else_sends_or_gets_frames(broker):
+    """Frames are not the protocol: a client that is not the link place gets
+    no answer to link/frames and plain packets after it, and one that sends a
+    frame is closed for a malformed packet."""
+    plain = Conn.to(broker.address)
+    plain.cmsg("link/frames")
+    plain.sub("p/")
+    plain.sync()        # no "ok" came before the reply
+    with Client(broker.address) as pub:
+        pub.publish_many([(b"p/%d" % i, b"") for i in range(100)])
+        pub.whoami()
+    got = [plain.next_packet(5) for _ in range(100)]
+    assert got == [b"MSG p/%d\0" % i for i in range(100)]
+    sender = Conn.to(broker.address)
+    sender.packet(frame(b"MSG p/x\0", b"MSG p/y\0"))
+    assert sender.next_packet(5) == b""
+    assert plain.sync()
+    # The link place without asking: the same.
+    link = link_place(broker, frames=False)
+    link.packet(frame(b"MSG p/x\0", b"MSG p/y\0"))
+    assert link.next_packet(5) == b""
+    assert plain.next_packet(0.2) is None
