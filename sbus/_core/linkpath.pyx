@@ -214,6 +214,8 @@ cdef class Relay(Sink):
     cdef public int batches
     cdef public bint drained
     cdef public FrameSender framer      # set once the broker takes frames: box goes in them
+    cdef public bint keep               # a full fd leaves the box owed (blocked), not spilled
+    cdef public bint blocked            # the box holds what fd did not take: flush() again
 
     def __cinit__(self, Outbox box, int fd, object private):
         self.box = box
@@ -240,9 +242,11 @@ cdef class Relay(Sink):
         if not self.spill and self.error is None and not self.hold:
             if self.box.pack_message(key, klen, payload, plen):
                 return 0
-            self.flush()
-            if not self.spill and self.error is None and self.box.pack_message(key, klen, payload, plen):
-                return 0
+            if not self.blocked:
+                self.flush()
+                if not self.spill and self.error is None and not self.blocked and \
+                        self.box.pack_message(key, klen, payload, plen):
+                    return 0
         # Behind what waits (or larger than an empty box holds): as a packet.
         cdef bytes packet = PyBytes_FromStringAndSize(NULL, 5 + klen + plen)
         cdef char *at = PyBytes_AS_STRING(packet)
@@ -254,20 +258,28 @@ cdef class Relay(Sink):
         return 0
 
     def flush(self):
-        """Send what the box holds; what ``fd`` does not take now goes to
-        ``spill`` (and an error other than EAGAIN to ``error``)."""
+        """Send what the box holds; what ``fd`` does not take now stays in
+        the box with ``keep`` (``blocked`` set, until a flush sends it all),
+        else goes to ``spill`` (and an error other than EAGAIN to ``error``).
+        Kept, a full fd costs no Python object a message: the link waits for
+        it to take the box, reading nothing meanwhile."""
         cdef int owed = len(self.box)
         if not owed:
+            self.blocked = False
             return
         try:
             if self.framer is not None:
                 self.sent += self.framer.send(self.box, self.fd)
             else:
                 self.sent += self.box.send(self.fd, MSG_DONTWAIT)
+            self.blocked = False
         except OSError as e:
             if not isinstance(e, BlockingIOError):
                 self.error = e
             self.sent += owed - len(self.box)
+            if self.keep and self.error is None:
+                self.blocked = True
+                return
             self.spill.extend(self.box.unsent())
             self.box.clear()
 
@@ -277,7 +289,7 @@ cdef class Relay(Sink):
         them: one turn of the link's loop moves many batches for one return
         to its Python. Stops after a batch that holds anything but plain
         messages (returned, from its first such item on, as Inbox.receive
-        returns it), that spilled or failed to send, or that was short or
+        returns it), that spilled, failed to send or left the box blocked, or that was short or
         found nothing: ``drained`` then says ``fd`` has no more now.
         ``pumped`` counts the messages the Relay took and ``batches`` the
         recvmmsg calls made, set also when an OSError other than
@@ -288,6 +300,12 @@ cdef class Relay(Sink):
         self.batches = 0
         self.drained = False
         while self.batches < batches:
+            if self.box.count > self.box.head:
+                # Sent before the next batch is read, so that a batch of at
+                # most a box is kept whole by a full fd, not spilled.
+                self.flush()
+                if self.blocked or self.spill or self.error is not None:
+                    break
             self.batches += 1
             try:
                 items = inbox.receive(fd, limit, MSG_DONTWAIT, -1.0, self)
@@ -299,7 +317,7 @@ cdef class Relay(Sink):
             if len(items) + taken < limit:
                 self.drained = True
                 break
-            if items or self.spill or self.error is not None:
+            if items or self.spill or self.error is not None or self.blocked:
                 break
         return items
 

@@ -65,6 +65,9 @@ BACKOFF = Reconnect(initial_delay=0.1, max_delay=5.0, give_up_after=None,
 STATE_INTERVAL = 1.0        # seconds between link/state reports
 RECV_SIZE = 1 << 23         # above any --max-message
 BATCH = 64                  # packets per recvmmsg from the upstream, per sendmmsg down
+# Frames per recvmmsg from the local broker once it sends them: 8 of up to 64
+# packets fill one Outbox, so a full upstream leaves a batch in it, in C.
+LOCAL_FRAMES = 8
 # The per-message reference path (a Python object per message) instead of the
 # C one (sbus._core.linkpath); the tests hold the two to the same output.
 REFERENCE = os.environ.get("SBUS_LINK_REFERENCE", "") not in ("", "0")
@@ -322,9 +325,18 @@ class Link:
             self.write_up()
 
     def write_up(self) -> None:
-        """Send what waits for the upstream, BATCH packets per sendmmsg."""
+        """Send what waits for the upstream: what the up Relay's box kept
+        first, then up_out, BATCH packets per sendmmsg."""
         box, out = self.up_batch, self.up_out
-        while out:
+        relay = self.up_relay
+        if relay is not None and relay.blocked:
+            relay.flush()
+            self.counts["up_msgs"] += relay.sent
+            relay.sent = 0
+            if relay.error is not None:
+                self.lost(relay.error.strerror or str(relay.error))
+                return
+        while out and not (relay is not None and relay.blocked):
             n = 0
             for _, packet in itertools.islice(out, BATCH):
                 if not box.add_packet(packet):
@@ -348,15 +360,19 @@ class Link:
                     self.counts["up_msgs"] += 1
             if sent < n:
                 break
-        if self.local_paused and not out:
+        if self.local_paused and not self.behind():
             self.pause_local(False)
         self.watch_up()
+
+    def behind(self) -> bool:
+        """Something waits for the upstream: up_out, or the up Relay's box."""
+        return bool(self.up_out) or (self.up_relay is not None and self.up_relay.blocked)
 
     def watch_up(self) -> None:
         if self.up is None:
             return
         mask = (0 if self.up_paused else selectors.EVENT_READ) | \
-            (selectors.EVENT_WRITE if self.up_out and self.state == "up" else 0)
+            (selectors.EVENT_WRITE if self.state == "up" and self.behind() else 0)
         try:
             self.sel.get_key(self.up)
             watched = True
@@ -409,6 +425,7 @@ class Link:
         self.up_out.extend(item for item in pending if item[0])
         self.state = "up"
         self.up_relay = Relay(self.up_box, self.up.fileno(), self.up_private)
+        self.up_relay.keep = True   # a full upstream: what its box holds waits there, in C
         self.failures = 0
         self.counts["connects"] += 1
         self.reason = ""
@@ -433,6 +450,12 @@ class Link:
     def lost(self, reason: str) -> None:
         was_up = self.state == "up"
         self.subscribed = False
+        if self.up_relay is not None and self.up_relay.blocked:
+            # What the upstream had not taken waits for the next, first.
+            kept = self.up_box.unsent()
+            self.up_box.clear()
+            self.held_msgs += len(kept)
+            self.up_out.extendleft((True, packet) for packet in reversed(kept))
         self.up_relay = None
         self.state = "away"
         self.pause_local(False)     # away: held within --upstream-buffer, or dropped
@@ -611,22 +634,23 @@ class Link:
         up Relay, several batches per pump), the rest as the reference path
         takes them, in order."""
         fd = self.local.fileno()
+        limit = LOCAL_FRAMES if self.down.framer is not None else BATCH
         budget = 4
         while budget > 0:
-            if self.state == "up" and self.up_out:
+            if self.state == "up" and self.behind():
                 self.pause_local(True)
                 if self.local_paused:
                     return True
             relay = self.up_relay if self.state == "up" else None
             try:
                 if relay is None:
-                    batch = self.local_inbox.receive(fd, BATCH, socket.MSG_DONTWAIT)
+                    batch = self.local_inbox.receive(fd, limit, socket.MSG_DONTWAIT)
                     budget -= 1
-                    drained = len(batch) < BATCH
+                    drained = len(batch) < limit
                 else:
                     relay.hold = bool(self.up_out)     # behind what waits: spilled, in order
                     try:
-                        batch = relay.pump(self.local_inbox, fd, BATCH, budget)
+                        batch = relay.pump(self.local_inbox, fd, limit, budget)
                     finally:
                         self.relayed_up(relay)
                     budget -= relay.batches
@@ -659,6 +683,8 @@ class Link:
             self.send_up(packet, True, write=False)
         if spill and self.state == "up":
             self.write_up()
+        elif relay.blocked and self.state == "up":
+            self.watch_up()     # written once the upstream takes more
 
     def read_up(self) -> None:
         budget = 16     # recvmmsg batches per turn; then the leaf's side has its turn
