@@ -9,12 +9,18 @@ Rows, all with --payload-byte messages (default 64) and loss checked:
 - ``bridge_rate``: msgs/s from host A's publisher (publish_many) to a
   subscriber on host B, first message to last at B; beside it the CPU time
   per message of each bridge, nats-server and both brokers over that window,
-  and of the publisher and the subscriber (their own rusage);
+  and of the publisher and the subscriber (their own rusage, from connected
+  to done: imports and start-up are not counted), each with the part spent
+  in the kernel (``sys_us_per_msg``);
 - ``bridge_latency``: p50/p99 from A's publish to B's receive at a fixed
   --rate msgs/s (CLOCK_MONOTONIC stamps; every process is on this machine);
 - ``nats_rate``: plain nats-py publisher -> nats-py subscriber over the same
   nats-server, in the same run, for scale, with the CPU time per message of
-  nats-server, the publisher and the subscriber.
+  nats-server, the publisher and the subscriber, counted as above;
+- ``kernel_floor``: the kernel's CPU per packet of sendmmsg and recvmmsg on
+  an AF_UNIX SOCK_SEQPACKET pair, packets the size of the row's MSG packets,
+  full batches (bench/dgram_floor.c): what each of the four sbus hops of a
+  bridged message costs at least, however little its processes do.
 
 ``--paths`` (default ``fast,reference``) measures the bridges' C fast path
 and ``--no-fast-path`` interleaved in one run: each repeat starts the pair of
@@ -37,7 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import NatsServer, Sbusd, Series, alternate, cpu_seconds, end_process, results_path, say
+from harness import BIN as PROGRAMS
+from harness import NatsServer, Sbusd, Series, alternate, end_process, results_path, say
 
 BIN = Path(sys.executable).parent
 KEY = b"bench/key"
@@ -47,9 +54,24 @@ PLAIN_SUBJECT = "plain.bench"      # outside the bridges' prefix: plain NATS onl
 # -- workers (each in its own process) ------------------------------------------
 
 def cpu_now():
-    """User + system CPU seconds of this process (its own rusage: load disturbs it least)."""
+    """(user + system, system) CPU seconds of this process (its own rusage:
+    load disturbs it least)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    return r.ru_utime + r.ru_stime, r.ru_stime
+
+
+def cpu_since(start):
+    """What a worker reports: its CPU seconds since ``start`` (a cpu_now())."""
+    now = cpu_now()
+    return {"client_cpu_s": now[0] - start[0], "client_sys_s": now[1] - start[1]}
+
+
+def proc_cpu(pid):
+    """(user + system, system) CPU seconds of a process from /proc (every thread)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick, int(fields[12]) / tick
 
 
 def sbus_sub(address, count, timeout):
@@ -81,12 +103,13 @@ def sbus_sub(address, count, timeout):
         first = first or now
         last = now
     return {"received": got, "seconds": (last - first) / 1e9 if got > 1 else None,
-            "latency_ns": lat, "client_cpu_s": cpu_now() - cpu}
+            "latency_ns": lat, **cpu_since(cpu)}
 
 
 def sbus_pub(address, count, payload, rate):
     import sbus
     bus = sbus.Client(address)
+    cpu = cpu_now()
     pad = b"x" * max(0, payload - 20)
     if rate:
         start = time.monotonic()
@@ -101,7 +124,7 @@ def sbus_pub(address, count, payload, rate):
             stamp = b"%020d" % time.monotonic_ns() + pad
             bus.publish_many([(KEY, stamp)] * min(batch, count - i))
     bus.whoami(timeout=30)
-    return {"sent": count, "client_cpu_s": cpu_now()}
+    return {"sent": count, **cpu_since(cpu)}
 
 
 async def _nats_sub(url, count, timeout):
@@ -131,18 +154,19 @@ async def _nats_sub(url, count, timeout):
     await nc.close()
     got, first, last = state["got"], state["first"], state["last"]
     return {"received": got, "seconds": (last - first) / 1e9 if got > 1 else None,
-            "client_cpu_s": cpu_now() - cpu}
+            **cpu_since(cpu)}
 
 
 async def _nats_pub(url, count, payload):
     import nats
     nc = await nats.connect(url, pending_size=8 << 20)
+    cpu = cpu_now()
     data = b"x" * payload
     for _ in range(count):
         await nc.publish(PLAIN_SUBJECT, data)
     await nc.flush(timeout=60)
     await nc.close()
-    return {"sent": count, "client_cpu_s": cpu_now()}
+    return {"sent": count, **cpu_since(cpu)}
 
 
 def worker(args):
@@ -194,24 +218,49 @@ def logged(path, event):
 
 def pair(sub_argv, pub_argv, procs, timeout, watch=None):
     """Start the subscriber, wait for it, run the publisher; the subscriber's
-    report, with ``cpu_s``: CPU seconds each process of ``watch`` (name -> Popen)
-    used meanwhile, and the publisher's and subscriber's own (their rusage)."""
+    report, with ``cpu_s`` and ``sys_s``: CPU seconds (all, and in the kernel)
+    each process of ``watch`` (name -> Popen) used meanwhile, and the
+    publisher's and subscriber's own (their rusage)."""
     watch = watch or {}
     sub = procs.start(sub_argv, stdout=subprocess.PIPE)
     assert sub.stdout.readline().strip() == b"ready"
-    before = {name: cpu_seconds(p.pid) for name, p in watch.items()}
+    before = {name: proc_cpu(p.pid) for name, p in watch.items()}
     pub = subprocess.run(pub_argv, check=True, stdout=subprocess.PIPE, timeout=timeout)
     out, _ = sub.communicate(timeout=timeout)
     report = json.loads(out.splitlines()[-1])
-    report["cpu_s"] = {name: cpu_seconds(p.pid) - before[name] for name, p in watch.items()}
-    report["cpu_s"]["publisher"] = json.loads(pub.stdout.splitlines()[-1])["client_cpu_s"]
+    after = {name: proc_cpu(p.pid) for name, p in watch.items()}
+    published = json.loads(pub.stdout.splitlines()[-1])
+    for i, field in enumerate(("cpu_s", "sys_s")):
+        report[field] = {name: after[name][i] - before[name][i] for name in watch}
+    report["cpu_s"]["publisher"] = published["client_cpu_s"]
+    report["sys_s"]["publisher"] = published["client_sys_s"]
     report["cpu_s"]["subscriber"] = report["client_cpu_s"]
+    report["sys_s"]["subscriber"] = report["client_sys_s"]
     return report
 
 
-def per_message(r):
-    """CPU µs per message received, each process."""
-    return {name: round(sec * 1e6 / max(r["received"], 1), 2) for name, sec in r["cpu_s"].items()}
+def per_message(r, field="cpu_s"):
+    """CPU µs per message received, each process (``sys_s``: in the kernel)."""
+    return {name: round(sec * 1e6 / max(r["received"], 1), 2) for name, sec in r[field].items()}
+
+
+def rate_row(r, sent):
+    return {"received": r["received"], "sent": sent,
+            "rate": r["received"] / r["seconds"] if r["seconds"] else 0,
+            "cpu_us_per_msg": per_message(r), "sys_us_per_msg": per_message(r, "sys_s")}
+
+
+def kernel_floor(payload):
+    """bench/dgram_floor.c's figures for packets of the row's MSG size (compiled
+    into bench/bin/ when the source is newer)."""
+    src, exe = Path(__file__).resolve().parent / "dgram_floor.c", PROGRAMS / "dgram_floor"
+    if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
+        PROGRAMS.mkdir(exist_ok=True)
+        subprocess.run(["gcc", "-O2", "-Wall", "-o", str(exe), str(src)], check=True)
+    size = len(b"MSG ") + len(KEY) + 1 + payload
+    out = subprocess.run([str(exe), "1000000", str(size)], check=True, stdout=subprocess.PIPE,
+                         timeout=120).stdout
+    return json.loads(out)
 
 
 def start_bridges(procs, work, hosts, url, path):
@@ -268,9 +317,7 @@ def run(args):
                                "--seconds", "120"],
                          me + ["--worker", "nats_pub", "--address", url, "--count", str(args.count),
                                *common], procs, 300, watch={"nats_server": nats_server})
-                return {"received": r["received"], "sent": args.count,
-                        "rate": r["received"] / r["seconds"] if r["seconds"] else 0,
-                        "cpu_us_per_msg": per_message(r)}
+                return rate_row(r, args.count)
             path = rows[label]
             if running[0] != path:
                 for p in bridges.values():
@@ -283,9 +330,7 @@ def run(args):
                      me + ["--worker", "sbus_pub", "--address", hosts["a"], "--count",
                            str(args.count), "--rate", "0", *common], procs, 300,
                      watch={**bridges, "nats_server": nats_server, **brokers})
-            return {"received": r["received"], "sent": args.count,
-                    "rate": r["received"] / r["seconds"] if r["seconds"] else 0,
-                    "cpu_us_per_msg": per_message(r)}
+            return rate_row(r, args.count)
 
         results.update({label: s.runs for label, s in alternate(rows, args.repeat, run_one).items()
                         if s.runs})
@@ -310,7 +355,19 @@ def run(args):
         procs.stop_all()
         for server in reversed(servers):
             server.stop()
+    say("kernel_floor")
+    results["kernel_floor"] = [kernel_floor(args.payload)]
     return results
+
+
+def cpu_lines(rows):
+    """CPU µs per message of each process (medians), then its part in the kernel."""
+    out = []
+    for field, title in (("cpu_us_per_msg", "CPU us/msg  "), ("sys_us_per_msg", "  in kernel ")):
+        cpu = Series(rows).medians(field)
+        out.append(f"    {title}" + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+                   + f"   all {sum(cpu.values()):.2f}")
+    return out
 
 
 def table(results, payload, load):
@@ -319,8 +376,7 @@ def table(results, payload, load):
     lost_n = sum(r["sent"] - r["received"] for r in nr)
     lines = [f"{payload}-byte messages; load average {load}",
              f"plain nats-py         {med(nr, 'rate'):>10,.0f} msg/s   lost {lost_n}",
-             "    CPU us/msg  " + "  ".join(f"{k} {v:.2f}"
-                                        for k, v in Series(nr).medians("cpu_us_per_msg").items())]
+             *cpu_lines(nr)]
     for suffix in ("", "_reference"):
         br = results.get("bridge_rate" + suffix)
         if not br:
@@ -328,13 +384,17 @@ def table(results, payload, load):
         name = "bridge A->B" + (" (ref)" if suffix else "")
         lost_b = sum(r["sent"] - r["received"] for r in br)
         ratio = med(br, "rate") / med(nr, "rate") if med(nr, "rate") else 0
-        cpu = Series(br).medians("cpu_us_per_msg")
         lat = results["bridge_latency" + suffix][0]
         lines += [
             f"{name:<21} {med(br, 'rate'):>10,.0f} msg/s   lost {lost_b}   ratio {ratio:.2f}",
-            "    CPU us/msg  " + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()),
+            *cpu_lines(br),
             f"    latency @{lat['rate']:,}/s  p50 {lat['p50_us']:.0f} us"
             f"  p99 {lat['p99_us']:.0f} us   lost {lat['sent'] - lat['received']}"]
+    floor = results["kernel_floor"][0]
+    hop = floor["send_us"] + floor["recv_us"]
+    lines.append(f"kernel floor, one {floor['size']}-byte sbus packet: send {floor['send_us']:.2f}"
+                 f" + receive {floor['recv_us']:.2f} us; the bridged message crosses 4 sbus hops:"
+                 f" {4 * hop:.2f} us")
     return "\n".join(lines)
 
 
