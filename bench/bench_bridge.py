@@ -20,7 +20,11 @@ Rows, all with --payload-byte messages (default 64) and loss checked:
 - ``kernel_floor``: the kernel's CPU per packet of sendmmsg and recvmmsg on
   an AF_UNIX SOCK_SEQPACKET pair, packets the size of the row's MSG packets,
   full batches (bench/dgram_floor.c): what each of the four sbus hops of a
-  bridged message costs at least, however little its processes do.
+  bridged message costs at least, however little its processes do;
+- ``nats_frames``: nats-server's CPU per message for the bridge's frames
+  (``HPUB`` with the ``Sbus-Key`` header) against plain ``PUB`` of the same
+  subject and payload, one raw-socket publisher to one raw-socket
+  subscriber, alternated: what the header costs the server.
 
 ``--paths`` (default ``fast,reference``) measures the bridges' C fast path
 and ``--no-fast-path`` interleaved in one run: each repeat starts the pair of
@@ -268,6 +272,61 @@ def kernel_floor(payload):
     return json.loads(out)
 
 
+def nats_frames(port, payload, count):
+    """nats-server's CPU µs per message ({"pub": .., "hpub": ..}) for ``count``
+    messages written as plain PUB frames, then as the bridge's HPUB frames,
+    by a raw socket, to a raw-socket subscriber that reads them all."""
+    import socket
+    import threading
+    subject, data = b"sbus.bench.key", b"x" * payload
+    header = b"NATS/1.0\r\nSbus-Key: " + KEY + b"\r\n\r\n"
+    frames = {
+        "pub": (b"PUB %s %d\r\n%s\r\n" % (subject, len(data), data),
+                b"MSG %s 1 %d\r\n%s\r\n" % (subject, len(data), data)),
+        "hpub": (b"HPUB %s %d %d\r\n%s%s\r\n" % (subject, len(header), len(header) + len(data),
+                                                  header, data),
+                 b"HMSG %s 1 %d %d\r\n%s%s\r\n" % (subject, len(header),
+                                                    len(header) + len(data), header, data))}
+
+    def connect(then=b""):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.recv(4096)    # INFO
+        s.sendall(b'CONNECT {"verbose":false,"headers":true,"protocol":1}\r\n' + then + b"PING\r\n")
+        got = b""
+        while b"PONG\r\n" not in got:
+            got += s.recv(4096)
+        return s
+
+    out = {}
+    for kind, (frame, delivered) in frames.items():
+        sub = connect(b"SUB %s 1\r\n" % subject)
+        want, got = len(delivered) * count, [0]
+
+        def read():
+            while got[0] < want:
+                chunk = sub.recv(1 << 20)
+                if not chunk:
+                    return
+                got[0] += len(chunk)
+        reader = threading.Thread(target=read)
+        reader.start()
+        pub = connect()
+        block = frame * 1000
+        before = proc_cpu(server_pid[0])[0]
+        for _ in range(count // 1000):
+            pub.sendall(block)
+        reader.join(120)
+        out[kind] = round((proc_cpu(server_pid[0])[0] - before) * 1e6 / count, 3)
+        pub.close()
+        sub.close()
+        if got[0] != want:
+            raise SystemExit(f"bench_bridge: nats_frames: {kind}: {got[0]} of {want} bytes")
+    return out
+
+
+server_pid = [0]    # nats-server's, for nats_frames
+
+
 def start_bridges(procs, work, hosts, url, path):
     """Bridge a exports bench/, bridge b imports it; once both are connected,
     {"bridge_a": Popen, "bridge_b": Popen}."""
@@ -299,6 +358,7 @@ def run(args):
         servers.append(nats)
         url = nats.url
         nats_server = nats.proc
+        server_pid[0] = nats_server.pid
         hosts, brokers = {}, {}
         for name in ("a", "b"):
             address = str(work / f"{name}.socket")
@@ -312,11 +372,14 @@ def run(args):
         common = ["--payload", str(args.payload)]
         rows = {("bridge_rate" + ("" if path == "fast" else "_" + path)): path for path in paths}
         rows["nats_rate"] = None
+        rows["nats_frames"] = None
         started = dict.fromkeys(rows, 0)
 
         def run_one(label):
             started[label] += 1
             say(f"repeat {started[label]}/{args.repeat}: {label}")
+            if label == "nats_frames":
+                return nats_frames(nats.port, args.payload, args.count)
             if label == "nats_rate":
                 r = pair(me + ["--worker", "nats_sub", "--address", url, "--count", str(args.count),
                                "--seconds", "120"],
@@ -395,6 +458,9 @@ def table(results, payload, load):
             *cpu_lines(br),
             f"    latency @{lat['rate']:,}/s  p50 {lat['p50_us']:.0f} us"
             f"  p99 {lat['p99_us']:.0f} us   lost {lat['sent'] - lat['received']}"]
+    frames = Series(results["nats_frames"]).median
+    lines.append(f"nats-server CPU us/msg, raw frames: PUB {frames('pub'):.2f}"
+                 f"  HPUB with Sbus-Key {frames('hpub'):.2f}")
     floor = results["kernel_floor"][0]
     hop = floor["send_us"] + floor["recv_us"]
     lines.append(f"kernel floor, one {floor['size']}-byte sbus packet: send {floor['send_us']:.2f}"
