@@ -272,7 +272,7 @@ def kernel_floor(payload):
     return json.loads(out)
 
 
-def nats_frames(port, payload, count):
+def nats_frames(port, server_pid, payload, count):
     """nats-server's CPU µs per message ({"pub": .., "hpub": ..}) for ``count``
     messages written as plain PUB frames, then as the bridge's HPUB frames,
     by a raw socket, to a raw-socket subscriber that reads them all."""
@@ -311,20 +311,19 @@ def nats_frames(port, payload, count):
         reader = threading.Thread(target=read)
         reader.start()
         pub = connect()
+        blocks, rest = divmod(count, 1000)
         block = frame * 1000
-        before = proc_cpu(server_pid[0])[0]
-        for _ in range(count // 1000):
+        before = proc_cpu(server_pid)[0]
+        for _ in range(blocks):
             pub.sendall(block)
+        pub.sendall(frame * rest)
         reader.join(120)
-        out[kind] = round((proc_cpu(server_pid[0])[0] - before) * 1e6 / count, 3)
+        out[kind] = round((proc_cpu(server_pid)[0] - before) * 1e6 / count, 3)
         pub.close()
         sub.close()
         if got[0] != want:
             raise SystemExit(f"bench_bridge: nats_frames: {kind}: {got[0]} of {want} bytes")
     return out
-
-
-server_pid = [0]    # nats-server's, for nats_frames
 
 
 def start_bridges(procs, work, hosts, url, path):
@@ -358,7 +357,6 @@ def run(args):
         servers.append(nats)
         url = nats.url
         nats_server = nats.proc
-        server_pid[0] = nats_server.pid
         hosts, brokers = {}, {}
         for name in ("a", "b"):
             address = str(work / f"{name}.socket")
@@ -379,7 +377,7 @@ def run(args):
             started[label] += 1
             say(f"repeat {started[label]}/{args.repeat}: {label}")
             if label == "nats_frames":
-                return nats_frames(nats.port, args.payload, args.count)
+                return nats_frames(nats.port, nats_server.pid, args.payload, args.count)
             if label == "nats_rate":
                 r = pair(me + ["--worker", "nats_sub", "--address", url, "--count", str(args.count),
                                "--seconds", "120"],
