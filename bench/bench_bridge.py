@@ -278,7 +278,9 @@ def nats_frames(port, server_pid, payload, count):
     by a raw socket, to a raw-socket subscriber that reads them all."""
     import socket
     import threading
-    subject, data = b"sbus.bench.key", b"x" * payload
+    # The bridges' subject's length, outside bridge B's --import: no bridge
+    # takes these messages, the raw subscriber is the only one.
+    subject, data = b"sbux.bench.key", b"x" * payload
     header = b"NATS/1.0\r\nSbus-Key: " + KEY + b"\r\n\r\n"
     frames = {
         "pub": (b"PUB %s %d\r\n%s\r\n" % (subject, len(data), data),
