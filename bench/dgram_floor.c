@@ -60,7 +60,11 @@ int main(int argc, char **argv)
             h[i].msg_hdr.msg_iovlen = 1;
         }
         while (got < count) {
-            int n = recvmmsg(sv[1], h, RECV_BATCH, 0, NULL);
+            /* Blocking for whole batches (the floor), and for no more than
+             * are still to come: recvmmsg(2) without MSG_WAITFORONE waits
+             * until it has them all. */
+            int want = count - got < RECV_BATCH ? (int)(count - got) : RECV_BATCH;
+            int n = recvmmsg(sv[1], h, want, 0, NULL);
             if (n <= 0)
                 break;
             got += n;
