@@ -9,12 +9,22 @@ Rows, all with --payload-byte messages (default 64) and loss checked:
 - ``bridge_rate``: msgs/s from host A's publisher (publish_many) to a
   subscriber on host B, first message to last at B; beside it the CPU time
   per message of each bridge, nats-server and both brokers over that window,
-  and of the publisher and the subscriber (their own rusage);
+  and of the publisher and the subscriber (their own rusage, from connected
+  to done: imports and start-up are not counted), each with the part spent
+  in the kernel (``sys_us_per_msg``);
 - ``bridge_latency``: p50/p99 from A's publish to B's receive at a fixed
   --rate msgs/s (CLOCK_MONOTONIC stamps; every process is on this machine);
 - ``nats_rate``: plain nats-py publisher -> nats-py subscriber over the same
   nats-server, in the same run, for scale, with the CPU time per message of
-  nats-server, the publisher and the subscriber.
+  nats-server, the publisher and the subscriber, counted as above;
+- ``kernel_floor``: the kernel's CPU per packet of sendmmsg and recvmmsg on
+  an AF_UNIX SOCK_SEQPACKET pair, packets the size of the row's MSG packets,
+  full batches (bench/dgram_floor.c): what each of the four sbus hops of a
+  bridged message costs at least, however little its processes do;
+- ``nats_frames``: nats-server's CPU per message for the bridge's frames
+  (``HPUB`` with the ``Sbus-Key`` header) against plain ``PUB`` of the same
+  subject and payload, one raw-socket publisher to one raw-socket
+  subscriber, alternated: what the header costs the server.
 
 ``--paths`` (default ``fast,reference``) measures the bridges' C fast path
 and ``--no-fast-path`` interleaved in one run: each repeat starts the pair of
@@ -37,7 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import NatsServer, Sbusd, Series, alternate, cpu_seconds, end_process, results_path, say
+from harness import BIN as PROGRAMS
+from harness import NatsServer, Sbusd, Series, alternate, end_process, results_path, say
 
 BIN = Path(sys.executable).parent
 KEY = b"bench/key"
@@ -47,13 +58,31 @@ PLAIN_SUBJECT = "plain.bench"      # outside the bridges' prefix: plain NATS onl
 # -- workers (each in its own process) ------------------------------------------
 
 def cpu_now():
-    """User + system CPU seconds of this process (its own rusage: load disturbs it least)."""
+    """(user + system, system) CPU seconds of this process (its own rusage:
+    load disturbs it least)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    return r.ru_utime + r.ru_stime, r.ru_stime
 
 
-def sbus_sub(address, count, timeout):
-    """Receive up to ``count`` messages on KEY; report count, span and latencies."""
+def cpu_since(start):
+    """What a worker reports: its CPU seconds since ``start`` (a cpu_now())."""
+    now = cpu_now()
+    return {"client_cpu_s": now[0] - start[0], "client_sys_s": now[1] - start[1]}
+
+
+def proc_cpu(pid):
+    """(user + system, system) CPU seconds of a process from /proc (every thread)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick, int(fields[12]) / tick
+
+
+def sbus_sub(address, count, timeout, stamps):
+    """Receive up to ``count`` messages on KEY; report count, span and, with
+    ``stamps``, latencies. Without, it counts each batch whole, as the nats-py
+    subscriber counts its messages: the rate row compares transports, not the
+    subscribers' own work on each payload."""
     import sbus
     bus = sbus.Client(address)
     bus.subscribe(KEY)
@@ -73,7 +102,9 @@ def sbus_sub(address, count, timeout):
                 break
             continue
         now = time.monotonic_ns()
-        for m in batch:
+        if not stamps:
+            got += len(batch)       # the subscription is KEY alone
+        for m in batch if stamps else ():
             if m.key != KEY:
                 continue
             got += 1
@@ -81,12 +112,13 @@ def sbus_sub(address, count, timeout):
         first = first or now
         last = now
     return {"received": got, "seconds": (last - first) / 1e9 if got > 1 else None,
-            "latency_ns": lat, "client_cpu_s": cpu_now() - cpu}
+            "latency_ns": lat, **cpu_since(cpu)}
 
 
 def sbus_pub(address, count, payload, rate):
     import sbus
     bus = sbus.Client(address)
+    cpu = cpu_now()
     pad = b"x" * max(0, payload - 20)
     if rate:
         start = time.monotonic()
@@ -101,7 +133,7 @@ def sbus_pub(address, count, payload, rate):
             stamp = b"%020d" % time.monotonic_ns() + pad
             bus.publish_many([(KEY, stamp)] * min(batch, count - i))
     bus.whoami(timeout=30)
-    return {"sent": count, "client_cpu_s": cpu_now()}
+    return {"sent": count, **cpu_since(cpu)}
 
 
 async def _nats_sub(url, count, timeout):
@@ -131,23 +163,24 @@ async def _nats_sub(url, count, timeout):
     await nc.close()
     got, first, last = state["got"], state["first"], state["last"]
     return {"received": got, "seconds": (last - first) / 1e9 if got > 1 else None,
-            "client_cpu_s": cpu_now() - cpu}
+            **cpu_since(cpu)}
 
 
 async def _nats_pub(url, count, payload):
     import nats
     nc = await nats.connect(url, pending_size=8 << 20)
+    cpu = cpu_now()
     data = b"x" * payload
     for _ in range(count):
         await nc.publish(PLAIN_SUBJECT, data)
     await nc.flush(timeout=60)
     await nc.close()
-    return {"sent": count, "client_cpu_s": cpu_now()}
+    return {"sent": count, **cpu_since(cpu)}
 
 
 def worker(args):
     if args.worker == "sbus_sub":
-        out = sbus_sub(args.address, args.count, args.seconds)
+        out = sbus_sub(args.address, args.count, args.seconds, args.rate > 0)
     elif args.worker == "sbus_pub":
         out = sbus_pub(args.address, args.count, args.payload, args.rate)
     elif args.worker == "nats_sub":
@@ -194,24 +227,105 @@ def logged(path, event):
 
 def pair(sub_argv, pub_argv, procs, timeout, watch=None):
     """Start the subscriber, wait for it, run the publisher; the subscriber's
-    report, with ``cpu_s``: CPU seconds each process of ``watch`` (name -> Popen)
-    used meanwhile, and the publisher's and subscriber's own (their rusage)."""
+    report, with ``cpu_s`` and ``sys_s``: CPU seconds (all, and in the kernel)
+    each process of ``watch`` (name -> Popen) used meanwhile, and the
+    publisher's and subscriber's own (their rusage)."""
     watch = watch or {}
     sub = procs.start(sub_argv, stdout=subprocess.PIPE)
     assert sub.stdout.readline().strip() == b"ready"
-    before = {name: cpu_seconds(p.pid) for name, p in watch.items()}
+    before = {name: proc_cpu(p.pid) for name, p in watch.items()}
     pub = subprocess.run(pub_argv, check=True, stdout=subprocess.PIPE, timeout=timeout)
     out, _ = sub.communicate(timeout=timeout)
     report = json.loads(out.splitlines()[-1])
-    report["cpu_s"] = {name: cpu_seconds(p.pid) - before[name] for name, p in watch.items()}
-    report["cpu_s"]["publisher"] = json.loads(pub.stdout.splitlines()[-1])["client_cpu_s"]
+    after = {name: proc_cpu(p.pid) for name, p in watch.items()}
+    published = json.loads(pub.stdout.splitlines()[-1])
+    for i, field in enumerate(("cpu_s", "sys_s")):
+        report[field] = {name: after[name][i] - before[name][i] for name in watch}
+    report["cpu_s"]["publisher"] = published["client_cpu_s"]
+    report["sys_s"]["publisher"] = published["client_sys_s"]
     report["cpu_s"]["subscriber"] = report["client_cpu_s"]
+    report["sys_s"]["subscriber"] = report["client_sys_s"]
     return report
 
 
-def per_message(r):
-    """CPU µs per message received, each process."""
-    return {name: round(sec * 1e6 / max(r["received"], 1), 2) for name, sec in r["cpu_s"].items()}
+def per_message(r, field="cpu_s"):
+    """CPU µs per message received, each process (``sys_s``: in the kernel)."""
+    return {name: round(sec * 1e6 / max(r["received"], 1), 2) for name, sec in r[field].items()}
+
+
+def rate_row(r, sent):
+    return {"received": r["received"], "sent": sent,
+            "rate": r["received"] / r["seconds"] if r["seconds"] else 0,
+            "cpu_us_per_msg": per_message(r), "sys_us_per_msg": per_message(r, "sys_s")}
+
+
+def kernel_floor(payload):
+    """bench/dgram_floor.c's figures for packets of the row's MSG size (compiled
+    into bench/bin/ when the source is newer)."""
+    src, exe = Path(__file__).resolve().parent / "dgram_floor.c", PROGRAMS / "dgram_floor"
+    if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
+        PROGRAMS.mkdir(exist_ok=True)
+        subprocess.run(["gcc", "-O2", "-Wall", "-o", str(exe), str(src)], check=True)
+    size = len(b"MSG ") + len(KEY) + 1 + payload
+    out = subprocess.run([str(exe), "1000000", str(size)], check=True, stdout=subprocess.PIPE,
+                         timeout=120).stdout
+    return json.loads(out)
+
+
+def nats_frames(port, server_pid, payload, count):
+    """nats-server's CPU µs per message ({"pub": .., "hpub": ..}) for ``count``
+    messages written as plain PUB frames, then as the bridge's HPUB frames,
+    by a raw socket, to a raw-socket subscriber that reads them all."""
+    import socket
+    import threading
+    # The bridges' subject's length, outside bridge B's --import: no bridge
+    # takes these messages, the raw subscriber is the only one.
+    subject, data = b"sbux.bench.key", b"x" * payload
+    header = b"NATS/1.0\r\nSbus-Key: " + KEY + b"\r\n\r\n"
+    frames = {
+        "pub": (b"PUB %s %d\r\n%s\r\n" % (subject, len(data), data),
+                b"MSG %s 1 %d\r\n%s\r\n" % (subject, len(data), data)),
+        "hpub": (b"HPUB %s %d %d\r\n%s%s\r\n" % (subject, len(header), len(header) + len(data),
+                                                  header, data),
+                 b"HMSG %s 1 %d %d\r\n%s%s\r\n" % (subject, len(header),
+                                                    len(header) + len(data), header, data))}
+
+    def connect(then=b""):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.recv(4096)    # INFO
+        s.sendall(b'CONNECT {"verbose":false,"headers":true,"protocol":1}\r\n' + then + b"PING\r\n")
+        got = b""
+        while b"PONG\r\n" not in got:
+            got += s.recv(4096)
+        return s
+
+    out = {}
+    for kind, (frame, delivered) in frames.items():
+        sub = connect(b"SUB %s 1\r\n" % subject)
+        want, got = len(delivered) * count, [0]
+
+        def read():
+            while got[0] < want:
+                chunk = sub.recv(1 << 20)
+                if not chunk:
+                    return
+                got[0] += len(chunk)
+        reader = threading.Thread(target=read)
+        reader.start()
+        pub = connect()
+        blocks, rest = divmod(count, 1000)
+        block = frame * 1000
+        before = proc_cpu(server_pid)[0]
+        for _ in range(blocks):
+            pub.sendall(block)
+        pub.sendall(frame * rest)
+        reader.join(120)
+        out[kind] = round((proc_cpu(server_pid)[0] - before) * 1e6 / count, 3)
+        pub.close()
+        sub.close()
+        if got[0] != want:
+            raise SystemExit(f"bench_bridge: nats_frames: {kind}: {got[0]} of {want} bytes")
+    return out
 
 
 def start_bridges(procs, work, hosts, url, path):
@@ -258,19 +372,22 @@ def run(args):
         common = ["--payload", str(args.payload)]
         rows = {("bridge_rate" + ("" if path == "fast" else "_" + path)): path for path in paths}
         rows["nats_rate"] = None
+        rows["nats_frames"] = None
         started = dict.fromkeys(rows, 0)
 
         def run_one(label):
             started[label] += 1
             say(f"repeat {started[label]}/{args.repeat}: {label}")
+            if label == "nats_frames":
+                # 1,000,000 at least: its CPU is read in clock ticks (10 ms)
+                return nats_frames(nats.port, nats_server.pid, args.payload,
+                                   max(args.count, 1_000_000))
             if label == "nats_rate":
                 r = pair(me + ["--worker", "nats_sub", "--address", url, "--count", str(args.count),
                                "--seconds", "120"],
                          me + ["--worker", "nats_pub", "--address", url, "--count", str(args.count),
                                *common], procs, 300, watch={"nats_server": nats_server})
-                return {"received": r["received"], "sent": args.count,
-                        "rate": r["received"] / r["seconds"] if r["seconds"] else 0,
-                        "cpu_us_per_msg": per_message(r)}
+                return rate_row(r, args.count)
             path = rows[label]
             if running[0] != path:
                 for p in bridges.values():
@@ -279,13 +396,11 @@ def run(args):
                 bridges.update(start_bridges(procs, work, hosts, url, path))
                 running[0] = path
             r = pair(me + ["--worker", "sbus_sub", "--address", hosts["b"], "--count",
-                           str(args.count), "--seconds", "120"],
+                           str(args.count), "--seconds", "120", "--rate", "0"],
                      me + ["--worker", "sbus_pub", "--address", hosts["a"], "--count",
                            str(args.count), "--rate", "0", *common], procs, 300,
                      watch={**bridges, "nats_server": nats_server, **brokers})
-            return {"received": r["received"], "sent": args.count,
-                    "rate": r["received"] / r["seconds"] if r["seconds"] else 0,
-                    "cpu_us_per_msg": per_message(r)}
+            return rate_row(r, args.count)
 
         results.update({label: s.runs for label, s in alternate(rows, args.repeat, run_one).items()
                         if s.runs})
@@ -298,7 +413,7 @@ def run(args):
             say(f"bridge_latency{suffix}")
             n = int(args.rate * args.latency_seconds)
             r = pair(me + ["--worker", "sbus_sub", "--address", hosts["b"], "--count", str(n),
-                           "--seconds", str(args.latency_seconds + 30)],
+                           "--seconds", str(args.latency_seconds + 30), "--rate", str(args.rate)],
                      me + ["--worker", "sbus_pub", "--address", hosts["a"], "--count", str(n),
                            "--rate", str(args.rate), *common], procs, 300)
             lat = sorted(r["latency_ns"])
@@ -310,7 +425,19 @@ def run(args):
         procs.stop_all()
         for server in reversed(servers):
             server.stop()
+    say("kernel_floor")
+    results["kernel_floor"] = [kernel_floor(args.payload)]
     return results
+
+
+def cpu_lines(rows):
+    """CPU µs per message of each process (medians), then its part in the kernel."""
+    out = []
+    for field, title in (("cpu_us_per_msg", "CPU us/msg  "), ("sys_us_per_msg", "  in kernel ")):
+        cpu = Series(rows).medians(field)
+        out.append(f"    {title}" + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+                   + f"   all {sum(cpu.values()):.2f}")
+    return out
 
 
 def table(results, payload, load):
@@ -319,8 +446,7 @@ def table(results, payload, load):
     lost_n = sum(r["sent"] - r["received"] for r in nr)
     lines = [f"{payload}-byte messages; load average {load}",
              f"plain nats-py         {med(nr, 'rate'):>10,.0f} msg/s   lost {lost_n}",
-             "    CPU us/msg  " + "  ".join(f"{k} {v:.2f}"
-                                        for k, v in Series(nr).medians("cpu_us_per_msg").items())]
+             *cpu_lines(nr)]
     for suffix in ("", "_reference"):
         br = results.get("bridge_rate" + suffix)
         if not br:
@@ -328,13 +454,20 @@ def table(results, payload, load):
         name = "bridge A->B" + (" (ref)" if suffix else "")
         lost_b = sum(r["sent"] - r["received"] for r in br)
         ratio = med(br, "rate") / med(nr, "rate") if med(nr, "rate") else 0
-        cpu = Series(br).medians("cpu_us_per_msg")
         lat = results["bridge_latency" + suffix][0]
         lines += [
             f"{name:<21} {med(br, 'rate'):>10,.0f} msg/s   lost {lost_b}   ratio {ratio:.2f}",
-            "    CPU us/msg  " + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()),
+            *cpu_lines(br),
             f"    latency @{lat['rate']:,}/s  p50 {lat['p50_us']:.0f} us"
             f"  p99 {lat['p99_us']:.0f} us   lost {lat['sent'] - lat['received']}"]
+    frames = Series(results["nats_frames"]).median
+    lines.append(f"nats-server CPU us/msg, raw frames: PUB {frames('pub'):.2f}"
+                 f"  HPUB with Sbus-Key {frames('hpub'):.2f}")
+    floor = results["kernel_floor"][0]
+    hop = floor["send_us"] + floor["recv_us"]
+    lines.append(f"kernel floor, one {floor['size']}-byte sbus packet: send {floor['send_us']:.2f}"
+                 f" + receive {floor['recv_us']:.2f} us; the bridged message crosses 4 sbus hops:"
+                 f" {4 * hop:.2f} us")
     return "\n".join(lines)
 
 
