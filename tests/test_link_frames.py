@@ -4,11 +4,15 @@ exactly and in order, on every backend and through the send queue. Nobody
 else sends or gets one, and a bad frame closes its sender alone."""
 from __future__ import annotations
 
+import socket
 import struct
 
 import pytest
 
 from sbus import Client
+from sbus._core.batch import Outbox
+from sbus._core.linkpath import LinkInbox, Relay
+from sbus.client.protocol import ControlMessage, Message
 
 from support.conn import Conn
 from support.frames import MAGIC, frame, link_place, read_all
@@ -129,3 +133,48 @@ def test_nobody_else_sends_or_gets_frames(broker):
     link.packet(frame(b"MSG p/x\0", b"MSG p/y\0"))
     assert link.next_packet(5) == b""
     assert plain.next_packet(0.2) is None
+
+
+def test_a_full_upstream_leaves_the_links_batch_in_its_box():
+    """The link's up Relay (sbus._core.linkpath) over real socketpairs: a
+    batch of frames from its broker goes into the Outbox, and an upstream
+    that takes only part of it leaves the rest there (blocked), in C, with
+    nothing spilled into Python, until it takes more; every message arrives
+    once, in order. While blocked, the pump reads nothing."""
+    broker, link_local = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    link_up, upstream = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    link_up.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)   # fills within the batch
+    for s in (link_local, link_up, upstream):
+        s.setblocking(False)
+    sent = [b"MSG up/%d\0%s" % (i, b"x" * (i % 40)) for i in range(8 * FRAME_MSGS)]
+    for i in range(0, len(sent), FRAME_MSGS):
+        broker.send(frame(*sent[i:i + FRAME_MSGS]))
+    broker.send(frame(b"MSG later/1\0", b"MSG later/2\0"))  # for after the upstream took the box
+    box = Outbox(1 << 16)
+    relay = Relay(box, link_up.fileno(), lambda key, payload: key)
+    relay.keep = True
+    inbox = LinkInbox(1 << 16, Message, ControlMessage, 8)
+    assert relay.pump(inbox, link_local.fileno(), 8, 4) == []
+    relay.flush()
+    assert relay.blocked and relay.take_spill() == [] and 0 < len(box) < len(sent)
+    assert relay.pumped == len(sent)
+    # Blocked, the next pump sends what it can of the box and reads nothing more.
+    relay.pump(inbox, link_local.fileno(), 8, 4)
+    assert relay.blocked and relay.pumped == 0 and relay.take_spill() == []
+    got = []
+    while relay.blocked:
+        while True:
+            try:
+                got.append(upstream.recv(1 << 16))
+            except BlockingIOError:
+                break
+        relay.flush()
+    relay.pump(inbox, link_local.fileno(), 8, 4)
+    relay.flush()
+    while True:
+        try:
+            got.append(upstream.recv(1 << 16))
+        except BlockingIOError:
+            break
+    assert got == sent + [b"MSG later/1\0", b"MSG later/2\0"]
+    assert relay.sent == len(got)
