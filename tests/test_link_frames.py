@@ -16,6 +16,7 @@ from sbus.client.protocol import ControlMessage, Message
 
 from support.conn import Conn
 from support.frames import MAGIC, frame, link_place, read_all
+from support.sbusd import Sbusd
 from support.waiting import wait_until
 
 FRAME_MSGS = 64
@@ -178,3 +179,51 @@ def test_a_full_upstream_leaves_the_links_batch_in_its_box():
             break
     assert got == sent + [b"MSG later/1\0", b"MSG later/2\0"]
     assert relay.sent == len(got)
+
+
+def test_what_the_links_box_held_for_a_dead_upstream_goes_to_the_next(tmp_path):
+    """A leaf whose upstream stopped reading (its subscriber holds the bus)
+    has a batch left in the link's box; the upstream dies. What the box
+    held joins what the link holds for the next upstream, first: the next
+    one gets an unbroken run of the messages, up to the last, each once.
+    What the dead one had taken into its socket went with it."""
+    work_up, work_leaf = tmp_path / "up", tmp_path / "leaf"
+    work_up.mkdir()
+    work_leaf.mkdir()
+    address = str(tmp_path / "up.socket")
+    up = Sbusd.foreground(work_up, "--queue-max-bytes", "65536", address=address, log_level="info")
+    leaf = Sbusd.foreground(work_leaf, "--upstream", address, log_level="info")
+    try:
+        leaf.wait_for_event("upstream_connected", timeout=10)
+        stuck = Client(address)
+        stuck.send_cmsg("blocking/hard/block")
+        stuck.subscribe("up/")
+        stuck.whoami()
+        wait_until(lambda: sum(c["subscriptions"] for c in up.stats()["clients"]) >= 2, 10,
+                   "the link's subscription upstream")
+        n = 20000
+        with Client(leaf.address) as pub:
+            pub.publish_many((b"up/%d" % i, b"p" * 60) for i in range(n))
+            pub.whoami()
+        # The upstream holds its bus for the stuck subscriber: the link is
+        # behind, reads no more, and its broker queues for it.
+        wait_until(lambda: leaf.stats()["totals"]["queued_msgs"] > 0, 10, "the leaf's queue for its link")
+        up.kill()
+        stuck.close()
+        state = wait_until(lambda: (s := leaf.stats()["upstream"])["state"] == "away"
+                           and s["held"] > 0 and s, 10, "the link holding for the next upstream")
+        assert state["overflow_dropped"] == 0
+        up = Sbusd.foreground(work_up, "-r", address=address, log_level="info")
+        with Client(address) as sub:
+            sub.send_cmsg("blocking/hard/block")
+            sub.subscribe("up/")
+            sub.whoami()
+            keys = []
+            while not keys or keys[-1] != b"up/%d" % (n - 1):
+                keys += [m.key for m in sub.receive_many(1024, timeout=20)]
+        first = int(keys[0].split(b"/")[1])
+        assert keys == [b"up/%d" % i for i in range(first, n)]
+        assert n - first >= state["held"]
+    finally:
+        leaf.stop()
+        up.stop()
