@@ -438,6 +438,7 @@ cdef class Inbox:
             self.hdrs[i].msg_hdr.msg_iov = &self.iov[i]
             self.hdrs[i].msg_hdr.msg_iovlen = 1
         self.last_key = b""
+        self.routed_prefix = b""
         self.chunks = True
 
     def __dealloc__(self):
@@ -445,6 +446,17 @@ cdef class Inbox:
             munmap(self.area, self.area_size)
         free(self.iov)
         free(self.hdrs)
+
+    @property
+    def route(self):
+        """A key prefix (bytes; b"" for none) whose messages count as
+        irregular, as ``routed`` does: a client's reply inbox, so that a
+        batch without a reply is handed on without a look at each key."""
+        return self.routed_prefix
+
+    @route.setter
+    def route(self, bytes prefix):
+        self.routed_prefix = prefix
 
     def receive(self, int fd, int limit, int flags=0, double timeout=-1.0, Sink sink=None):
         """recvmmsg up to ``limit`` packets (waiting for the first, at most
@@ -456,7 +468,8 @@ cdef class Inbox:
         the end of the connection is a BusClosedError (always last).
         ``irregular`` counts the control messages and exceptions, and, while
         ``chunks`` is set, the chunks of larger messages (``chunked`` counts
-        those: keys ending in sbus.client.chunks.SUFFIX), so a caller
+        those: keys ending in sbus.client.chunks.SUFFIX), and the messages
+        on the ``route`` prefix (``routed`` counts those), so a caller
         finding it 0 can take the list as plain messages. OSError as
         recvmmsg(2) reports it (BlockingIOError: nothing to read);
         TimeoutError when ``timeout`` passes first.
@@ -470,6 +483,10 @@ cdef class Inbox:
         cdef const char *nul
         cdef int irregular = 0
         cdef int chunked = 0
+        cdef int routed = 0
+        cdef bytes prefix = self.routed_prefix
+        cdef size_t plen = PyBytes_GET_SIZE(prefix)
+        cdef const char *pstart = PyBytes_AS_STRING(prefix)
         if limit > self.slots:
             limit = self.slots
         if limit < 1:
@@ -519,6 +536,9 @@ cdef class Inbox:
                         nul - CHUNK_SUFFIX_LEN, b"/.sbus-chunk", CHUNK_SUFFIX_LEN) == 0:
                     chunked += 1
                     irregular += 1
+                elif plen and klen >= plen and memcmp(p + 4, pstart, plen) == 0:
+                    routed += 1
+                    irregular += 1
                 if sink is not None and not irregular:
                     sink.put(p + 4, klen, nul + 1, size - 5 - klen)
                     self.taken += 1
@@ -539,6 +559,7 @@ cdef class Inbox:
                 self.release(i)
         self.irregular = irregular
         self.chunked = chunked
+        self.routed = routed
         return out
 
     cdef int wait(self, int fd, int limit, int flags, double timeout) except? -2:
