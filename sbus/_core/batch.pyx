@@ -50,6 +50,7 @@ cdef extern from "Python.h":
     void PyObject_GC_UnTrack(object o)
     bint PyExceptionInstance_Check(object o)
     PyObject *PyIter_Next(object o)     # NULL at the end, and on an error
+    object PyObject_CallNoArgs(object func)     # vectorcall, no argument tuple (3.9+)
     PyObject *PyErr_Occurred()
     void PyErr_SetString(object type, const char *message)
 
@@ -630,12 +631,21 @@ cdef class Inbox:
 def take(object queue, Py_ssize_t limit):
     """Pop up to ``limit`` items from the front of the deque ``queue``,
     stopping before an exception (the caller raises it in its turn)."""
-    cdef list out = []
+    cdef Py_ssize_t k = 0
+    if limit <= 0:
+        return []
+    for item in queue:
+        if k == limit or PyExceptionInstance_Check(item):
+            break
+        k += 1
+    if k == len(queue):
+        # Usually the queue is one batch just read, all of it taken: copied
+        # and cleared at once, not popped by a call per item.
+        out = list(queue)
+        queue.clear()
+        return out
     popleft = queue.popleft
-    while limit > 0 and len(queue) and not PyExceptionInstance_Check(queue[0]):
-        out.append(popleft())
-        limit -= 1
-    return out
+    return [PyObject_CallNoArgs(popleft) for _ in range(k)]
 
 
 cdef class Messages:
