@@ -347,3 +347,44 @@ def test_freed_messages_keep_their_types_counted_and_deep_nesting_freed():
         while len(got) < 3000:
             got += [m.payload for m in c.receive_many(64)]     # each batch freed, refilled
     assert got == [b"%d" % i for i in range(3000)]
+
+
+def test_receive_into_routes_a_late_reply_away_from_its_sink(broker):
+    """A reply that receive_into reads is told apart in C and routed (here:
+    dropped, its request abandoned), not handed to the sink as a message."""
+    from sbus._core.natswire import Exporter
+    from sbus.bridge import mapping
+    from sbus.client.requests import OK, parse_request
+    from sbus.errors import RequestTimeoutError
+
+    def map_out(key):
+        return mapping.key_to_subject(key), mapping.encode_header(key)
+
+    def exporter():
+        return Exporter(map_out, Message, 1 << 30, False)
+
+    sent = [(b"k/%d" % i, b"p") for i in range(200)]
+
+    async def main():
+        async with aio.Client(broker.address) as asker, aio.Client(broker.address) as server:
+            await server.subscribe("svc")
+            await asker.subscribe("k/")
+            await server.sync(TIMEOUT)
+            with pytest.raises(RequestTimeoutError):
+                await asker.request("svc", b"q", timeout=0.2)
+            request = parse_request(await asyncio.wait_for(server.receive(), TIMEOUT))
+            await server.publish_many(sent[:100] + [(request.reply_to, OK + b"late")] + sent[100:])
+            sink = exporter()
+            sink.private = lambda key, payload: private.append(key)   # what the sink was given
+            while sink.pending_msgs < len(sent):
+                assert await asyncio.wait_for(asker.receive_into(sink, 64), TIMEOUT) == []
+            await asker.whoami()
+            assert asker.pending == 0
+            return sink.take(1 << 30)[0]
+
+    private = []
+    frames = arun(main())
+    assert private == []
+    expected = exporter()
+    expected.add([Message(k, p) for k, p in sent])
+    assert frames == expected.take(1 << 30)[0]
