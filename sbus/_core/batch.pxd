@@ -53,6 +53,8 @@ cdef class Inbox:
     cdef readonly int chunked   # chunks (sbus.client.chunks) in the last batch
     cdef public bint chunks     # count chunks as irregular (off: they are plain messages)
     cdef bint drained           # the last recvmmsg took fewer than it asked for
+    cdef bytes routed_prefix    # keys routed apart (a client's reply inbox); b"": none
+    cdef readonly int routed    # messages on routed_prefix in the last batch
 
     cdef object make(self, object cls, const char *key, size_t klen,
                      const char *payload, size_t plen)

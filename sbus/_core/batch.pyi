@@ -36,6 +36,8 @@ class Inbox:
     irregular: int
     taken: int
     chunked: int
+    routed: int
+    route: bytes
     chunks: bool
     def __init__(self, max_message: int, message_type: type, control_type: type,
                  slots: int = 64) -> None: ...

@@ -46,10 +46,9 @@ cdef extern from "Python.h":
     ctypedef struct PyTypeObject_ "PyTypeObject":
         PyObject *(*tp_alloc)(PyTypeObject_ *, Py_ssize_t) except NULL
     void PyTuple_SET_ITEM(object t, Py_ssize_t i, object v)
-    # A Message holds two bytes objects and can be in no reference cycle.
-    void PyObject_GC_UnTrack(object o)
     bint PyExceptionInstance_Check(object o)
     PyObject *PyIter_Next(object o)     # NULL at the end, and on an error
+    object PyObject_CallNoArgs(object func)     # vectorcall, no argument tuple (3.9+)
     PyObject *PyErr_Occurred()
     void PyErr_SetString(object type, const char *message)
 
@@ -80,6 +79,11 @@ cdef extern from *:
         PYGEN_ERROR
     ctypedef sbus_send_result (*sbus_sendfunc)(PyObject *, PyObject *, PyObject **)
     int sbus_set_am_send(PyTypeObject_ *type, sbus_sendfunc send)
+
+
+cdef extern from "csrc/batch/message_freelist.h":
+    int sbus_free_install(PyTypeObject_ *type)
+    PyObject *sbus_pair_new(PyTypeObject_ *type) except NULL
 
 
 cdef enum:
@@ -419,6 +423,7 @@ cdef class Inbox:
         self.max_message = max_message
         self.message_type = message_type
         self.control_type = control_type
+        sbus_free_install(<PyTypeObject_ *>message_type)
         self.slots = slots
         self.slot_size = max_message + 1
         self.area_size = <size_t>slots * self.slot_size
@@ -438,6 +443,7 @@ cdef class Inbox:
             self.hdrs[i].msg_hdr.msg_iov = &self.iov[i]
             self.hdrs[i].msg_hdr.msg_iovlen = 1
         self.last_key = b""
+        self.routed_prefix = b""
         self.chunks = True
 
     def __dealloc__(self):
@@ -445,6 +451,17 @@ cdef class Inbox:
             munmap(self.area, self.area_size)
         free(self.iov)
         free(self.hdrs)
+
+    @property
+    def route(self):
+        """A key prefix (bytes; b"" for none) whose messages count as
+        irregular, as ``routed`` does: a client's reply inbox, so that a
+        batch without a reply is handed on without a look at each key."""
+        return self.routed_prefix
+
+    @route.setter
+    def route(self, bytes prefix):
+        self.routed_prefix = prefix
 
     def receive(self, int fd, int limit, int flags=0, double timeout=-1.0, Sink sink=None):
         """recvmmsg up to ``limit`` packets (waiting for the first, at most
@@ -456,7 +473,8 @@ cdef class Inbox:
         the end of the connection is a BusClosedError (always last).
         ``irregular`` counts the control messages and exceptions, and, while
         ``chunks`` is set, the chunks of larger messages (``chunked`` counts
-        those: keys ending in sbus.client.chunks.SUFFIX), so a caller
+        those: keys ending in sbus.client.chunks.SUFFIX), and the messages
+        on the ``route`` prefix (``routed`` counts those), so a caller
         finding it 0 can take the list as plain messages. OSError as
         recvmmsg(2) reports it (BlockingIOError: nothing to read);
         TimeoutError when ``timeout`` passes first.
@@ -470,6 +488,10 @@ cdef class Inbox:
         cdef const char *nul
         cdef int irregular = 0
         cdef int chunked = 0
+        cdef int routed = 0
+        cdef bytes prefix = self.routed_prefix
+        cdef size_t plen = PyBytes_GET_SIZE(prefix)
+        cdef const char *pstart = PyBytes_AS_STRING(prefix)
         if limit > self.slots:
             limit = self.slots
         if limit < 1:
@@ -519,6 +541,9 @@ cdef class Inbox:
                         nul - CHUNK_SUFFIX_LEN, b"/.sbus-chunk", CHUNK_SUFFIX_LEN) == 0:
                     chunked += 1
                     irregular += 1
+                elif plen and klen >= plen and memcmp(p + 4, pstart, plen) == 0:
+                    routed += 1
+                    irregular += 1
                 if sink is not None and not irregular:
                     sink.put(p + 4, klen, nul + 1, size - 5 - klen)
                     self.taken += 1
@@ -539,6 +564,7 @@ cdef class Inbox:
                 self.release(i)
         self.irregular = irregular
         self.chunked = chunked
+        self.routed = routed
         return out
 
     cdef int wait(self, int fd, int limit, int flags, double timeout) except? -2:
@@ -582,13 +608,12 @@ cdef class Inbox:
             k = PyBytes_FromStringAndSize(key, klen)
             self.last_key = k
         payload_obj = PyBytes_FromStringAndSize(payload, plen)
-        t = <object>(<PyTypeObject_ *>cls).tp_alloc(<PyTypeObject_ *>cls, 2)
-        Py_DECREF(t)    # the <object> cast took a second reference to tp_alloc's
+        t = <object>sbus_pair_new(<PyTypeObject_ *>cls)
+        Py_DECREF(t)    # the <object> cast took a second reference to sbus_pair_new's
         Py_INCREF(k)
         PyTuple_SET_ITEM(t, 0, k)
         Py_INCREF(payload_obj)
         PyTuple_SET_ITEM(t, 1, payload_obj)
-        PyObject_GC_UnTrack(t)  # else a long queue is traversed by every young-generation collection
         return t
 
     cdef void release(self, int i) noexcept:
@@ -609,12 +634,21 @@ cdef class Inbox:
 def take(object queue, Py_ssize_t limit):
     """Pop up to ``limit`` items from the front of the deque ``queue``,
     stopping before an exception (the caller raises it in its turn)."""
-    cdef list out = []
+    cdef Py_ssize_t k = 0
+    if limit <= 0:
+        return []
+    for item in queue:
+        if k == limit or PyExceptionInstance_Check(item):
+            break
+        k += 1
+    if k == len(queue):
+        # Usually the queue is one batch just read, all of it taken: copied
+        # and cleared at once, not popped by a call per item.
+        out = list(queue)
+        queue.clear()
+        return out
     popleft = queue.popleft
-    while limit > 0 and len(queue) and not PyExceptionInstance_Check(queue[0]):
-        out.append(popleft())
-        limit -= 1
-    return out
+    return [PyObject_CallNoArgs(popleft) for _ in range(k)]
 
 
 cdef class Messages:

@@ -307,6 +307,10 @@ class Client(Driver, AsyncServiceMethods):
         """Up to ``max`` messages: at least one, as many as are queued or
         readable at once. An error ends the list and is raised by the next call."""
         inbox = self._inbox
+        if not inbox and not self._reading and self._sock is not None:
+            batch = self._read_until_empty(max, None, True)
+            if batch:
+                return batch    # only messages, in order: no need to queue them
         if not inbox or isinstance(inbox[0], BaseException):
             inbox.appendleft(await self.receive())  # waits, or raises the error
         if len(inbox) < max and not self._reading and self._sock is not None:
@@ -400,10 +404,11 @@ class Client(Driver, AsyncServiceMethods):
             self._wake(False)
         self._update_reading()
 
-    def _read_until_empty(self, limit: int = 64, sink: Optional[Sink] = None) -> int:
+    def _read_until_empty(self, limit: int = 64, sink: Optional[Sink] = None, plain: bool = False) -> Any:
         """recvmmsg until EAGAIN (or the queue is long), each batch triaged.
         With a ``sink``, plain messages go to it until something is queued or
-        ``limit`` went to it; returns how many it took."""
+        ``limit`` went to it; returns how many it took. With ``plain`` (the
+        queue empty), a batch of plain messages is returned as it was read."""
         conn, inbox = self._conn, self._inbox
         taken = 0
         most = _INBOX_HIGH if sink is None else limit
@@ -419,6 +424,8 @@ class Client(Driver, AsyncServiceMethods):
                 inbox.append(exc)
                 conn.fail(BusClosedError(f"the connection failed: {exc}"))
                 return taken
+            if plain and not self._in.irregular and not inbox:
+                return batch
             taken += self._in.taken
             end = conn.triage(batch)
             if end is not None:

@@ -269,7 +269,7 @@ class Connection:
         Chunks are reassembled first (:mod:`.chunks`)."""
         if self.parser.chunked:
             batch = self.chunks.feed_batch(batch)
-        if self.replies is not None:
+        if self.replies is not None and (self.parser.routed or self.parser.chunked):
             batch = self.replies.route(batch)
         inbox = self.inbox
         if not self.parser.irregular:
@@ -718,10 +718,12 @@ class Connection:
             self.replies = replies
             try:
                 replies.open((yield from self.whoami(0, timeout)))
+                self.parser.route = replies.inbox.local     # see triage
                 yield from self.send_packet(b"SUB " + replies.inbox.pattern.encode(), 0)
                 yield from self.flush()
             except BaseException as exc:
                 self.replies = None
+                self.parser.route = b""
                 replies.opening.set_exception(exc)
                 replies.opening.exception()     # seen: the first asker raises it
                 raise

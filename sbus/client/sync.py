@@ -244,7 +244,7 @@ class Client(Driver, ServiceMethods):
                 raise
             self._lost(exc)
             return []
-        if raw or (not self._in.irregular and conn.replies is None):
+        if raw or not self._in.irregular:   # replies are irregular (Inbox.route)
             return batch
         end = conn.triage(batch)
         if end is not None:
