@@ -560,6 +560,7 @@ cdef class Broker(Hub):
         cdef uint32_t k
         cdef int sent, i
         cdef Pending *p
+        cdef bint framed = c.frames     # in a register: the loop stores through self
         if not c.closing and not c.write_dead and c.q.live == 0:
             # Nothing queued ahead: write straight from the receive buffers.
             while e >= 0:
@@ -567,7 +568,7 @@ cdef class Broker(Hub):
                 while e >= 0 and k < SEND_BATCH:
                     p = &self.pend[e]
                     self.sent_entries[k] = e
-                    if c.frames and self.pack_frame(&e, k):
+                    if framed and self.pack_frame(&e, k):
                         k += 1
                         continue
                     if p.slot >= 0:
@@ -642,13 +643,13 @@ cdef class Broker(Hub):
             return 0
         for i in range(sent):
             if self.sreply[i] == SENT_DELIVERY:
-                msgs += 1
                 nbytes += self.siov[i].iov_len
             elif self.sreply[i] == SENT_REPLY:
                 replies += 1
             else:
-                msgs += self.fmsgs[i]
+                msgs += self.fmsgs[i] - 1       # a frame's deliveries, the frame counted below
                 nbytes += self.fbytes[i]
+        msgs += sent - replies
         c.counts.msgs_out += msgs
         c.counts.bytes_out += nbytes
         c.counts.replies_out += replies
@@ -710,8 +711,7 @@ cdef class Broker(Hub):
         while c.q.live:
             k = sq_select(&c.q, c.order, self.spos, self.ssel, SEND_BATCH)
             if c.frames and k > 1:      # a link's: as many as fit in one frame
-                m = self.fmsgs[0] = frame_packets(self.frame_area, self.ssel, k, &self.siov[0].iov_len,
-                                                  &self.fbytes[0])
+                m = self.fmsgs[0] = frame_packets(self.frame_area, self.ssel, k, &self.siov[0].iov_len, &self.fbytes[0])
             if m:
                 self.siov[0].iov_base = self.frame_area
                 self.sreply[0] = SENT_FRAME

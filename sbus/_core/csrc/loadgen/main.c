@@ -73,14 +73,23 @@ struct shared *sh;
 void
 die(const char *fmt, ...)
 {
+	/* One write(2) for the whole line: the processes of a run share stderr,
+	   and lines written in pieces interleave when several die at once. */
+	char line[512];
+	int err = errno, n;
 	va_list ap;
 	va_start(ap, fmt);
-	fprintf(stderr, "loadgen[%d]: ", getpid());
-	vfprintf(stderr, fmt, ap);
-	if (fmt[0] && fmt[strlen(fmt) - 1] == ':')
-		fprintf(stderr, " %s", strerror(errno));
-	fputc('\n', stderr);
+	n = snprintf(line, sizeof(line), "loadgen[%d]: ", getpid());
+	n += vsnprintf(line + n, sizeof(line) - n, fmt, ap);
 	va_end(ap);
+	if (n < (int)sizeof(line) && fmt[0] && fmt[strlen(fmt) - 1] == ':')
+		n += snprintf(line + n, sizeof(line) - n, " %s", strerror(err));
+	if (n > (int)sizeof(line) - 2)
+		n = sizeof(line) - 2;
+	line[n++] = '\n';
+	fflush(stderr);
+	if (write(STDERR_FILENO, line, n) < 0)
+		n = 0;  /* nowhere left to say it */
 	if (sh)
 		atomic_store(&sh->finish, 1);
 	exit(1);
