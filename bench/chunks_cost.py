@@ -17,13 +17,11 @@ instructions. Prints a table; nothing asserts.
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from harness import Sbusd
+from harness import Sbusd, callgrind_instructions
 
 CLIENT = r"""
 import sys
@@ -68,13 +66,8 @@ asyncio.run(main())
 
 def instructions(python: str, address: str, count: int, size: int, work: Path,
                  client: str = CLIENT) -> int:
-    out = work / f"cg.{abs(hash((python, count, client)))}"
-    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-                    python, "-c", client, address, str(count), str(size)],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1800)
-    text = out.read_text(errors="replace")
-    m = re.search(r"^summary:\s+(\d+)", text, re.M) or re.search(r"^totals:\s+(\d+)", text, re.M)
-    return int(m.group(1))
+    return callgrind_instructions([python, "-c", client, address, str(count), str(size)],
+                                  work / f"cg.{abs(hash((python, count, client)))}")
 
 
 def main() -> int:

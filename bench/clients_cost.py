@@ -22,13 +22,11 @@ vary a little). Prints a table; nothing asserts.
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from harness import Sbusd
+from harness import Sbusd, callgrind_instructions
 
 SYNC = r"""
 import sys
@@ -77,13 +75,8 @@ CLIENTS = (("sync", SYNC.replace("REPLIES", "False")),
 
 def instructions(python: str, address: str, client: str, count: int, size: int, mode: str,
                  work: Path) -> int:
-    out = work / "cg.out"
-    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-                    python, "-c", client, address, str(count), str(size), mode],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1800)
-    text = out.read_text(errors="replace")
-    m = re.search(r"^summary:\s+(\d+)", text, re.M) or re.search(r"^totals:\s+(\d+)", text, re.M)
-    return int(m.group(1))
+    return callgrind_instructions([python, "-c", client, address, str(count), str(size), mode],
+                                  work / "cg.out")
 
 
 def main() -> int:

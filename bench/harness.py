@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -69,6 +70,16 @@ def results_path(script: str, when: datetime.datetime | None = None) -> Path:
     when = when or datetime.datetime.now(datetime.timezone.utc)
     RESULTS.mkdir(exist_ok=True)
     return RESULTS / f"{script}-{when.astimezone(datetime.timezone.utc):%Y%m%dT%H%M%SZ}.json"
+
+
+def callgrind_instructions(argv: list, out: Path, timeout: float = 1800) -> int:
+    """The instructions ``argv`` ran under callgrind (its dump's summary),
+    the dump written to ``out``; the command's output is discarded."""
+    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *argv],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout)
+    text = out.read_text(errors="replace")
+    m = re.search(r"^summary:\s+(\d+)", text, re.M) or re.search(r"^totals:\s+(\d+)", text, re.M)
+    return int(m.group(1))
 
 
 class BenchError(Exception):
