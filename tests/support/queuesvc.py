@@ -86,6 +86,13 @@ class Consumers:
         with self._lock:
             return [j for jobs in self.jobs for j in jobs]
 
+    def printed(self, n: int, timeout: float = TIMEOUT) -> list:
+        """All jobs once ``n`` are printed. A job is acked after its line is
+        written, but the line reaches us on a reader thread: the service's
+        ack count can run ahead of what ``all`` holds."""
+        wait_until(lambda: sum(self.counts()) >= n, timeout, f"{n} jobs printed")
+        return self.all()
+
     def counts(self) -> list:
         with self._lock:
             return [len(j) for j in self.jobs]
