@@ -1,7 +1,9 @@
-"""Frames (sbus/_core/frames.pxd) on the link place's connection: asked for
-with ``CMSG link/frames`` and answered "ok", they go both ways, every packet
-exactly and in order, on every backend and through the send queue. Nobody
-else sends or gets one, and a bad frame closes its sender alone."""
+"""Frames (sbus/_core/frames.pxd) on a connection that asked with ``CMSG
+link/frames`` and was answered "ok" (the link place, or any connection of the
+broker's own uid or root: a bridge's): they go both ways, every packet exactly
+and in order, on every backend and through the send queue. Another uid is
+refused, a connection that did not ask never sends or gets one, and a bad
+frame closes its sender alone."""
 from __future__ import annotations
 
 import socket
@@ -15,15 +17,17 @@ from sbus._core.linkpath import LinkInbox, Relay
 from sbus.client.protocol import ControlMessage, Message
 
 from support.conn import Conn
-from support.frames import MAGIC, frame, link_place, read_all
+from support.frames import GRANTED, MAGIC, frame, link_place, read_all
 from support.sbusd import Sbusd
+from support.seconduser import asroot
 from support.waiting import wait_until
 
 FRAME_MSGS = 64
 
 
-def test_deliveries_to_the_link_place_come_in_frames(broker):
-    link = link_place(broker)
+@pytest.mark.parametrize("granted", GRANTED.values(), ids=GRANTED.keys())
+def test_deliveries_to_a_granted_connection_come_in_frames(broker, granted):
+    link = granted(broker)
     link.sub("f/")
     link.sync()
     sent = [(b"f/%d" % i, b"x" * (i % 50)) for i in range(500)]
@@ -64,8 +68,9 @@ def test_what_the_link_place_could_not_take_goes_out_of_its_queue_in_frames(brok
     assert reads < len(first) // 10, (reads, frames)
 
 
-def test_frames_from_the_link_place_are_taken_packet_by_packet(broker):
-    link = link_place(broker)
+@pytest.mark.parametrize("granted", GRANTED.values(), ids=GRANTED.keys())
+def test_frames_from_a_granted_connection_are_taken_packet_by_packet(broker, granted):
+    link = granted(broker)
     sub = Conn.to(broker.address)
     sub.sub("a/")
     sub.sub("b/")
@@ -78,7 +83,7 @@ def test_frames_from_the_link_place_are_taken_packet_by_packet(broker):
     expect = packets[:10] + [b"MSG b/one\0", b"MSG a/x\0last"] + packets[10:]
     got = [sub.next_packet(5) for _ in expect]
     assert got == expect
-    # The SUB inside the frame holds: the link place gets c/ from now on.
+    # The SUB inside the frame holds: its sender gets c/ from now on.
     with Client(broker.address) as pub:
         pub.publish(b"c/1", b"to the link")
         pub.whoami()
@@ -95,9 +100,10 @@ BAD_FRAMES = {
 }
 
 
+@pytest.mark.parametrize("granted", GRANTED.values(), ids=GRANTED.keys())
 @pytest.mark.parametrize("bad", BAD_FRAMES.values(), ids=BAD_FRAMES.keys())
-def test_a_bad_frame_closes_its_sender_alone(broker, bad):
-    link = link_place(broker)
+def test_a_bad_frame_closes_its_sender_alone(broker, bad, granted):
+    link = granted(broker)
     other = Conn.to(broker.address)
     other.sub("a/")
     other.sync()
@@ -113,13 +119,11 @@ def test_a_bad_frame_closes_its_sender_alone(broker, bad):
 
 
 def test_nobody_else_sends_or_gets_frames(broker):
-    """Frames are not the protocol: a client that is not the link place gets
-    no answer to link/frames and plain packets after it, and one that sends a
-    frame is closed for a malformed packet."""
+    """Frames are not the protocol: a client that did not ask gets plain
+    packets, and one that sends a frame is closed for a malformed packet."""
     plain = Conn.to(broker.address)
-    plain.cmsg("link/frames")
     plain.sub("p/")
-    plain.sync()        # no "ok" came before the reply
+    plain.sync()
     with Client(broker.address) as pub:
         pub.publish_many([(b"p/%d" % i, b"") for i in range(100)])
         pub.whoami()
@@ -134,6 +138,38 @@ def test_nobody_else_sends_or_gets_frames(broker):
     link.packet(frame(b"MSG p/x\0", b"MSG p/y\0"))
     assert link.next_packet(5) == b""
     assert plain.next_packet(0.2) is None
+
+
+@asroot
+def test_another_uid_is_refused_frames(open_broker, spawn):
+    """A client of another uid than the broker's (and not root) is refused
+    frames: it gets plain packets after asking, and a frame it sends anyway
+    closes it as a malformed packet, as anyone's that did not ask."""
+    b = open_broker()
+    feeder = Conn.to(b.address)
+
+    def other_uid(ctl):
+        c = Conn.to(b.address)
+        c.cmsg("link/frames")
+        answer = c.next_packet(5).decode()
+        c.sub("p/")
+        c.sync()
+        ctl.send({"subscribed": True})
+        got = [c.next_packet(5).decode() for _ in range(100)]
+        c.packet(frame(b"MSG p/x\0", b"MSG p/y\0"))
+        return {"answer": answer, "got": got, "after_frame": repr(c.next_packet(5))}
+
+    child = spawn(other_uid)
+    assert child.recv()["subscribed"]
+    for i in range(100):
+        feeder.pub(b"p/%d" % i, b"")
+    report = child.result()
+    assert report["answer"] == ("CMSG link/frames\0refused: only the broker's own uid "
+                                "or root may take frames")
+    assert report["got"] == ["MSG p/%d\0" % i for i in range(100)]
+    assert report["after_frame"] == "b''"
+    wait_until(lambda: [r for r in b.records() if r.get("event") == "client_disconnect"
+                        and r.get("reason") == "protocol_error" and r.get("uid") == 65534], 5)
 
 
 def test_a_full_upstream_leaves_the_links_batch_in_its_box():
