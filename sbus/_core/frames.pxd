@@ -4,8 +4,9 @@
 # connections (docs/bridge.md, "Speed"). The protocol is a packet per message,
 # and stays so for every client that does not ask: a connection of the link
 # place, the broker's own uid or root asks with `CMSG link/frames` and,
-# answered "ok", may send frames and gets its deliveries in frames. A packet per message costs the kernel an
-# allocation, a copy and a wake-up each; a frame of 64 costs one of each.
+# answered "ok", may send frames and gets its deliveries in frames. A packet
+# per message costs the kernel an allocation, a copy and a wake-up each; a
+# frame of 64 costs one of each.
 #
 #   FRAME := "\0FRM" (LEN PACKET)+
 #   LEN   := u32 in the host's byte order (both ends are on one host), >= 1

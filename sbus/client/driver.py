@@ -352,7 +352,8 @@ class Driver:
         Returns the answer, b"ok" or b"refused: why" (a broker that predates
         them does not answer: ``timeout``). From then on frames received are
         taken apart, and the asyncio client sends its batches in frames until
-        the connection is lost; a reconnected client asks again."""
+        the connection is lost: a reconnected client starts without, and asks
+        again (``Reconnect.on_reconnect``) to have them."""
         if not isinstance(self._in, LinkInbox):
             inbox = LinkInbox(self.max_message, Message, ControlMessage)
             inbox.chunks, inbox.route = self._in.chunks, self._in.route
