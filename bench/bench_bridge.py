@@ -29,6 +29,8 @@ Rows, all with --payload-byte messages (default 64) and loss checked:
 ``--paths`` (default ``fast,reference``) measures the bridges' C fast path
 and ``--no-fast-path`` interleaved in one run: each repeat starts the pair of
 bridges of each path in turn; rows of the reference path end ``_reference``.
+The path ``packets`` is the fast path with ``--no-frames`` (a packet per
+message on the local hops, docs/bridge.md "Speed"); its rows end ``_packets``.
 
 Every publisher and subscriber is its own process (``--worker``). Prints a
 table on stdout, progress on stderr, and writes JSON (default
@@ -337,7 +339,7 @@ def start_bridges(procs, work, hosts, url, path):
     for name, side in (("a", ["--export", "bench/", "--local-flood", "block"]),
                        ("b", ["--import", "sbus.bench.>"])):
         logs[name] = work / f"bridge-{name}-{path}-{len(procs.procs)}.log"
-        extra = ["--no-fast-path"] if path == "reference" else []
+        extra = {"reference": ["--no-fast-path"], "packets": ["--no-frames"]}.get(path, [])
         started["bridge_" + name] = procs.start(
             [str(BIN / "sbus"), "-a", hosts[name], "bridge", "--nats", url, *side, *extra,
              "--max-pending", str(256 << 20), "--stats-interval", "60",
@@ -447,11 +449,11 @@ def table(results, payload, load):
     lines = [f"{payload}-byte messages; load average {load}",
              f"plain nats-py         {med(nr, 'rate'):>10,.0f} msg/s   lost {lost_n}",
              *cpu_lines(nr)]
-    for suffix in ("", "_reference"):
+    for suffix in ("", "_packets", "_reference"):
         br = results.get("bridge_rate" + suffix)
         if not br:
             continue
-        name = "bridge A->B" + (" (ref)" if suffix else "")
+        name = "bridge A->B" + {"": "", "_packets": " (packets)", "_reference": " (ref)"}[suffix]
         lost_b = sum(r["sent"] - r["received"] for r in br)
         ratio = med(br, "rate") / med(nr, "rate") if med(nr, "rate") else 0
         lat = results["bridge_latency" + suffix][0]
@@ -478,7 +480,7 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rate", type=int, default=1000)
     ap.add_argument("--paths", default="fast,reference",
-                    help="bridge paths to measure, interleaved: fast, reference or both")
+                    help="bridge paths to measure, interleaved: fast, packets (fast with --no-frames), reference")
     ap.add_argument("--latency-seconds", type=float, default=5.0)
     ap.add_argument("--json", help="where to write the figures")
     ap.add_argument("--worker", help=argparse.SUPPRESS)

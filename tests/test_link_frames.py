@@ -1,9 +1,12 @@
-"""Frames (sbus/_core/frames.pxd) on the link place's connection: asked for
-with ``CMSG link/frames`` and answered "ok", they go both ways, every packet
-exactly and in order, on every backend and through the send queue. Nobody
-else sends or gets one, and a bad frame closes its sender alone."""
+"""Frames (sbus/_core/frames.pxd) on a connection that asked with ``CMSG
+link/frames`` and was answered "ok" (the link place, or any connection of the
+broker's own uid or root: a bridge's): they go both ways, every packet exactly
+and in order, on every backend and through the send queue. Another uid is
+refused, a connection that did not ask never sends or gets one, and a bad
+frame closes its sender alone."""
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 
@@ -12,18 +15,21 @@ import pytest
 from sbus import Client
 from sbus._core.batch import Outbox
 from sbus._core.linkpath import LinkInbox, Relay
+from sbus.aio import Client as AsyncClient
 from sbus.client.protocol import ControlMessage, Message
 
 from support.conn import Conn
-from support.frames import MAGIC, frame, link_place, read_all
+from support.frames import GRANTED, MAGIC, frame, link_place, read_all
 from support.sbusd import Sbusd
+from support.seconduser import asroot
 from support.waiting import wait_until
 
 FRAME_MSGS = 64
 
 
-def test_deliveries_to_the_link_place_come_in_frames(broker):
-    link = link_place(broker)
+@pytest.mark.parametrize("granted", GRANTED.values(), ids=GRANTED.keys())
+def test_deliveries_to_a_granted_connection_come_in_frames(broker, granted):
+    link = granted(broker)
     link.sub("f/")
     link.sync()
     sent = [(b"f/%d" % i, b"x" * (i % 50)) for i in range(500)]
@@ -64,8 +70,9 @@ def test_what_the_link_place_could_not_take_goes_out_of_its_queue_in_frames(brok
     assert reads < len(first) // 10, (reads, frames)
 
 
-def test_frames_from_the_link_place_are_taken_packet_by_packet(broker):
-    link = link_place(broker)
+@pytest.mark.parametrize("granted", GRANTED.values(), ids=GRANTED.keys())
+def test_frames_from_a_granted_connection_are_taken_packet_by_packet(broker, granted):
+    link = granted(broker)
     sub = Conn.to(broker.address)
     sub.sub("a/")
     sub.sub("b/")
@@ -78,7 +85,7 @@ def test_frames_from_the_link_place_are_taken_packet_by_packet(broker):
     expect = packets[:10] + [b"MSG b/one\0", b"MSG a/x\0last"] + packets[10:]
     got = [sub.next_packet(5) for _ in expect]
     assert got == expect
-    # The SUB inside the frame holds: the link place gets c/ from now on.
+    # The SUB inside the frame holds: its sender gets c/ from now on.
     with Client(broker.address) as pub:
         pub.publish(b"c/1", b"to the link")
         pub.whoami()
@@ -95,9 +102,10 @@ BAD_FRAMES = {
 }
 
 
+@pytest.mark.parametrize("granted", GRANTED.values(), ids=GRANTED.keys())
 @pytest.mark.parametrize("bad", BAD_FRAMES.values(), ids=BAD_FRAMES.keys())
-def test_a_bad_frame_closes_its_sender_alone(broker, bad):
-    link = link_place(broker)
+def test_a_bad_frame_closes_its_sender_alone(broker, bad, granted):
+    link = granted(broker)
     other = Conn.to(broker.address)
     other.sub("a/")
     other.sync()
@@ -113,13 +121,11 @@ def test_a_bad_frame_closes_its_sender_alone(broker, bad):
 
 
 def test_nobody_else_sends_or_gets_frames(broker):
-    """Frames are not the protocol: a client that is not the link place gets
-    no answer to link/frames and plain packets after it, and one that sends a
-    frame is closed for a malformed packet."""
+    """Frames are not the protocol: a client that did not ask gets plain
+    packets, and one that sends a frame is closed for a malformed packet."""
     plain = Conn.to(broker.address)
-    plain.cmsg("link/frames")
     plain.sub("p/")
-    plain.sync()        # no "ok" came before the reply
+    plain.sync()
     with Client(broker.address) as pub:
         pub.publish_many([(b"p/%d" % i, b"") for i in range(100)])
         pub.whoami()
@@ -134,6 +140,38 @@ def test_nobody_else_sends_or_gets_frames(broker):
     link.packet(frame(b"MSG p/x\0", b"MSG p/y\0"))
     assert link.next_packet(5) == b""
     assert plain.next_packet(0.2) is None
+
+
+@asroot
+def test_another_uid_is_refused_frames(open_broker, spawn):
+    """A client of another uid than the broker's (and not root) is refused
+    frames: it gets plain packets after asking, and a frame it sends anyway
+    closes it as a malformed packet, as anyone's that did not ask."""
+    b = open_broker()
+    feeder = Conn.to(b.address)
+
+    def other_uid(ctl):
+        c = Conn.to(b.address)
+        c.cmsg("link/frames")
+        answer = c.next_packet(5).decode()
+        c.sub("p/")
+        c.sync()
+        ctl.send({"subscribed": True})
+        got = [c.next_packet(5).decode() for _ in range(100)]
+        c.packet(frame(b"MSG p/x\0", b"MSG p/y\0"))
+        return {"answer": answer, "got": got, "after_frame": repr(c.next_packet(5))}
+
+    child = spawn(other_uid)
+    assert child.recv()["subscribed"]
+    for i in range(100):
+        feeder.pub(b"p/%d" % i, b"")
+    report = child.result()
+    assert report["answer"] == ("CMSG link/frames\0refused: only the broker's own uid "
+                                "or root may take frames")
+    assert report["got"] == ["MSG p/%d\0" % i for i in range(100)]
+    assert report["after_frame"] == "b''"
+    wait_until(lambda: [r for r in b.records() if r.get("event") == "client_disconnect"
+                        and r.get("reason") == "protocol_error" and r.get("uid") == 65534], 5)
 
 
 def test_a_full_upstream_leaves_the_links_batch_in_its_box():
@@ -227,3 +265,56 @@ def test_what_the_links_box_held_for_a_dead_upstream_goes_to_the_next(tmp_path):
     finally:
         leaf.stop()
         up.stop()
+
+
+def test_a_client_granted_frames_sends_them_and_takes_them_apart(broker):
+    """sbus.aio.Client.take_frames (the bridge's way): its batches go in
+    frames, its deliveries come in frames and are taken apart, chunks are
+    reassembled as ever, exactly and in order."""
+    sub = Conn.to(broker.address)
+    sub.sub("s/")
+    sub.sync()
+    sent = [(b"s/%d" % i, b"v" * (i % 200)) for i in range(2000)]
+    back = [(b"r/%d" % i, b"w" * (i % 90)) for i in range(2000)]
+    big = bytes(range(256)) * 2000     # chunks: larger than a packet
+
+    async def main():
+        async with AsyncClient(broker.address) as c:
+            await c.subscribe("r/")
+            assert await c.take_frames(timeout=5) == b"ok"
+            await c.publish_many(sent)
+            await c.whoami()
+            with Client(broker.address) as pub:
+                pub.publish_many(back)
+                pub.publish("r/big", big)
+                pub.whoami()
+            got = []
+            while len(got) < len(back) + 1:
+                got += await c.receive_many(256)
+            return [(m.key, m.payload) for m in got], c.frames
+
+    got, (frames_in, frames_out) = asyncio.run(main())
+    assert got == back + [(b"r/big", big)]
+    assert frames_in > 0 and frames_out > 0
+    assert [sub.next_packet(5) for _ in sent] == [b"MSG " + k + b"\0" + p for k, p in sent]
+
+
+def test_a_blocking_client_takes_frames_apart_as_it_waits(broker):
+    """The blocking client reads frames (it sends packets): a receive that
+    waits still waits, and what comes in frames comes whole and in order."""
+    back = [(b"r/%d" % i, b"w" * (i % 90)) for i in range(1000)]
+    with Client(broker.address) as c:
+        c.subscribe("r/")
+        assert c.take_frames(timeout=5) == b"ok"
+        with pytest.raises(TimeoutError):
+            c.receive(timeout=0.2)
+        with Client(broker.address) as pub:
+            pub.publish_many(back)
+            pub.whoami()
+        got = []
+        while len(got) < len(back):
+            got += c.receive_many(256)
+        assert [(m.key, m.payload) for m in got] == back
+        assert c.frames[0] > 0
+        c.publish("r/own", "x")     # a packet: the broker takes it as ever
+        assert c.whoami()

@@ -20,7 +20,7 @@ from sbus import Client
 from sbus.sbusd.upgrade import FAIL_ENV, SCM_MAX_FD, STATUS_SUFFIX, STEPS
 
 from support import BACKENDS, SBUSD, Conn, Sbusd, alive, wait_gone, wait_until
-from support.frames import frame, link_place, read_all
+from support.frames import GRANTED, frame, read_all
 from support.systemd import ACTIVATE, Notify, seqpacket_listener
 
 C_DIR = Path(__file__).resolve().parent / "c"
@@ -611,11 +611,13 @@ def test_upgrade_of_a_leaf_keeps_its_upstream_link(buses):
     assert wait_gone(link_conn["pid"], TIMEOUT)
 
 
-def test_upgrade_keeps_the_frames_of_the_link_place(buses):
-    """A link place that asked for frames (docs/hierarchy.md) is handed on
-    with them: its frames are taken, and its deliveries come in frames."""
+@pytest.mark.parametrize("granted", GRANTED.values(), ids=GRANTED.keys())
+def test_upgrade_keeps_the_frames_of_a_granted_connection(buses, granted):
+    """A connection granted frames (the link place, docs/hierarchy.md, or a
+    bridge's of the broker's own uid, docs/bridge.md) is handed on with them:
+    its frames are taken, and its deliveries come in frames."""
     bus = buses()
-    link = link_place(bus)
+    link = granted(bus)
     link.sub("f/")
     sub = bus.connect()
     sub.sub("g/")

@@ -80,7 +80,7 @@ cdef struct Conn:
     uint8_t blocking        # counted in Flood.nblocking
     uint8_t write_dead      # peer gone: deliveries are dropped, input read to EOF
     uint8_t link            # the upstream link (sbusd --upstream): sees private keys too
-    uint8_t frames          # the link asked for frames (frames.pxd): sent to and taken from it so
+    uint8_t frames          # granted frames (link/frames, frames.pxd): sent to and taken from it so
     uint8_t recv_want       # packets its next read asks for (broker.read_want); 0: not read yet
     uint8_t recv_full       # its reads since recv_want last grew that filled it
     int reason              # Reason, once closing

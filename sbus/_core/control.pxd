@@ -1,5 +1,6 @@
 # Control messages (CMSG) and the upstream link. A client's CMSG sets its
-# modes or asks whoami, stats or for the link place (link/attach); the link
+# modes or asks whoami, stats, for the link place (link/attach) or for frames
+# (link/frames: the broker's own uid or root, as link/attach); the link
 # itself (sbusd --upstream's, or a bridge that claimed the place) tells the
 # broker its identity upstream, log records and state (link/...). Each call
 # returns a CTL_ decision the broker acts on, with what it needs in answer.
@@ -31,6 +32,7 @@ cdef class Control:
     cdef int from_link(self, const char *key, size_t n, const char *payload,
                        size_t plen) except -1
     cdef int claim(self, Conn *c) except -1      # link/attach: CTL_ANSWER
+    cdef int grant_frames(self, Conn *c) except -1   # link/frames: CTL_ANSWER
     cdef int attach(self, Conn *c) except -1     # c, a link conn_open made, is the upstream link
     cdef bint detach(self, Conn *c) noexcept     # c is closing; True if it was the link
     # The length of "<upstream credentials>/" that starts a pattern in the

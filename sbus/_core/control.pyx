@@ -26,6 +26,8 @@ cdef class Control:
     cdef int control(self, Conn *c, const char *key, size_t n) except -1:
         if key_is(key, n, b"link/attach", 11):
             return self.claim(c)
+        if key_is(key, n, b"link/frames", 11):
+            return self.grant_frames(c)
         if key_is(key, n, b"!/cred/whoami", 13):
             if self.upstream_cred is not None:
                 self.answer = b"CMSG !/cred/whoami\0%s/!/cred/%d/%d/%d" % (
@@ -72,9 +74,7 @@ cdef class Control:
         if key_is(key, n, b"link/attach", 11):
             return self.claim(self.link)
         if key_is(key, n, b"link/frames", 11):
-            self.link.frames = 1
-            self.answer = b"CMSG link/frames\0ok"
-            return CTL_ANSWER
+            return self.grant_frames(self.link)
         if key_is(key, n, b"link/identity", 13):
             self.upstream_cred = body if body.startswith(b"!/cred/") else None
             return CTL_DONE
@@ -113,6 +113,20 @@ cdef class Control:
             self.link = c
             self.notes = False
             self.answer = b"CMSG link/attach\0ok"
+        return CTL_ANSWER
+
+    cdef int grant_frames(self, Conn *c) except -1:
+        """CMSG link/frames: from then on c's deliveries go to it in frames
+        and it may send frames (frames.pxd). Frames are a transport between
+        sbus's own processes (a leaf's link, a bridge), so the trust is
+        link/attach's: the link place, the broker's own uid or root. Answered
+        "ok" or "refused: why"; anyone else's frame stays a malformed packet."""
+        if c.link or c.uid == 0 or c.uid == self.own_uid:
+            c.frames = 1
+            self.answer = b"CMSG link/frames\0ok"
+        else:
+            self.answer = (b"CMSG link/frames\0refused: only the broker's own uid "
+                           b"or root may take frames")
         return CTL_ANSWER
 
     cdef int attach(self, Conn *c) except -1:

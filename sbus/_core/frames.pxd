@@ -1,10 +1,12 @@
-# Frames: many sbus packets in one SOCK_SEQPACKET packet, on one connection
-# only, the socketpair between a leaf broker and its own link process
-# (docs/hierarchy.md, "Frames on the link's socketpair"). The protocol is a
-# packet per message, and stays so for every client: a connection of the
-# link place asks with `CMSG link/frames` and, answered "ok", may send frames
-# and gets its deliveries in frames. A packet per message costs the kernel an
-# allocation, a copy and a wake-up each; a frame of 64 costs one of each.
+# Frames: many sbus packets in one SOCK_SEQPACKET packet, between sbus's own
+# processes: the socketpair between a leaf broker and its own link process
+# (docs/hierarchy.md, "Frames on the link's socketpair"), and a bridge's
+# connections (docs/bridge.md, "Speed"). The protocol is a packet per message,
+# and stays so for every client that does not ask: a connection of the link
+# place, the broker's own uid or root asks with `CMSG link/frames` and,
+# answered "ok", may send frames and gets its deliveries in frames. A packet
+# per message costs the kernel an allocation, a copy and a wake-up each; a
+# frame of 64 costs one of each.
 #
 #   FRAME := "\0FRM" (LEN PACKET)+
 #   LEN   := u32 in the host's byte order (both ends are on one host), >= 1

@@ -3,6 +3,14 @@ from typing import Callable, List, Optional
 
 from .batch import Inbox, Outbox, Sink
 
+class LinkInbox(Inbox):
+    frames: int
+
+class FrameSender:
+    frames: int
+    def __init__(self, max_message: int) -> None: ...
+    def send(self, box: Outbox, fd: int) -> int: ...
+
 class Relay(Sink):
     spill: List[bytes]
     sent: int

@@ -14,7 +14,7 @@
 # message there. The upstream sees an ordinary client: a packet per message.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.exc cimport PyErr_CheckSignals
-from libc.errno cimport EINTR, errno
+from libc.errno cimport EAGAIN, EINTR, errno
 from libc.stdint cimport uint32_t
 from libc.string cimport memchr, memcmp, memcpy, memset
 
@@ -28,6 +28,7 @@ from ..errors import BusClosedError, MessageTooLargeError, ProtocolError
 
 
 cdef enum:
+    CHUNK_SUFFIX_LEN = 12       # len(b"/.sbus-chunk"), as batch.pyx
     FRAMES_PER_SEND = 8         # frames per sendmmsg: a full Outbox (512 packets) in one call
     KEEP_MAPPED = 1 << 16       # slot bytes kept resident after a large packet (as batch.pyx)
 
@@ -37,14 +38,16 @@ frame_start(FRAME_MAGIC)
 
 
 cdef class LinkInbox(Inbox):
-    """The link's reader of its own broker: an Inbox (non-blocking only) that
-    also takes frames apart, each packet taken as if it had come alone. A
-    chunk is a plain message here: the link relays it as any other."""
+    """The reader of a connection that takes frames (the link's of its own
+    broker, a bridge's, sbus.Client.take_frames): an Inbox that also takes
+    frames apart, each packet taken as if it had come alone. The link turns
+    ``chunks`` off (a chunk is a plain message there: it relays it as any
+    other); a client keeps them, and its ``route``, as Inbox does."""
 
     cdef public Py_ssize_t frames   # frames taken apart, all told
 
     def receive(self, int fd, int limit, int flags=0, double timeout=-1.0, Sink sink=None):
-        """As Inbox.receive, with MSG_DONTWAIT always; ``timeout`` is not used."""
+        """As Inbox.receive, frames taken apart (``limit`` counts packets read)."""
         cdef int n, i
         cdef size_t size, at
         cdef Py_ssize_t length
@@ -53,10 +56,12 @@ cdef class LinkInbox(Inbox):
         cdef list out = []
         limit = max(1, min(limit, self.slots))
         n = recvmmsg(fd, self.hdrs, limit, flags | MSG_DONTWAIT, NULL)
+        if n < 0 and errno == EAGAIN and not flags & MSG_DONTWAIT:
+            n = self.wait(fd, limit, flags, timeout)
         if n < 0:
             raise OSError(errno, os.strerror(errno))    # BlockingIOError for EAGAIN
         self.drained = n < limit
-        self.taken = self.irregular = self.chunked = 0
+        self.taken = self.irregular = self.chunked = self.routed = 0
         for i in range(n):
             size = self.hdrs[i].msg_len
             p = <const char *>self.iov[i].iov_base
@@ -93,6 +98,15 @@ cdef class LinkInbox(Inbox):
             nul = <const char *>memchr(p + 4, 0, size - 4)
             if nul != NULL:
                 klen = nul - (p + 4)
+                if self.chunks and klen >= CHUNK_SUFFIX_LEN and memcmp(
+                        nul - CHUNK_SUFFIX_LEN, b"/.sbus-chunk", CHUNK_SUFFIX_LEN) == 0:
+                    self.chunked += 1
+                    self.irregular += 1
+                elif self.routed_prefix is not None and 0 < PyBytes_GET_SIZE(self.routed_prefix) <= klen \
+                        and memcmp(p + 4, PyBytes_AS_STRING(self.routed_prefix),
+                                   PyBytes_GET_SIZE(self.routed_prefix)) == 0:
+                    self.routed += 1
+                    self.irregular += 1
                 if sink is not None and not self.irregular:
                     sink.put(p + 4, klen, nul + 1, size - 5 - klen)
                     self.taken += 1

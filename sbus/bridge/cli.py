@@ -57,6 +57,9 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fast-path", dest="fast_path", action="store_false",
                    help="meet nats-py through its public API only (the reference path, "
                         "as with an untested nats-py release; slower, same results)")
+    p.add_argument("--no-frames", dest="frames", action="store_false",
+                   help="a packet per message on the local bus, as any client's (by default "
+                        "the bridge asks its broker for frames: many packets in one)")
     auth = p.add_argument_group("NATS authentication and TLS (as nats-py takes them)")
     auth.add_argument("--creds", metavar="FILE", help="a user credentials file (JWT and NKey)")
     auth.add_argument("--token", help="an authentication token")
@@ -83,7 +86,7 @@ def settings_of(args: argparse.Namespace, address: str):
         subject_prefix=args.subject_prefix, max_pending=args.max_pending, drop=args.drop,
         max_message=args.max_message, stats_key=args.stats_key,
         stats_interval=args.stats_interval, reconnect_wait=args.reconnect_wait, name=args.name,
-        local_flood=args.local_flood, fast_path=args.fast_path,
+        local_flood=args.local_flood, fast_path=args.fast_path, frames=args.frames,
         private=args.private, host_id=args.host_id,
         creds=args.creds, token=args.token, user=args.user, password=args.password,
         tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)

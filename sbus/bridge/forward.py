@@ -15,6 +15,11 @@ The Exporter and Importer do the per-message work, checks and drop counts
 of both paths; sbus.bridge.natsconn joins them to nats-py, through two of its
 private names (the fast path) or its public API (the reference path).
 
+The bridge asks its broker for frames (``CMSG link/frames``, granted to the
+broker's own uid or root): its deliveries then come many packets to one,
+taken apart by the client's LinkInbox, and its imports go out in frames
+(``--no-frames``: a packet per message, as any client's).
+
 Echo is off on both sides (``CMSG echo/off`` on sbus, ``no_echo`` on NATS):
 what the bridge publishes never comes back to it, so two bridges through
 one NATS carry each message at most once and never back to its origin.
@@ -42,7 +47,7 @@ from .._core import natswire
 from ..client.aio import Client as BusClient
 from ..client.protocol import MAX_MESSAGE, Message, pack_subscribe
 from ..client.reconnect import Reconnect
-from ..errors import BacklogFullError, BusClosedError, MessageRefusedError
+from ..errors import BacklogFullError, BusClosedError, MessageRefusedError, SbusError
 from ..runner import STOPPED, ready, settle_heap
 from . import mapping, natsconn
 from .counters import Counters
@@ -67,6 +72,9 @@ _BATCH = 256
 _WRITE_BYTES = 1 << 20
 # Back-off of the first NATS connection (nats-py reconnects on its own after).
 _CONNECT_DELAY = (0.1, 5.0)
+# Seconds to wait for the broker's answer to link/frames (one that predates
+# frames for its own uid ignores the request: the bridge goes on in packets).
+_FRAMES_TIMEOUT = 2.0
 
 
 @dataclass
@@ -92,6 +100,7 @@ class Settings:
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
     fast_path: bool = True      # False: nats-py's public API for every message
+    frames: bool = True         # ask the broker for frames (False: --no-frames)
     private: bool = False       # carry private keys between hosts (--private)
     host_id: Optional[int] = None   # this host's id among the bridged hosts (--host-id)
 
@@ -176,6 +185,8 @@ class Bridge:
         self._last_error_at = 0.0
         self._started = time.monotonic()
         self.bus: Optional[BusClient] = None
+        self.frames = ""    # "on", or "off (why)": as bridge_start says
+        self._asking: Optional[asyncio.Future] = None   # frames again, after a reconnect
         # Local messages waiting for NATS, as HPUB frames.
         self._exporter = natswire.Exporter(self._map_out, Message, s.max_pending,
                                            s.drop == DROP_NEWEST, cache_size=_CACHE_SIZE)
@@ -202,7 +213,7 @@ class Bridge:
             give_up_after=None, max_delay=2.0,
             on_disconnect=lambda exc: self.log.warning(
                 schema.BRIDGE_LOCAL_LOST, address=s.address, error=str(exc)),
-            on_reconnect=lambda: self.log.info(schema.BRIDGE_LOCAL_BACK, address=s.address))
+            on_reconnect=self._local_back)
         self.bus = BusClient(s.address, max_message=s.max_message, reconnect=policy)
         self.bus.reassemble = False     # chunks go to NATS as they travel (docs/chunks.md)
         # Echo off first: what the bridge imports must never reach its own
@@ -212,9 +223,34 @@ class Bridge:
             await self.bus.send_cmsg(f"blocking/hard/{s.local_flood}")
         for pattern in s.exports:
             await self.bus.subscribe(pattern)
+        self.frames = await self._take_frames(self.bus)
         await self.bus.whoami()     # answered in order: the SUBs are in place
         if s.private:
             self._link = await self._claim_link()
+
+    async def _take_frames(self, bus: BusClient) -> str:
+        """Ask the broker for frames on ``bus`` (docs/bridge.md, "Speed"):
+        "on", or "off (why)", the bridge then going on a packet per message."""
+        if not self.settings.frames:
+            return "off (--no-frames)"
+        try:
+            answer = await bus.take_frames(timeout=_FRAMES_TIMEOUT)
+        except TimeoutError:
+            return "off (the broker did not answer link/frames)"
+        return "on" if answer == b"ok" else f"off ({answer.decode('utf-8', 'replace')})"
+
+    def _local_back(self) -> None:
+        """The local broker is back, the subscriptions restored: frames are
+        asked for again (a new connection starts without)."""
+        self.log.info(schema.BRIDGE_LOCAL_BACK, address=self.settings.address)
+        if self.frames == "on":
+            self._asking = asyncio.ensure_future(self._take_frames_again())
+
+    async def _take_frames_again(self) -> None:
+        try:
+            await self._take_frames(self.bus)
+        except (OSError, SbusError):
+            pass    # lost again: the next reconnect asks again
 
     async def _claim_link(self) -> BusClient:
         """A connection in the broker's link place, named this host, holding
@@ -228,6 +264,7 @@ class Bridge:
             if answer != b"ok":
                 raise PermissionError(errno.EACCES, answer.decode("utf-8", "replace"))
             await link.send_cmsg("link/identity", self.identity)
+            await self._take_frames(link)
             await link.send_cmsg("echo/off")
             if s.local_flood:
                 await link.send_cmsg(f"blocking/hard/{s.local_flood}")
@@ -531,6 +568,7 @@ class Bridge:
                "pending_msgs": self._pending_msgs(),
                "pending_bytes": self._exporter.pending_bytes,
                "max_pending": self.settings.max_pending}
+        out["frames_in"], out["frames_out"] = self.bus.frames if self.bus is not None else (0, 0)
         out.update(self._counts())
         return out
 
@@ -558,7 +596,7 @@ class Bridge:
                       nats_py=natsconn.nats_py_version(), address=s.address, nats=self._seeds(),
                       exports=" ".join(s.exports), imports=" ".join(s.imports),
                       subject_prefix=s.subject_prefix, max_pending=s.max_pending, drop=s.drop,
-                      stats_key=s.stats_key, identity=self.identity.decode())
+                      stats_key=s.stats_key, identity=self.identity.decode(), frames=self.frames)
         # The local side is in place (_open_bus); NATS connects, and reconnects, by itself.
         ready(self.log, "bridge", exports=" ".join(s.exports))
         tasks = [asyncio.ensure_future(t) for t in (

@@ -159,7 +159,7 @@ class Client(Driver, AsyncServiceMethods):
             while True:
                 try:
                     if op == c.SEND:
-                        return action[1].send(self._fd, action[2])
+                        return self._send_box(action[1], action[2])
                     return self._send_one(action[1], action[2])
                 except BlockingIOError:
                     await self._writable()

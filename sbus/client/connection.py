@@ -144,6 +144,11 @@ class Connection:
         self.credentials: Optional[Tuple[int, int, int]] = None
         self.down_since = 0.0
         self.next_attempt = 0.0
+        # The FrameSender of sent_frames while the broker takes this
+        # connection's frames (take_frames); every new connection starts without.
+        self.framer: Any = None
+        self.sent_frames: Any = None
+        self.losses = 0
 
     # -- the errors a client raises, each worded once ------------------------------
 
@@ -358,6 +363,8 @@ class Connection:
         outbox owes goes in front of the backlog, abandoned requests are
         forgotten (a new broker owes no old replies) and the clock starts."""
         self.up = self.live = False
+        self.framer = None
+        self.losses += 1
         self.keep_owed(self.out)
         self.requests = collections.deque(r for r in self.requests if r.waiter is not None)
         self.failures = 0
@@ -680,6 +687,20 @@ class Connection:
             return request.waiter.result()
         finally:
             self.abandon(request)
+
+    def take_frames(self, timeout: Optional[float]) -> Plan:
+        """Ask for frames (``CMSG link/frames``); the answer, ``ok`` or
+        ``refused: why``. Granted, the asyncio client sends its batches in
+        frames (``framer``) until the connection is lost; the parser takes
+        frames apart (the driver made it a LinkInbox before asking)."""
+        losses = self.losses
+        answer = yield from self.query(b"link/frames", None, 0, timeout)
+        if answer == b"ok" and self.losses == losses:   # granted on this very connection
+            if self.sent_frames is None:
+                from .._core.linkpath import FrameSender
+                self.sent_frames = FrameSender(self.max_message)
+            self.framer = self.sent_frames
+        return answer
 
     def whoami(self, flags: int, timeout: Optional[float]) -> Plan:
         reply = yield from self.query(WHOAMI, None, flags, timeout)

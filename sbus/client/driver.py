@@ -22,6 +22,7 @@ import struct
 from typing import Any, Callable, Iterable, Optional, Tuple
 
 from .. import address as _address
+from .._core.linkpath import LinkInbox
 from ..errors import (
     AddressError,
     BrokerPermissionError,
@@ -34,7 +35,7 @@ from . import chunks as _chunks
 from . import connection as c
 from . import proof as _proof
 from .connection import Connection
-from .protocol import Text, pack_control, pack_subscribe, pack_unsubscribe
+from .protocol import ControlMessage, Message, Text, pack_control, pack_subscribe, pack_unsubscribe
 from .requests import REQUEST_TIMEOUT
 
 __all__ = ["Driver", "grow_buffers", "open_socket", "retrieve"]
@@ -192,6 +193,12 @@ class Driver:
         elif op == c.SHUT:
             self._shut(action[1])
 
+    def _send_box(self, box: Any, flags: int) -> int:
+        """SEND as the asyncio client makes it: ``box.send``, or in frames
+        once the broker granted them (take_frames)."""
+        framer = self._conn.framer
+        return box.send(self._fd, flags) if framer is None else framer.send(box, self._fd)
+
     def _send_one(self, packet: bytes, flags: int) -> int:
         if self._sock is None:
             raise OSError(errno.EBADF, "disconnected")
@@ -262,6 +269,13 @@ class Driver:
         self._conn.parser.chunks = on
 
     @property
+    def frames(self) -> Tuple[int, int]:
+        """(frames received and taken apart, frames sent) since
+        :meth:`take_frames` was first called."""
+        sender = self._conn.sent_frames
+        return getattr(self._in, "frames", 0), 0 if sender is None else sender.frames
+
+    @property
     def pending(self) -> int:
         """How many received messages wait in the client (not in the socket)."""
         return len(self._inbox)
@@ -282,7 +296,7 @@ class Driver:
 
     PLANNED = ("send_packet", "subscribe", "unsubscribe", "send_cmsg", "publish_many", "query",
                "whoami", "stats", "request", "sync",
-               "prove")
+               "prove", "take_frames")
 
     def send_packet(self, packet: bytes, flags: int = 0) -> Any:
         """Send one raw protocol packet with send(2) ``flags`` (MSG_NOSIGNAL is
@@ -330,6 +344,21 @@ class Driver:
         lost meanwhile.
         """
         return self._run(self._conn.query(key, payload, flags, timeout))
+
+    def take_frames(self, *, timeout: Optional[float] = None) -> Any:
+        """Ask the broker for frames: many packets in one, both ways, a
+        transport between sbus's own processes (``sbus bridge``), which the
+        broker grants to its own uid or root (docs/bridge.md, "Speed").
+        Returns the answer, b"ok" or b"refused: why" (a broker that predates
+        them does not answer: ``timeout``). From then on frames received are
+        taken apart, and the asyncio client sends its batches in frames until
+        the connection is lost: a reconnected client starts without, and asks
+        again (``Reconnect.on_reconnect``) to have them."""
+        if not isinstance(self._in, LinkInbox):
+            inbox = LinkInbox(self.max_message, Message, ControlMessage)
+            inbox.chunks, inbox.route = self._in.chunks, self._in.route
+            self._in = self._conn.parser = inbox
+        return self._run(self._conn.take_frames(timeout))
 
     def whoami(self, flags: int = 0, *, timeout: Optional[float] = None) -> Any:
         """Ask the broker for this client's credentials (``!/cred/GID/UID/PID...``): Credentials."""

@@ -209,6 +209,7 @@ class Link:
         # with no Python object each; upward ones from local_inbox, in up_box.
         self.reference = REFERENCE
         self.local_inbox = LinkInbox(RECV_SIZE - 1, Message, ControlMessage, BATCH)
+        self.local_inbox.chunks = False     # relayed as they travel
         self.down = Relay(self.outbox, local.fileno(), self.down_private)
         # Frames to and from the local broker once it says it takes them.
         self.framer = FrameSender(max_message)

@@ -1,5 +1,6 @@
-"""Frames as the link place's connection has them (sbus/_core/frames.pxd,
-docs/hierarchy.md): built and taken apart from the documented layout alone."""
+"""Frames as a connection granted them has them (sbus/_core/frames.pxd,
+docs/hierarchy.md, docs/bridge.md): built and taken apart from the documented
+layout alone."""
 from __future__ import annotations
 
 import struct
@@ -51,3 +52,19 @@ def link_place(broker, frames=True) -> Conn:
         c.cmsg("link/frames")
         assert c.next_packet() == b"CMSG link/frames\0ok"
     return c
+
+
+def own_uid(broker, frames=True) -> Conn:
+    """A connection of the broker's own uid (root here) outside the link place,
+    as a bridge's is; with ``frames``, answered "ok" for frames."""
+    c = Conn.to(broker.address)
+    c.cmsg("blocking/hard/block")
+    c.cmsg("blocking/soft/queue")
+    if frames:
+        c.cmsg("link/frames")
+        assert c.next_packet() == b"CMSG link/frames\0ok"
+    return c
+
+
+# Who may ask: the link place, and any connection of the broker's own uid or root.
+GRANTED = {"link place": link_place, "own uid": own_uid}

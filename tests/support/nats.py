@@ -78,12 +78,12 @@ class Bridge(LoggedProcess):
 
     event_timeout = 20.0
 
-    def __init__(self, workdir: Path, address: str, servers, *args, stats_interval=0.5):
+    def __init__(self, workdir: Path, address: str, servers, *args, stats_interval=0.5, **popen):
         argv = [SBUS, "-a", str(address), "bridge",
                 "--stats-interval", str(stats_interval), "--reconnect-wait", "0.2"]
         for url in servers:
             argv += ["--nats", url]
-        super().__init__(workdir, "bridge", [*argv, *args])
+        super().__init__(workdir, "bridge", [*argv, *args], **popen)
 
     def wait_for(self, name: str, timeout=None, predicate=lambda r: True, since=0) -> dict:
         """wait_for_event, once it is known that the bridge has not exited."""
