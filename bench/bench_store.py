@@ -15,8 +15,9 @@ Figures from a shared machine are indicative; nothing here asserts on speed.
 A wait never ends in silence: every 10 s it says on stderr what it waits for
 and the store's counters, and past its bound, or when the count can no longer
 add up (a loss of unknown size, a stall), it says what it waited for, the
-store's and the broker's counters and both logs' warnings, and exits 2. Exit
-1: messages were lost in the recording run.
+store's and the broker's counters and both logs' warnings, prints the figures
+of the phases before it (and ``gave_up``), and exits 2. Exit 1: messages
+were lost in the recording run.
 
     .venv/bin/python bench/bench_store.py [--quick] [--messages N] [--rss-records N] [--no-anchors]
 """
@@ -282,14 +283,18 @@ def sqlite_anchor(work: Path, n: int):
 
 
 def main() -> int:
+    out: dict = {}
     try:
-        return run()
+        return run(out)
     except BenchError as exc:
         say(f"bench_store: {exc}")
+        # The phases measured before the one that gave up.
+        out["gave_up"] = str(exc).splitlines()[0]
+        print(json.dumps(out, indent=2))
         return 2
 
 
-def run() -> int:
+def run(out: dict) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=300_000)
     ap.add_argument("--rss-records", type=int, default=10_000_000)
@@ -299,7 +304,6 @@ def run() -> int:
     args = ap.parse_args()
     if args.quick:
         args.messages, args.rss_records = 30_000, 100_000
-    out = {}
     with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
         work = Path(tmp)
         sbusd = Sbusd(work, ["-f", "-a", str(work / "bus.socket")], address=str(work / "bus.socket"),
