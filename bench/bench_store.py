@@ -12,6 +12,12 @@
   SQLite ``executemany`` (insert, then read back in order).
 
 Figures from a shared machine are indicative; nothing here asserts on speed.
+A wait never ends in silence: every 10 s it says on stderr what it waits for
+and the store's counters, and past its bound, or when the count can no longer
+add up (a loss of unknown size, a stall), it says what it waited for, the
+store's and the broker's counters and both logs' warnings, prints the figures
+of the phases before it (and ``gave_up``), and exits 2. Exit 1: messages
+were lost in the recording run.
 
     .venv/bin/python bench/bench_store.py [--quick] [--messages N] [--rss-records N] [--no-anchors]
 """
@@ -27,11 +33,25 @@ import threading
 import time
 from pathlib import Path
 
-from harness import NatsServer, Sbusd, status_kib
+from harness import BenchError, NatsServer, Sbusd, say, status_kib
 
-from support import StoreProcess, wait_until
+from support import StoreProcess
 
 PAYLOAD = b"p" * 64
+
+
+# A wait says what it waits for this often (stderr), and gives up when the
+# store's count has not moved for STALL_S with nothing queued for it, or
+# when the phase passes its bound: no run ends without saying why.
+PROGRESS_S = 10.0
+STALL_S = 60.0
+ANSWER_S = 10.0         # one stats request (the store's or the broker's)
+
+
+def bound_s(n: int) -> float:
+    """A phase over n messages gives up past this: 2 minutes plus 10k
+    msgs/s, well beyond any slow run seen (the store records 100-300k/s)."""
+    return 120.0 + n / 10_000
 
 
 def start_store(work: Path, address: str, directory: Path, *extra) -> StoreProcess:
@@ -39,32 +59,146 @@ def start_store(work: Path, address: str, directory: Path, *extra) -> StoreProce
                         log_level="info").ready(timeout=30)
 
 
-def record(address: str, n: int, batch: int = 1000) -> float:
+BROKER_FIGURES = ("msgs_out", "drops_soft", "drops_hard", "drops_disconnect", "queued_msgs")
+
+
+def broker_view(client, pid: int) -> dict:
+    """The broker's counters for each of the store's connections (pid
+    ``pid``; the data one and the request one), by client id."""
+    try:
+        stats = client.stats(timeout=ANSWER_S)
+    except (TimeoutError, OSError) as exc:
+        return {"unanswered": str(exc)}
+    return {c["client"]: {k: c.get(k, 0) for k in BROKER_FIGURES}
+            for c in stats.get("clients", ()) if c.get("pid") == pid}
+
+
+STORE_FIGURES = ("recorded", "lost_flood", "lost_unknown", "missed_disk_full", "gaps")
+
+
+def describe(stats, broker: dict) -> str:
+    if stats is None:
+        mine = "the store has not answered a stats request"
+    else:
+        mine = ", ".join(f"{k} {stats.get(k, 0):,}" for k in STORE_FIGURES)
+    if "unanswered" in broker:
+        theirs = f"no answer ({broker['unanswered']})"
+    else:
+        theirs = "; ".join(f"client {ident}: " + ", ".join(f"{k} {v:,}" for k, v in c.items())
+                           for ident, c in broker.items()) or "none connected"
+    return f"store: {mine}. broker, for the store's connections: {theirs}"
+
+
+def warnings(process, limit: int = 20) -> list:
+    """A process's log records at warning or above (the store's gaps, a
+    lost broker, a full disk; the broker's flood and disconnect reports):
+    what explains a count that does not add up."""
+    try:
+        records = process.records()
+    except OSError:
+        return []
+    return [r for r in records if r.get("level") in ("warning", "error", "critical")][-limit:]
+
+
+def give_up(what: str, waited: float, stats, broker: dict, logs: dict) -> BenchError:
+    lines = [f"gave up after {waited:.0f} s waiting for {what}", describe(stats, broker)]
+    for name, process in logs.items():
+        lines += [f"{name} log: " + json.dumps(r) for r in warnings(process)]
+    return BenchError("\n  ".join(lines))
+
+
+def record(address: str, n: int, store: StoreProcess, sbusd: Sbusd, batch: int = 1000):
+    """Publish n messages, then wait until the store has counted each one
+    as recorded or lost; (publish seconds, seconds to that count, its stats).
+    Says every PROGRESS_S what it waits for; BenchError past bound_s(n), or
+    when the count cannot be reached (a loss of unknown size, a stall)."""
     import sbus
-    from sbus.client.store import store_stats
+    from sbus.client.store import StoreError, store_stats
+    what = f"the store to count {n:,} messages as recorded or lost"
+    logs = {"store": store, "sbusd": sbusd}
     with sbus.Client(address) as pub:
         t0 = time.perf_counter()
+        said = t0
         for start in range(0, n, batch):
             pub.publish_many((b"bench/%d" % (i % 100), PAYLOAD)
                              for i in range(start, min(n, start + batch)))
+            now = time.perf_counter()
+            if now - said >= PROGRESS_S:
+                # --flood block: the publisher goes at the store's pace.
+                said = now
+                if now - t0 > bound_s(n):
+                    raise give_up(f"the publisher to send {n:,} messages ({start + batch:,} "
+                                  "sent)", now - t0, None, broker_view(pub, store.pid), logs)
+                say(f"bench_store: {now - t0:.0f} s publishing: {start + batch:,} of {n:,} sent")
         pub.whoami(timeout=60)
         published = time.perf_counter() - t0
-        last = [None]
-
-        def caught_up():
-            s = store_stats(pub, timeout=60)
-            last[0] = s
-            return s["recorded"] + s["lost_flood"] >= n
-        wait_until(caught_up, 600, "the store to record everything", interval=0.05)
-        return published, time.perf_counter() - t0, last[0]
+        stats, unanswered = None, 0
+        moved = said = start = time.monotonic()
+        counted = -1
+        while True:
+            try:
+                stats = store_stats(pub, timeout=ANSWER_S)
+            except StoreError:
+                unanswered += 1     # said with the counters; a busy store answers late
+            now = time.monotonic()
+            if stats is not None:
+                done = stats["recorded"] + stats["lost_flood"]
+                if done >= n:
+                    return published, time.perf_counter() - t0, stats
+                if done != counted:
+                    counted, moved = done, now
+                if stats["lost_unknown"]:
+                    raise give_up(what + " (it lost its connection: how many it missed is "
+                                  "unknown, so the count cannot add up)", now - start, stats,
+                                  broker_view(pub, store.pid), logs)
+            if store.proc.poll() is not None:
+                raise give_up(what + f" (the store exited, status {store.proc.returncode})",
+                              now - start, stats, broker_view(pub, store.pid), logs)
+            stalled = now - moved >= STALL_S
+            if stalled or now - start >= bound_s(n):
+                broker = broker_view(pub, store.pid)
+                queued = sum(c.get("queued_msgs", 0) for c in broker.values()
+                             if isinstance(c, dict))
+                if not stalled or not queued:
+                    why = (f"no change in {STALL_S:.0f} s, nothing queued for it" if stalled
+                           else f"the bound, {bound_s(n):.0f} s")
+                    if unanswered:
+                        why += f"; {unanswered} stats requests unanswered"
+                    raise give_up(f"{what} ({why})", now - start, stats, broker, logs)
+            if now - said >= PROGRESS_S:
+                said = now
+                say(f"bench_store: {now - start:.0f} s waiting for {what}: "
+                    f"{describe(stats, broker_view(pub, store.pid))}"
+                    + (f"; {unanswered} stats requests unanswered" if unanswered else ""))
+            time.sleep(0.05)
 
 
 def replay_rate(address: str, n: int):
+    """Replay everything recorded (n expected); (count, msgs/s). A thread
+    says every PROGRESS_S how far it got; a replay the store stops answering
+    ends after the client's timeout (10 s without an answer): BenchError."""
     import sbus
-    from sbus.client.store import replay
+    from sbus.client.store import StoreError, replay
     with sbus.Client(address) as c:
         t0 = time.perf_counter()
-        count = sum(1 for _ in replay(c, "bench/"))
+        with replay(c, "bench/") as it:
+            done = threading.Event()
+
+            def progress():
+                while not done.wait(PROGRESS_S):
+                    say(f"bench_store: {time.perf_counter() - t0:.0f} s replaying {n:,} "
+                        f"messages: at seq {it.seq:,} of {it.last:,}")
+            watch = threading.Thread(target=progress, daemon=True)
+            watch.start()
+            try:
+                # Counted as before the progress thread: nothing per message added.
+                count = sum(1 for _ in it)
+            except StoreError as exc:
+                raise BenchError(f"the replay of {n:,} messages failed at seq {it.seq:,} "
+                                 f"of {it.last:,}: {exc}") from None
+            finally:
+                done.set()
+                watch.join()
         return count, count / (time.perf_counter() - t0)
 
 
@@ -90,7 +224,11 @@ def jetstream(work: Path, n: int):
         for i in range(n):
             await nc.publish("bench.%d" % (i % 100), PAYLOAD)
         await nc.flush()
-        while (await js.stream_info("BENCH")).state.messages < n:
+        deadline = time.monotonic() + bound_s(n)
+        while (stored := (await js.stream_info("BENCH")).state.messages) < n:
+            if time.monotonic() > deadline:
+                raise BenchError(f"gave up after {bound_s(n):.0f} s waiting for JetStream "
+                                 f"to store {n:,} messages: {stored:,} stored")
             await asyncio.sleep(0.05)
         record_s = time.perf_counter() - t0
         got = 0
@@ -103,7 +241,11 @@ def jetstream(work: Path, n: int):
                 done.set()
         t0 = time.perf_counter()
         sub = await js.subscribe("bench.>", cb=cb, ordered_consumer=True)
-        await asyncio.wait_for(done.wait(), 600)
+        try:
+            await asyncio.wait_for(done.wait(), bound_s(n))
+        except asyncio.TimeoutError:
+            raise BenchError(f"gave up after {bound_s(n):.0f} s waiting for JetStream's "
+                             f"replay of {n:,} messages: {got:,} received") from None
         replay_s = time.perf_counter() - t0
         await sub.unsubscribe()
         await nc.close()
@@ -138,6 +280,18 @@ def sqlite_anchor(work: Path, n: int):
 
 
 def main() -> int:
+    out: dict = {}
+    try:
+        return run(out)
+    except BenchError as exc:
+        say(f"bench_store: {exc}")
+        # The phases measured before the one that gave up.
+        out["gave_up"] = str(exc).splitlines()[0]
+        print(json.dumps(out, indent=2))
+        return 2
+
+
+def run(out: dict) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=300_000)
     ap.add_argument("--rss-records", type=int, default=10_000_000)
@@ -147,7 +301,6 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.messages, args.rss_records = 30_000, 100_000
-    out = {}
     with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
         work = Path(tmp)
         sbusd = Sbusd(work, ["-f", "-a", str(work / "bus.socket")], address=str(work / "bus.socket"),
@@ -155,7 +308,7 @@ def main() -> int:
         address = sbusd.address
         try:
             store = start_store(work, address, work / "log")
-            published, recorded_s, stats = record(address, args.messages)
+            published, recorded_s, stats = record(address, args.messages, store, sbusd)
             out["recording"] = {"messages": args.messages, "recorded": stats["recorded"],
                                 "lost": stats["lost_flood"], "gaps": stats["gaps"],
                                 "publish_msgs_s": round(args.messages / published),
@@ -170,7 +323,7 @@ def main() -> int:
             # falls behind the publisher, so the replay is the full count.
             store = start_store(work, address, work / "rss", "--flood", "block")
             extra = args.rss_records
-            record(address, extra, batch=4096)
+            record(address, extra, store, sbusd, batch=4096)
             samples = []
             stop = threading.Event()
 
@@ -181,9 +334,11 @@ def main() -> int:
             before = status_kib(store.pid, "VmRSS")
             t = threading.Thread(target=sample)
             t.start()
-            count, rate = replay_rate(address, extra)
-            stop.set()
-            t.join()
+            try:
+                count, rate = replay_rate(address, extra)
+            finally:
+                stop.set()
+                t.join()
             out["memory"] = {"replayed": count, "rss_kib_before": before,
                              "rss_kib_peak": max(samples or [before]), "msgs_s": round(rate)}
             store.stop()

@@ -14,7 +14,7 @@ import pytest
 
 import sbus
 from sbus.client.store import StoreError, alast, areplay, last, replay, store_stats
-from sbus.store import wire
+from sbus.store import service, wire
 from sbus.store.patterns import compile_pattern, covers
 from sbus.store.segments import SUFFIX
 
@@ -395,6 +395,49 @@ def test_messages_the_broker_drops_for_a_slow_store_are_a_counted_gap(tmp_path, 
         assert got[0] == b"first" and kept == sorted(kept)
         assert [(g.reason, g.lost) for g in gaps] == [("flood", 3000 - len(kept))]
         assert event["lost"] == 3000 - len(kept) > 0
+    finally:
+        store.stop()
+
+
+def test_a_store_holding_the_bus_keeps_reading_while_it_asks_for_the_drops(tmp_path, start_broker):
+    """While a --flood block store holds the bus, the broker reads no one, so
+    its question for the drop count waits for the store to read. Waiting for
+    the answer first stopped the store for 5 s: past --block-timeout the
+    broker closed it as a client that stopped reading, and the messages it
+    had queued for the store were a gap of unknown size."""
+    b = start_broker("--queue-max-msgs", "1000", "--block-timeout", "4")
+    store = StoreProcess(tmp_path, b.address, tmp_path / "log", ["f/"], "--flood", "block",
+                         "--stats-interval", "0").ready()
+    n = 200_000
+    try:
+        with sbus.Client(b.address) as c:
+            settle(c)
+
+            def flood():
+                with sbus.Client(b.address) as pub:
+                    for start in range(0, n, 1000):
+                        pub.publish_many((b"f/%d" % (i % 10), b"x" * 64)
+                                         for i in range(start, start + 1000))
+                    pub.whoami(timeout=60)
+            os.kill(store.pid, signal.SIGSTOP)
+            publisher = threading.Thread(target=flood)
+            try:
+                publisher.start()
+                # The bus is held once the store's queue is full; its drop
+                # check falls due meanwhile, and runs as soon as it goes on.
+                time.sleep(2 * service.DROP_CHECK_S)
+            finally:
+                os.kill(store.pid, signal.SIGCONT)
+            publisher.join(120)
+            assert not publisher.is_alive()
+
+            def settled():
+                s = store_stats(c)
+                return s if s["recorded"] >= n or s["lost_unknown"] else None
+            stats = wait_until(settled, 60, "the store to record the flood, or a lost connection")
+        assert (stats["recorded"], stats["gaps"], stats["lost_unknown"]) == (n, 0, 0)
+        assert store.events("store_broker_lost") == []
+        assert [r for r in b.events("client_disconnect") if r["pid"] == store.pid] == []
     finally:
         store.stop()
 

@@ -20,9 +20,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .. import logschema as schema
 from ..access import askers as access
 from ..access.askers import Askers
-from ..client.protocol import MAX_MESSAGE, Message
+from ..client.protocol import MAX_MESSAGE, ControlMessage, Message, parse_stats
 from ..client.reconnect import Reconnect
 from ..client.sync import Client
+from ..errors import ProtocolError
 from ..runner import STOPPED, ready
 from . import wire
 from .patterns import PatternSet, compile_pattern, with_chunks
@@ -32,6 +33,7 @@ from .segments import GAP_KEY, HEADER, RECORD, DiskFull, Log, gap_payload, pack_
 SESSION_IDLE_S = 60.0       # a session waiting this long for an ack is dropped
 MAX_SESSIONS = 256
 DROP_CHECK_S = 1.0          # how often the broker is asked what it dropped for us
+DROP_ASK_AGAIN_S = 10.0     # a question about drops unanswered this long is asked again
 DISK_RETRY_S = 1.0          # how often a full disk is tried again
 RETENTION_CHECK_S = 1.0
 SCAN_BUDGET = 4 << 20       # log bytes one session may read per turn
@@ -98,7 +100,11 @@ class Store:
         self.disk_full_since: Optional[float] = None
         self.disk_missed = 0
         self.disk_retry_at = 0.0
-        self.broker_drops = 0
+        # The broker's client id -> its drops counted so far, for each of
+        # this process's connections the broker listed last time.
+        self.drops_seen: Dict[Any, int] = {}
+        self.broker_uptime = 0.0
+        self.drops_asked: Optional[float] = None    # when, if unanswered
         self.reconnected = False
         now = time.monotonic()
         self.next_drop_check = now + DROP_CHECK_S
@@ -186,6 +192,8 @@ class Store:
                 for m in asked:
                     if type(m) is Message and m.key == self.s.request_key:
                         self.on_request(m.payload)
+                    elif type(m) is ControlMessage and m.key == b"stats":
+                        self.on_broker_stats(m.payload)
             else:
                 self.take_data()
             self.serve()
@@ -302,7 +310,7 @@ class Store:
         if self.reconnected:
             # Whatever was published while we were away is not in the log.
             self.reconnected = False
-            self.broker_drops = 0
+            self.drops_asked = None     # the question may have gone with the connection
             self.gap(-1, "disconnected")
         if now >= self.next_drop_check:
             self.next_drop_check = now + DROP_CHECK_S
@@ -319,18 +327,46 @@ class Store:
                 self.counters["sessions_expired"] += 1
 
     def check_drops(self) -> None:
-        try:
-            # Asked on the request connection: on the data one the answer
-            # would wait behind everything queued for us.
-            stats = self.requests.stats(timeout=5.0)
-        except (TimeoutError, OSError):
+        """Ask the broker what it dropped for us; the answer is taken in its
+        place among the requests (on_broker_stats). Not waited for: while a
+        --flood block store holds the bus the broker reads no one, so the
+        answer comes only once the store has read on, and a store waiting
+        for it past --block-timeout is closed as one that stopped reading.
+        Asked on the request connection: on the data one the answer would
+        wait behind everything queued for us."""
+        now = time.monotonic()
+        if self.drops_asked is not None and now - self.drops_asked < DROP_ASK_AGAIN_S:
             return
-        me = os.getpid()
-        drops = sum(c.get("drops_soft", 0) + c.get("drops_hard", 0) + c.get("drops_disconnect", 0)
-                    for c in stats.get("clients", ()) if c.get("pid") == me)
-        if drops > self.broker_drops:
-            self.gap(drops - self.broker_drops, "flood")
-        self.broker_drops = drops
+        try:
+            self.requests.send_cmsg("stats")
+        except OSError:
+            return      # the connection is lost: its reconnect is a gap of its own
+        self.drops_asked = now
+
+    def on_broker_stats(self, payload: bytes) -> None:
+        """The broker's counters: each drop for one of our connections not
+        counted yet becomes a gap. Counted per connection, so an answer that
+        still lists a connection since replaced counts nothing twice."""
+        self.drops_asked = None
+        try:
+            stats = parse_stats(payload)
+            uptime = float(stats.get("uptime_s", 0.0))
+            clients = [c for c in stats.get("clients", ()) if c.get("pid") == os.getpid()]
+            drops = {c.get("client"): sum(int(c.get(k, 0)) for k in schema.DROP_KINDS)
+                     for c in clients}
+        except (ProtocolError, AttributeError, TypeError, ValueError):
+            # Only a broken broker answers so; nothing is lost by it: the
+            # counts are cumulative, and the next answer has them all.
+            return
+        if uptime < self.broker_uptime:
+            self.drops_seen.clear()     # another broker: its client ids start again
+        self.broker_uptime = uptime
+        seen = self.drops_seen
+        new = sum(max(0, n - seen.get(ident, 0)) for ident, n in drops.items())
+        # Only the connections listed: one gone is never listed again.
+        self.drops_seen = {ident: max(n, seen.get(ident, 0)) for ident, n in drops.items()}
+        if new:
+            self.gap(new, "flood")
 
     def retention(self) -> None:
         if self.s.max_bytes is None and self.s.max_age_s is None:
