@@ -55,7 +55,7 @@ cdef class Inbox:
     cdef bint drained           # the last recvmmsg took fewer than it asked for
     cdef bytes routed_prefix    # keys routed apart (a client's reply inbox); b"": none
     cdef readonly int routed    # messages on routed_prefix in the last batch
-    # take(): the client's socket (-1: none), queue (a deque) and Outbox;
+    # take_batch(): the client's socket (-1: none), queue (a deque) and Outbox;
     # the batch it left to the client (held()), and its last deadline.
     cdef public int fd
     cdef public object queue
@@ -68,6 +68,7 @@ cdef class Inbox:
     cdef void release(self, int i) noexcept
     cdef int wait(self, int fd, int limit, int flags, double timeout) except? -2
     cdef int read(self, int fd, int limit, int flags, double timeout) except? -2
+    cpdef object take_batch(self, int limit, object timeout, int flags)
     cdef list parse(self, int n, Sink sink)
 
 

@@ -496,7 +496,7 @@ cdef class Inbox:
             raise_errno("recvmmsg")
         return self.parse(n, sink)
 
-    def take(self, int limit, object timeout, int flags):
+    cpdef object take_batch(self, int limit, object timeout, int flags):
         """A receive_many call, whole, when it is the usual one (sbus.client
         .sync and .aio): nothing queued (``queue``, a deque) or owed
         (``outbox``, an Outbox or None), a socket (``fd``, -1 for none), no
@@ -526,7 +526,7 @@ cdef class Inbox:
         return batch
 
     def held(self):
-        """The batch the last take() read and left to the caller (once), or None."""
+        """The batch the last take_batch() read and left to the caller (once), or None."""
         batch, self.kept = self.kept, None
         return batch
 

@@ -308,13 +308,13 @@ class Client(Reader, Driver, AsyncServiceMethods):
         inbox = self._inbox
         if not self._reading:
             try:
-                batch = self._in.take(max, None, _DONTWAIT)    # the usual call, all in C
+                batch = self._in.take_batch(max, None, _DONTWAIT)    # the usual call, all in C
             except OSError as exc:
                 batch = self._failed(exc)
             if batch:
                 return batch
             if batch is None and not inbox and self._sock is not None:
-                self._read_until_empty()    # the batch take() held, first
+                self._read_until_empty()    # the batch take_batch() held, first
         if not inbox or isinstance(inbox[0], BaseException):
             inbox.appendleft(await self.receive())  # waits, or raises the error
         if len(inbox) < max and not self._reading and self._sock is not None:

@@ -84,7 +84,7 @@ class Reader:
         conn, inbox = self._conn, self._inbox
         taken = 0
         most = INBOX_HIGH if sink is None else limit
-        batch = self._in.held()     # read by Inbox.take, not plain messages
+        batch = self._in.held()     # read by Inbox.take_batch, not plain messages
         while self._sock is not None and len(inbox) < INBOX_HIGH and taken < most:
             try:
                 if batch is None:

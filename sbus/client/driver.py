@@ -175,7 +175,7 @@ class Driver:
             if _peer_pid(sock) != 0:
                 conn.credentials = (os.getegid(), os.geteuid(), os.getpid())
         self._attach(sock)
-        self._in.fd = self._fd      # Inbox.take reads it
+        self._in.fd = self._fd      # Inbox.take_batch reads it
         conn.up = True
 
     def _run(self, plan: Any) -> Any:
