@@ -165,6 +165,9 @@ def main() -> int:
     os.environ["PYTHONHASHSEED"] = "0"
     with tempfile.TemporaryDirectory(prefix="bench-clients-cost-") as work:
         work = Path(work)
+        # Out of any tree: `python -c` puts the working directory first on
+        # sys.path, and a tree there would be imported in place of the venv's.
+        os.chdir(work)
         broker = Sbusd(work, ["-f", "-a", str(work / "sbus.socket")],
                        address=str(work / "sbus.socket"), log_level="warning").ready()
         try:
