@@ -388,3 +388,38 @@ def test_receive_into_routes_a_late_reply_away_from_its_sink(broker):
     expected = exporter()
     expected.add([Message(k, p) for k, p in sent])
     assert frames == expected.take(1 << 30)[0]
+
+
+def test_receive_many_with_a_timeout_returns_what_receive_returns():
+    """The usual call is C (Inbox.take_batch) and the rest the client's own
+    path, batch by batch: a batch with a control message or an error in it
+    goes to the client's path as it was read, so the order and the errors
+    are those of per-message receive(), a timeout given or not."""
+    packets = far_end_packets()
+    got = []
+    with feed(packets) as c:
+        sizes = iter([1, 7, 64, 3, 200] * 100)
+        while True:
+            try:
+                got.extend(c.receive_many(next(sizes), timeout=TIMEOUT))
+            except BusClosedError:
+                break
+            except ERRORS as exc:
+                got.append(type(exc))
+    assert got == reference(packets)
+
+
+def test_a_buffered_client_sends_what_it_packed_before_receive_many_reads(broker):
+    """What the buffered mode packed goes first: a receive_many that read
+    without flushing would wait here for its own message (echo is on)."""
+    with Client(broker.address, buffered=True) as c:
+        c.subscribe("fast/k")
+        c.flush()
+        c.publish("fast/k", b"1")
+        assert c.receive_many(8, timeout=TIMEOUT) == [Message(b"fast/k", b"1")]
+
+
+def test_the_blocking_receive_many_keeps_its_signature_in_c():
+    import inspect
+    assert str(inspect.signature(Client.receive_many)) == "(self, max=64, *, timeout=None, flags=0)"
+    assert "recvmmsg" in Client.receive_many.__doc__

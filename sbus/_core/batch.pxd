@@ -55,11 +55,21 @@ cdef class Inbox:
     cdef bint drained           # the last recvmmsg took fewer than it asked for
     cdef bytes routed_prefix    # keys routed apart (a client's reply inbox); b"": none
     cdef readonly int routed    # messages on routed_prefix in the last batch
+    # take_batch(): the client's socket (-1: none), queue (a deque) and Outbox;
+    # the batch it left to the client (held()), and its last deadline.
+    cdef public int fd
+    cdef public object queue
+    cdef public Outbox outbox
+    cdef object kept
+    cdef readonly double deadline
 
     cdef object make(self, object cls, const char *key, size_t klen,
                      const char *payload, size_t plen)
     cdef void release(self, int i) noexcept
     cdef int wait(self, int fd, int limit, int flags, double timeout) except? -2
+    cdef int read(self, int fd, int limit, int flags, double timeout) except? -2
+    cpdef object take_batch(self, int limit, object timeout, int flags)
+    cdef list parse(self, int n, Sink sink)
 
 
 cdef class Messages:

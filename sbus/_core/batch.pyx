@@ -11,6 +11,7 @@
 # client lets through is one the broker accepts.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.errno cimport EAGAIN, EINTR, errno
@@ -19,7 +20,7 @@ from libc.string cimport memchr, memcmp, memcpy, memset
 
 from .includes.sys cimport (
     CLOCK_MONOTONIC, MADV_DONTNEED, MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, MSG_NOSIGNAL,
-    MSG_TRUNC, MSG_DONTWAIT, POLLIN, PROT_READ, PROT_WRITE, clock_gettime, iovec, madvise, mmap,
+    MSG_TRUNC, MSG_DONTWAIT, MSG_PEEK, POLLIN, PROT_READ, PROT_WRITE, clock_gettime, iovec, madvise, mmap,
     mmsghdr, msghdr, munmap, poll, pollfd, recvmmsg, sendmmsg, timespec,
 )
 from .protocol cimport KEY_OK, CredForm, check_rest, is_cred_key, parse_cred_form
@@ -50,6 +51,7 @@ cdef extern from "Python.h":
     PyObject *PyIter_Next(object o)     # NULL at the end, and on an error
     object PyObject_CallNoArgs(object func)     # vectorcall, no argument tuple (3.9+)
     PyObject *PyErr_Occurred()
+    void Py_SET_SIZE(object o, Py_ssize_t size)
     void PyErr_SetString(object type, const char *message)
 
 
@@ -108,6 +110,11 @@ cdef inline double now() noexcept:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef inline void put_item(list out, Py_ssize_t k, object item) noexcept:
+    Py_INCREF(item)     # PyList_SET_ITEM steals a reference
+    PyList_SET_ITEM(out, k, item)
 
 
 cdef int raise_errno(str what) except -1:
@@ -445,6 +452,8 @@ cdef class Inbox:
         self.last_key = b""
         self.routed_prefix = b""
         self.chunks = True
+        self.fd = -1
+        self.queue = ()
 
     def __dealloc__(self):
         if self.area != NULL:
@@ -482,16 +491,48 @@ cdef class Inbox:
         With a ``sink``, the plain messages before the first irregular packet
         go to ``sink.put()`` instead (``taken`` counts them), and the list
         holds the rest, from that packet on, so the order is kept."""
-        cdef int n, i
-        cdef size_t size, klen
-        cdef const char *p
-        cdef const char *nul
-        cdef int irregular = 0
-        cdef int chunked = 0
-        cdef int routed = 0
-        cdef bytes prefix = self.routed_prefix
-        cdef size_t plen = PyBytes_GET_SIZE(prefix)
-        cdef const char *pstart = PyBytes_AS_STRING(prefix)
+        cdef int n = self.read(fd, limit, flags, timeout)
+        if n < 0:
+            raise_errno("recvmmsg")
+        return self.parse(n, sink)
+
+    cpdef object take_batch(self, int limit, object timeout, int flags):
+        """A receive_many call, whole, when it is the usual one (sbus.client
+        .sync and .aio): nothing queued (``queue``, a deque) or owed
+        (``outbox``, an Outbox or None), a socket (``fd``, -1 for none), no
+        MSG_PEEK, and the batch plain messages (by ``irregular``): then the
+        list receive() returns. Else None, and the client's own path takes
+        over, from the batch ``held()`` returns if one was read; () when
+        MSG_DONTWAIT found nothing. ``deadline`` is when ``timeout``
+        (seconds, if not None) ends; TimeoutError then, as receive()."""
+        cdef double wait = -1.0
+        cdef int n
+        if timeout is not None:
+            wait = timeout
+            wait = wait if wait > 0.0 else 0.0
+            self.deadline = now() + wait
+        if self.fd < 0 or len(self.queue) or flags & MSG_PEEK or (
+                self.outbox is not None and self.outbox.count != self.outbox.head):
+            return None
+        n = self.read(self.fd, limit, flags, wait)
+        if n < 0:
+            if errno == EAGAIN and flags & MSG_DONTWAIT:
+                return ()
+            raise_errno("recvmmsg")
+        batch = self.parse(n, None)
+        if self.irregular:
+            self.kept = batch
+            return None
+        return batch
+
+    def held(self):
+        """The batch the last take_batch() read and left to the caller (once), or None."""
+        batch, self.kept = self.kept, None
+        return batch
+
+    cdef int read(self, int fd, int limit, int flags, double timeout) except? -2:
+        """recvmmsg up to ``limit`` packets into the slots, as receive() says; -1 with errno set."""
+        cdef int n
         if limit > self.slots:
             limit = self.slots
         if limit < 1:
@@ -508,10 +549,25 @@ cdef class Inbox:
             n = recvmmsg(fd, self.hdrs, limit, flags | MSG_DONTWAIT, NULL)
             if n < 0 and errno == EAGAIN and not flags & MSG_DONTWAIT:
                 n = self.wait(fd, limit, flags, timeout)
-        if n < 0:
-            raise_errno("recvmmsg")
-        self.drained = n < limit
-        out = []
+        if n >= 0:
+            self.drained = n < limit
+        return n
+
+    cdef list parse(self, int n, Sink sink):
+        """The n packets read into the slots, as receive() returns them."""
+        cdef int i, k = 0
+        cdef size_t size, klen
+        cdef const char *p
+        cdef const char *nul
+        cdef int irregular = 0
+        cdef int chunked = 0
+        cdef int routed = 0
+        cdef bytes prefix = self.routed_prefix
+        cdef size_t plen = PyBytes_GET_SIZE(prefix)
+        cdef const char *pstart = PyBytes_AS_STRING(prefix)
+        # Sized once and filled in place (an append per item grows it
+        # several times); what the loop does not fill is cut off at the end.
+        cdef list out = PyList_New(n)
         message_type = self.message_type
         self.taken = 0
         for i in range(n):
@@ -520,21 +576,23 @@ cdef class Inbox:
             if size == 0:
                 # SOCK_SEQPACKET reads 0 bytes at EOF; the broker never sends
                 # an empty packet, and every later slot would read 0 as well.
-                out.append(BusClosedError("the broker closed the connection"))
+                item = BusClosedError("the broker closed the connection")
                 irregular += 1
+                put_item(out, k, item)
+                k += 1
                 break
             if size > self.max_message or self.hdrs[i].msg_hdr.msg_flags & MSG_TRUNC:
-                out.append(MessageTooLargeError(
-                    f"received a packet larger than {self.max_message} bytes; it was dropped"))
+                item = MessageTooLargeError(
+                    f"received a packet larger than {self.max_message} bytes; it was dropped")
                 irregular += 1
-                self.release(i)
-                continue
-            if size >= 4 and memcmp(p, b"MSG ", 4) == 0:
+            elif size >= 4 and memcmp(p, b"MSG ", 4) == 0:
                 nul = <const char *>memchr(p + 4, 0, size - 4)
                 if nul == NULL:
-                    out.append(ProtocolError(
-                        f"MSG packet without NUL after the key: {p[:size if size < 64 else 64]!r}"))
+                    item = ProtocolError(
+                        f"MSG packet without NUL after the key: {p[:size if size < 64 else 64]!r}")
                     irregular += 1
+                    put_item(out, k, item)
+                    k += 1
                     continue
                 klen = nul - (p + 4)
                 if self.chunks and klen >= CHUNK_SUFFIX_LEN and memcmp(
@@ -547,21 +605,27 @@ cdef class Inbox:
                 if sink is not None and not irregular:
                     sink.put(p + 4, klen, nul + 1, size - 5 - klen)
                     self.taken += 1
-                else:
-                    out.append(self.make(message_type, p + 4, klen, nul + 1, size - 5 - klen))
+                    if size > KEEP_MAPPED:
+                        self.release(i)
+                    continue
+                item = self.make(message_type, p + 4, klen, nul + 1, size - 5 - klen)
             elif size >= 5 and memcmp(p, b"CMSG ", 5) == 0:
                 nul = <const char *>memchr(p + 5, 0, size - 5)
                 if nul == NULL:
-                    out.append(self.make(self.control_type, p + 5, size - 5, p, 0))
+                    item = self.make(self.control_type, p + 5, size - 5, p, 0)
                 else:
                     klen = nul - (p + 5)
-                    out.append(self.make(self.control_type, p + 5, klen, nul + 1, size - 6 - klen))
+                    item = self.make(self.control_type, p + 5, klen, nul + 1, size - 6 - klen)
                 irregular += 1
             else:
-                out.append(ProtocolError(f"unknown packet type: {p[:size if size < 64 else 64]!r}"))
+                item = ProtocolError(f"unknown packet type: {p[:size if size < 64 else 64]!r}")
                 irregular += 1
+            put_item(out, k, item)
+            k += 1
             if size > KEEP_MAPPED:
                 self.release(i)
+        if k < n:
+            Py_SET_SIZE(out, k)
         self.irregular = irregular
         self.chunked = chunked
         self.routed = routed

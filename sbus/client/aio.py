@@ -34,7 +34,8 @@ from .._core.batch import take as _take
 from ..errors import BusClosedError, MessageTooLargeError, SbusError
 from . import chunks as _chunks
 from . import connection as c
-from .connection import GONE, Connection
+from .aioread import Reader
+from .connection import Connection
 from .driver import Driver, awaited, retrieve
 from .protocol import MAX_MESSAGE, ControlMessage, Credentials, Message, Text
 from .reconnect import Reconnect
@@ -45,14 +46,12 @@ __all__ = ["Client", "ControlMessage", "Credentials", "Message", "Reconnect", "c
 FLUSH_DELAY = 0.002
 """Seconds a buffered client holds a packed message before sending it on its own."""
 
-# Received messages queued before the reader callback stops reading: the
-# rest waits in the socket, where it is the broker's back-pressure.
-_INBOX_HIGH = 4096
+_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 Received = Union[Message, ControlMessage]
 
 
-class Client(Driver, AsyncServiceMethods):
+class Client(Reader, Driver, AsyncServiceMethods):
     """An asyncio connection to an sbus broker; create it inside a running loop.
 
     The arguments are those of :class:`sbus.Client`, and ``flush_delay``
@@ -307,10 +306,15 @@ class Client(Driver, AsyncServiceMethods):
         """Up to ``max`` messages: at least one, as many as are queued or
         readable at once. An error ends the list and is raised by the next call."""
         inbox = self._inbox
-        if not inbox and not self._reading and self._sock is not None:
-            batch = self._read_until_empty(max, None, True)
+        if not self._reading:
+            try:
+                batch = self._in.take_batch(max, None, _DONTWAIT)    # the usual call, all in C
+            except OSError as exc:
+                batch = self._failed(exc)
             if batch:
-                return batch    # only messages, in order: no need to queue them
+                return batch
+            if batch is None and not inbox and self._sock is not None:
+                self._read_until_empty()    # the batch take_batch() held, first
         if not inbox or isinstance(inbox[0], BaseException):
             inbox.appendleft(await self.receive())  # waits, or raises the error
         if len(inbox) < max and not self._reading and self._sock is not None:
@@ -359,83 +363,6 @@ class Client(Driver, AsyncServiceMethods):
             return await self.receive()
         except BusClosedError:
             raise StopAsyncIteration from None
-
-    async def _wait_readable(self, sink: bool) -> None:
-        fut = self._loop.create_future()
-        self._receivers.append(fut)
-        self._sink_waiters += sink
-        self._start_reading()
-        try:
-            await fut
-        finally:
-            self._sink_waiters -= sink
-            if fut in self._receivers:
-                self._receivers.remove(fut)
-            self._update_reading()
-
-    def _start_reading(self) -> None:
-        if not self._reading and self._sock is not None:
-            self._loop.add_reader(self._fd, self._on_readable)
-            self._reading = True
-
-    def _stop_reading(self) -> None:
-        if self._reading:
-            self._loop.remove_reader(self._fd)
-            self._reading = False
-
-    def _update_reading(self) -> None:
-        """Read only while someone waits: an unread socket is the broker's back-pressure."""
-        if not self._receivers and not self._conn.querying():
-            self._stop_reading()
-
-    def _wake(self, stop: bool = True) -> None:
-        """Receivers look again: something came, or (``stop`` reading) the
-        connection ended, or only receive_into waits (it reads for itself)."""
-        if stop:
-            self._stop_reading()
-        for fut in self._receivers:
-            c.settle(fut)
-
-    def _on_readable(self) -> None:
-        if self._sink_waiters == len(self._receivers) > 0 and not self._conn.querying():
-            return self._wake()
-        self._read_until_empty()
-        if self._inbox:
-            self._wake(False)
-        self._update_reading()
-
-    def _read_until_empty(self, limit: int = 64, sink: Optional[Sink] = None, plain: bool = False) -> Any:
-        """recvmmsg until EAGAIN (or the queue is long), each batch triaged.
-        With a ``sink``, plain messages go to it until something is queued or
-        ``limit`` went to it; returns how many it took. With ``plain`` (the
-        queue empty), a batch of plain messages is returned as it was read."""
-        conn, inbox = self._conn, self._inbox
-        taken = 0
-        most = _INBOX_HIGH if sink is None else limit
-        while self._sock is not None and len(inbox) < _INBOX_HIGH and taken < most:
-            try:
-                batch = self._in.receive(self._fd, min(limit, most - taken), 0, -1.0, sink)
-            except BlockingIOError:
-                return taken
-            except OSError as exc:
-                if exc.errno in GONE and conn.policy is not None:
-                    self._lost(exc)
-                    return taken
-                inbox.append(exc)
-                conn.fail(BusClosedError(f"the connection failed: {exc}"))
-                return taken
-            if plain and not self._in.irregular and not inbox:
-                return batch
-            taken += self._in.taken
-            end = conn.triage(batch)
-            if end is not None:
-                self._lost(end)
-                return taken
-            if conn.eof and conn.policy is None:
-                return taken
-            if sink is not None and inbox:
-                return taken
-        return taken
 
 
 for _name in Driver.PLANNED:

@@ -131,6 +131,7 @@ class Connection:
         self.chunker, self.chunks = _chunks.Chunker(max_message), _chunks.Reassembler()
         # Received and not yet taken: messages, or the exception to raise in that place.
         self.inbox: Deque[Any] = collections.deque()
+        self.parser.queue = self.inbox      # for Inbox.take_batch
         self.requests: Deque[Request] = collections.deque()     # oldest first
         # Requests to other clients: their reply inbox and waiters
         # (sbus.client.requests.Replies), made on the first one.

@@ -176,6 +176,7 @@ class Driver:
             if _peer_pid(sock) != 0:
                 conn.credentials = (os.getegid(), os.geteuid(), os.getpid())
         self._attach(sock)
+        self._in.fd = self._fd      # Inbox.take_batch reads it
         conn.up = True
 
     def _run(self, plan: Any) -> Any:
@@ -216,9 +217,18 @@ class Driver:
     def _reconnect_later(self) -> None:
         pass
 
+    def _triage(self, batch: Optional[list]) -> bool:
+        """A batch that is not plain messages (or None) into the queue; True
+        if it ended a connection a policy rides out (then lost)."""
+        end = None if batch is None else self._conn.triage(batch)
+        if end is not None:
+            self._lost(end)
+        return end is not None
+
     def _detach(self) -> None:
         self._unwatch()
         sock, self._sock, self._fd = self._sock, None, -1
+        self._in.fd = -1
         self._conn.up = self._conn.live = False
         if sock is not None:
             sock.close()

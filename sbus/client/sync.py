@@ -13,6 +13,7 @@ import socket
 import time
 from typing import Any, Iterator, List, Optional, Union
 
+from .._core import syncrecv as _syncrecv
 from .._core.batch import Messages
 from .._core.batch import pack_publish as _pack_publish
 from .._core.batch import send_publish as _send_publish
@@ -50,6 +51,7 @@ class Client(Driver, ServiceMethods):
     def __init__(self, address: Optional[str] = None, *, max_message: int = MAX_MESSAGE,
                  buffered: bool = False, reconnect: Union[None, bool, Reconnect] = None) -> None:
         self._start(Connection(address, max_message, buffered, reconnect))
+        self._in.outbox = self._out     # Inbox.take_batch leaves a call that must flush first to us
 
     def _attach(self, sock: socket.socket) -> None:
         self._sock, self._fd = sock, sock.fileno()
@@ -178,18 +180,18 @@ class Client(Driver, ServiceMethods):
             # Consume the late reply, so that peeking can see past it.
             self._read(1, flags & ~socket.MSG_PEEK, None, raw=True)
 
-    def receive_many(self, max: int = 64, *, timeout: Optional[float] = None,
-                     flags: int = 0) -> List[Received]:
-        """Up to ``max`` messages: the queued ones, else what one recvmmsg(2)
-        takes (waiting for the first). A bad packet ends the list; its error
-        is raised by the next call. ``flags`` as for recv(2), but no MSG_PEEK."""
+    receive_many = _syncrecv.receive_many     # in C, calling _receive_many past its usual call
+
+    def _receive_many(self, max: int, timeout: Optional[float], flags: int) -> List[Received]:
+        """receive_many past its usual call (sbus._core.syncrecv)."""
         if flags & _PEEK:
             raise ValueError("receive_many does not peek; use receive(MSG_PEEK)")
+        self._triage(self._in.held())
         inbox = self._inbox
         if not inbox:
             if len(self._out):
                 self.flush()
-            deadline = None if timeout is None else time.monotonic() + timeout
+            deadline = None if timeout is None else self._in.deadline    # set by take_batch()
             while not inbox:
                 batch = self._read(max, flags, deadline)
                 if batch:
@@ -240,13 +242,14 @@ class Client(Driver, ServiceMethods):
         try:
             batch = self._in.receive(self._fd, limit, flags, left)
         except OSError as exc:
-            if exc.errno not in GONE or conn.closed:
-                raise
-            self._lost(exc)
-            return []
+            return self._failed(exc)
         if raw or not self._in.irregular:   # replies are irregular (Inbox.route)
             return batch
-        end = conn.triage(batch)
-        if end is not None:
-            self._lost(end)
+        self._triage(batch)
+        return []
+
+    def _failed(self, exc: OSError) -> List[Any]:
+        if exc.errno not in GONE or self._conn.closed:
+            raise exc
+        self._lost(exc)
         return []
