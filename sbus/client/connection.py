@@ -145,8 +145,7 @@ class Connection:
         self.credentials: Optional[Tuple[int, int, int]] = None
         self.down_since = 0.0
         self.next_attempt = 0.0
-        # The FrameSender of sent_frames while the broker takes this
-        # connection's frames (take_frames); every new connection starts without.
+        # sent_frames' FrameSender while the broker takes our frames (take_frames).
         self.framer: Any = None
         self.sent_frames: Any = None
         self.losses = 0
