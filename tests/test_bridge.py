@@ -20,7 +20,7 @@ from sbus.bridge import mapping
 from sbus.client import MAX_MESSAGE
 
 from support import SBUS, Sbusd, wait_until
-from support.bridge import MAPPING_CASES, STATS_KEY, Collector, nats_publish, publish_all
+from support.bridge import MAPPING_CASES, STATS_KEY, Collector, nats_publish, publish_all, restart_under
 from support.nats import Bridge, NatsServer, free_port, require_nats
 from support.systemd import UNITS, read_unit
 
@@ -457,12 +457,7 @@ def test_local_broker_restart(tmp_path, cleanup):
     """The bridge rides out a restart of its own broker: subscriptions and
     echo/off are restored, and traffic resumes both ways."""
     _, a, b, ba, bb = bridged_pair(tmp_path, cleanup)
-    mark = ba.mark()
-    a.stop()
-    ba.wait_for("bridge_local_lost", since=mark)
-    a2 = Sbusd.foreground(tmp_path / "a", address=a.address)
-    cleanup(a2)
-    ba.wait_for("bridge_local_back", 30, since=mark)
+    a2 = restart_under(ba, a, tmp_path / "a", cleanup)
     at_a, at_b = Collector(a2, ""), Collector(b, "")
     try:
         publish_all(a2, [(b"after/%d" % i, b"a") for i in range(20)])

@@ -15,7 +15,7 @@ from sbus import Client
 from sbus.client import Message
 
 from support import Sbusd, wait_until
-from support.bridge import STATS_KEY
+from support.bridge import STATS_KEY, Collector, restart_under
 from support.nats import Bridge, NatsServer, require_nats
 from support.seconduser import NOBODY, asroot, make_public_dir
 
@@ -23,20 +23,12 @@ require_nats()
 
 
 
-class Lossless:
+class Lossless(Collector):
     """A subscriber to everything in hard block mode (the broker holds its
-    publishers rather than drop for it), collecting in a thread."""
+    publishers rather than drop for it), collecting whole batches in a thread."""
 
     def __init__(self, host):
-        self.bus = Client(host.address)
-        self.bus.send_cmsg("blocking/soft/queue")
-        self.bus.send_cmsg("blocking/hard/block")
-        self.bus.subscribe("")
-        self.bus.whoami(timeout=10)
-        self.messages = []
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__(host, "", modes=("blocking/soft/queue", "blocking/hard/block"))
 
     def _run(self):
         while not self._stop:
@@ -47,14 +39,9 @@ class Lossless:
             self.messages += [(m.key, m.payload) for m in batch
                               if type(m) is Message and m.key != STATS_KEY]
 
-    def wait_count(self, n, timeout=60.0):
-        wait_until(lambda: len(self.messages) >= n, timeout,
-                   f"{n} messages (have {len(self.messages)})")
-        return self.messages
-
     def stop(self):
         self._stop = True
-        self.bus.close()
+        self.bus.close()        # receive_many waits without a timeout: closing ends it
         self._thread.join(5)
 
 
@@ -93,7 +80,7 @@ def run_pair(tmp_path, cleanup, *bridge_args) -> tuple:
             for i in range(0, len(sent), 500):
                 pub.publish_many(sent[i:i + 500])
             pub.whoami(timeout=10)
-        got = list(at_b.wait_count(len(sent)))
+        got = list(at_b.wait_count(len(sent), 60))
         stats_a, stats_b = ba.stats(), bb.stats()      # nothing more comes meanwhile
         assert at_b.messages == got
     finally:
@@ -183,7 +170,7 @@ def test_a_bridge_refused_frames_goes_on_in_packets(tmp_path, cleanup, spawn):
         with Client(a.address) as pub:
             pub.publish_many(sent)
             pub.whoami(timeout=10)
-        assert at_b.wait_count(len(sent)) == sent
+        assert at_b.wait_count(len(sent), 60) == sent
     finally:
         at_b.stop()
     ba.send({"stop": True})
@@ -207,12 +194,7 @@ def test_frames_are_asked_for_again_when_the_broker_comes_back(tmp_path, cleanup
     cleanup(bb)
     ba.ready()
     bb.ready()
-    mark = ba.mark()
-    a.stop()
-    ba.wait_for("bridge_local_lost", since=mark)
-    a2 = Sbusd.foreground(tmp_path / "a", address=a.address)
-    cleanup(a2)
-    ba.wait_for("bridge_local_back", 30, since=mark)
+    a2 = restart_under(ba, a, tmp_path / "a", cleanup)
     wait_until(lambda: a2.stats()["clients"], 10)
     at_a = Lossless(a2)
     try:
@@ -221,7 +203,7 @@ def test_frames_are_asked_for_again_when_the_broker_comes_back(tmp_path, cleanup
             for i in range(0, len(sent), 500):
                 pub.publish_many(sent[i:i + 500])
             pub.whoami(timeout=10)
-        assert at_a.wait_count(len(sent)) == sent
+        assert at_a.wait_count(len(sent), 60) == sent
         assert ba.stats()["frames_out"] > 0
         assert not [r for r in a2.records() if r.get("event") == "client_disconnect"
                     and r.get("reason") == "protocol_error"]

@@ -76,8 +76,10 @@ class Collector:
     """A subscriber on a broker, receiving in a thread into ``messages``
     (the bridge's stats and the cluster tests' probes left out)."""
 
-    def __init__(self, host, *patterns):
+    def __init__(self, host, *patterns, modes=()):
         self.bus = Client(host.address)
+        for mode in modes:      # flood control, before the first message can come
+            self.bus.send_cmsg(mode)
         for p in patterns:
             self.bus.subscribe(p)
         self.bus.whoami(timeout=10)     # SUBs registered
@@ -134,5 +136,18 @@ def nats_publish(url, messages):
     asyncio.run(main())
 
 
+def restart_under(bridge, broker, workdir: Path, cleanup):
+    """Stops the bridge's broker and starts another on its address (logging
+    in ``workdir``); the new broker once the bridge is back on it."""
+    from .sbusd import Sbusd
+    mark = bridge.mark()
+    broker.stop()
+    bridge.wait_for("bridge_local_lost", since=mark)
+    again = Sbusd.foreground(workdir, address=broker.address)
+    cleanup(again)
+    bridge.wait_for("bridge_local_back", 30, since=mark)
+    return again
+
+
 __all__ = ["BIGGEST", "FRAMES_PATH", "MAPPING_CASES", "STATS_KEY", "Collector", "latin",
-           "load_frames", "nats_publish", "publish_all", "unlatin", "unpayload", "wire_cases"]
+           "load_frames", "nats_publish", "publish_all", "restart_under", "unlatin", "unpayload", "wire_cases"]
