@@ -22,7 +22,14 @@
 #      straight from the receive slots. HOLD_READS bounds how long a
 #      delivery waits for the turn's other reads: a turn that finds many
 #      publishers with a message each would otherwise hold the first for
-#      all the others' receives (latency at moderate rates).
+#      all the others' receives. A light turn (its poll reported at most
+#      LIGHT_TURN connections: a moderate rate) holds nothing, and sends
+#      after each read as the relay does. Holding a few microseconds there
+#      saves almost no syscalls, yet the delivery then often reaches a
+#      recipient whose core went idle meanwhile, whose wake-up costs far
+#      more: at 50k msgs/s from Python publishers, p50 1.22x the relay's
+#      with the hold, 1.06x without; a bound on the hold's time (10 or 30
+#      us) did not help (bench notes of session 17).
 #   4. queue: only what a send could not take is copied, once per message,
 #      into a refcounted Packet that every recipient's send queue shares; the
 #      flood policy (flood.on_full, policy.pxd) decides per delivery to
@@ -59,6 +66,7 @@ cdef enum:
     TURN_AREA_BYTES = 32 << 20  # ...and at most this much address space for them
     RECV_BATCH_MIN = 8      # a connection is read only with this many slots free
     HOLD_READS = 16         # connections read before the deliveries they brought go out
+    LIGHT_TURN = 4          # a turn that fired at most this many connections sends after each read
     VIEW_SLOTS = 256        # packets of frames (frames.pxd) one flush holds: 4 full frames
 
 
@@ -105,6 +113,7 @@ cdef class Broker(Hub):
     cdef bint flushing              # flush_conn is writing (mark_closing must not flush)
     cdef int32_t batch_pend         # the first entry of the batch being read, or -1
     cdef uint32_t reads_held        # connections read since the last flush (HOLD_READS)
+    cdef int turn_fired             # connections the turn's poll reported (LIGHT_TURN)
     # 3. one sendmmsg per recipient: siov/sreply are filled, send_prepared writes them
     cdef mmsghdr shdrs[SEND_BATCH]
     cdef iovec siov[SEND_BATCH]

@@ -26,8 +26,7 @@ from sbus._core.includes.sys cimport (
     madvise, MAP_FAILED, PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE, MADV_DONTNEED)
 from sbus._core.index cimport Sub, index_match
 from sbus._core.loop cimport EV_READ, EV_WRITE, EV_HUP, only_thread
-from sbus._core.policy cimport (
-    FLOOD_QUEUE_BLOCK, FLOOD_DROP_SOFT, FLOOD_DROP_HARD, FLOOD_CLOSE_SOFT, FLOOD_CLOSE_HARD)
+from sbus._core.policy cimport FLOOD_QUEUE_BLOCK, FLOOD_DROP_SOFT, FLOOD_DROP_HARD, FLOOD_CLOSE_SOFT, FLOOD_CLOSE_HARD
 from sbus._core.reads cimport read_want, note_read
 from sbus._core.protocol cimport (
     ParsedPacket, parse_packet, VERB_MSG, VERB_SUB, VERB_UNSUB, VERB_CMSG,
@@ -159,6 +158,7 @@ cdef class Broker(Hub):
         cdef int i, fd, mask, nready = 0
         cdef Conn *c
         cdef char drain[64]
+        self.turn_fired = n
         for i in range(n):
             fd = self.poller.fired[i].fd
             mask = self.poller.fired[i].mask
@@ -282,8 +282,7 @@ cdef class Broker(Hub):
             # leaves the socket without data (EAGAIN) or with more.
             r = recv(c.fd, &probe, 1, MSG_DONTWAIT | MSG_PEEK)
             if (mask & EV_HUP) or r == 0:
-                self.mark_closing(c, R_EOF,
-                                  "closed with unread deliveries" if c.write_dead else None)
+                self.mark_closing(c, R_EOF, "closed with unread deliveries" if c.write_dead else None)
             else:
                 self.mark_closing(c, R_PROTOCOL, "empty packet")
             return False
@@ -382,9 +381,10 @@ cdef class Broker(Hub):
 
     cdef bint flush_first(self, bint frames) noexcept:
         """Whether the turn's deliveries go out before the next read: its slots (or a frame
-        reader's views) run short, HOLD_READS reads are held, or the flush could make a
-        recipient in a block mode stop the bus (it stops where it did with a flush per batch)."""
+        reader's views) run short, HOLD_READS reads are held or the turn is light, or the flush
+        could make a recipient in a block mode stop the bus (where it did with a flush per batch)."""
         return (self.nslots + RECV_BATCH_MIN > self.turn_slots or self.reads_held >= HOLD_READS
+                or (self.reads_held and self.turn_fired <= LIGHT_TURN)
                 or (frames and self.nviews + FRAME_MSGS > VIEW_SLOTS) or (self.nblockers and any_could_block(
                     &self.flood, self.blockers, self.nblockers, self.pend_bytes, <uint64_t>self.npend,
                     get_packet_stats().bytes)))
