@@ -7,6 +7,8 @@ frame closes its sender alone."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import socket
 import struct
 
@@ -21,7 +23,7 @@ from sbus.client.protocol import ControlMessage, Message
 from support.conn import Conn
 from support.frames import GRANTED, MAGIC, frame, link_place, read_all
 from support.sbusd import Sbusd
-from support.seconduser import asroot
+from support.seconduser import asroot, make_public_dir
 from support.waiting import wait_until
 
 FRAME_MSGS = 64
@@ -318,3 +320,86 @@ def test_a_blocking_client_takes_frames_apart_as_it_waits(broker):
         assert c.frames[0] > 0
         c.publish("r/own", "x")     # a packet: the broker takes it as ever
         assert c.whoami()
+
+
+def _receive(client, n):
+    got = []
+    while len(got) < n:
+        got += client.receive_many(256, timeout=30)
+    return [(m.key, m.payload) for m in got]
+
+
+def test_a_link_of_the_upstreams_uid_takes_frames_both_ways_upstream(tmp_path):
+    """The leaf's link asks its upstream for frames as it asks its own broker:
+    granted (the same uid, or root), what it relays up goes in frames and what
+    comes down arrives in them, every message exact and in order."""
+    up = Sbusd.foreground(tmp_path, address=str(tmp_path / "up"), log_level="warning")
+    leaf = Sbusd.foreground(tmp_path, "--upstream", up.address, address=str(tmp_path / "leaf"),
+                            log_level="warning")
+    try:
+        wait_until(lambda: leaf.stats().get("upstream", {}).get("state") == "up", 10)
+        ups = [(b"fu/%d" % i, b"u" * (i % 300)) for i in range(5000)]
+        downs = [(b"fd/%d" % i, b"d" * (i % 300)) for i in range(5000)]
+        with Client(up.address) as at_up, Client(leaf.address) as at_leaf:
+            at_up.subscribe("fu/")
+            at_leaf.subscribe("fd/")
+            at_up.whoami()
+            wait_until(lambda: [c for c in up.stats()["clients"]
+                                if not c["echo"] and c["subscriptions"] >= 2], 10)
+            with Client(leaf.address) as pub:
+                pub.publish_many(ups)
+                pub.whoami()
+            assert _receive(at_up, len(ups)) == ups
+            with Client(up.address) as pub:
+                pub.publish_many(downs)
+                pub.whoami()
+            assert _receive(at_leaf, len(downs)) == downs
+        state = wait_until(lambda: (lambda s: s if s["down_msgs"] == len(downs) else None)(
+            leaf.stats()["upstream"]), 10, "the link's report")
+        assert state["upstream_frames"] == "on" and state["up_msgs"] == len(ups)
+        assert state["frames_from_upstream"] > 0 and state["frames_to_upstream"] > 0
+    finally:
+        leaf.stop()
+        up.stop()
+
+
+@asroot
+def test_a_link_refused_frames_upstream_relays_a_packet_a_message(spawn):
+    """A link of another uid than its upstream's (and not root) is refused
+    frames there: it says so in its state and goes on a packet per message,
+    which the upstream takes (a frame would close it). The leaf broker's side
+    of the socketpair is the test's."""
+    from sbus.sbusd.link import Link
+
+    d = make_public_dir()
+    up = Sbusd.foreground(d, "-o", address=str(d / "up.socket"), log_level="info")
+    leaf_end, link_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        with Client(up.address) as at_up:
+            at_up.subscribe("x/")
+            at_up.whoami()
+
+            def nobodys_link(ctl):
+                leaf_end.close()
+                Link(link_end, up.address, [""], 100_000).run()
+
+            child = spawn(nobodys_link)
+            link_end.close()
+            leaf_end.settimeout(10)
+            state = {}
+            while state.get("state") != "up":
+                packet = leaf_end.recv(1 << 16)
+                if packet.startswith(b"CMSG link/state\0"):
+                    state = json.loads(packet.split(b"\0", 1)[1])
+            assert state["upstream_frames"] == "off"
+            sent = [b"MSG x/%d\0" % i + b"p" * (i % 50) for i in range(3000)]
+            for packet in sent:
+                leaf_end.send(packet)
+            got = _receive(at_up, len(sent))
+            assert [b"MSG " + k + b"\0" + p for k, p in got] == sent
+        assert not [r for r in up.records() if r.get("reason") == "protocol_error"]
+        child.kill()
+    finally:
+        leaf_end.close()
+        up.stop()
+        shutil.rmtree(d, ignore_errors=True)

@@ -48,7 +48,7 @@ from typing import Deque, List, Optional, Tuple
 
 from .. import address as addresses
 from .. import logschema as schema
-from .._core.batch import Inbox, Outbox
+from .._core.batch import Outbox
 from .._core.linkpath import FrameSender, LinkInbox, Relay
 from ..client.chunks import chunk_pattern
 from ..client.driver import grow_buffers
@@ -66,7 +66,8 @@ STATE_INTERVAL = 1.0        # seconds between link/state reports
 RECV_SIZE = 1 << 23         # above any --max-message
 BATCH = 64                  # packets per recvmmsg from the upstream, per sendmmsg down
 # Frames per recvmmsg from the local broker once it sends them: 8 of up to 64
-# packets fill one Outbox, so a full upstream leaves a batch in it, in C.
+# packets fill one Outbox, so a full upstream leaves a batch in it, in C (and
+# the same from an upstream that granted frames, for the local broker).
 LOCAL_FRAMES = 8
 # The per-message reference path (a Python object per message) instead of the
 # C one (sbus._core.linkpath); the tests hold the two to the same output.
@@ -78,6 +79,7 @@ CRED = b"!/cred/"
 # up as written, where the upstream gives it to this link alone.
 NESTED = b"/!*/"
 FLOODS = ("block", "discard")  # sbusd --upstream-flood: the link's hard mode upstream
+FRAMES_ASK = pack_control("link/frames")
 
 
 def hello(flood: str) -> Tuple[bytes, ...]:
@@ -202,8 +204,11 @@ class Link:
         self.local_out: Deque[bytes] = collections.deque()
         self.local_writable = True  # not waiting for EVENT_WRITE on the local socket
         self.local_paused = False   # not reading the leaf: the upstream is behind
-        # Downward messages come in recvmmsg batches and go down in sendmmsg ones.
-        self.inbox = Inbox(RECV_SIZE - 1, Message, ControlMessage, BATCH)
+        # Downward messages come in recvmmsg batches and go down in sendmmsg ones;
+        # in frames, taken apart, once an upstream of our uid (or root) granted them.
+        self.inbox = LinkInbox(RECV_SIZE - 1, Message, ControlMessage, BATCH)
+        self.up_framer = FrameSender(max_message)   # to an upstream that takes frames
+        self.up_frames = False      # this upstream connection was granted frames
         self.outbox = Outbox(RECV_SIZE)
         # The C path: public messages cross in Relays (Inbox.receive's sink)
         # with no Python object each; upward ones from local_inbox, in up_box.
@@ -244,7 +249,9 @@ class Link:
                  "patterns": len(self.refs), "held": self.held_msgs,
                  "subscribed": self.subscribed,
                  "reason": self.reason or None, **self.counts,
-                 "frames_down": self.framer.frames, "frames_up": self.local_inbox.frames}
+                 "frames_down": self.framer.frames, "frames_up": self.local_inbox.frames,
+                 "upstream_frames": "on" if self.up_frames else "off",
+                 "frames_from_upstream": self.inbox.frames, "frames_to_upstream": self.up_framer.frames}
         self.send_local(b"CMSG link/state\0" + json.dumps(state).encode())
 
     # ---- writing
@@ -398,8 +405,11 @@ class Link:
         self.state = "identifying"
         self.asked_at = time.monotonic()
         self.sel.register(sock, selectors.EVENT_READ, "up")
+        # Frames upstream too: granted to a link of the upstream's uid or root,
+        # else packets; asked before whoami, so answered before the link is up.
+        asks = self.hello if self.reference else self.hello[:-1] + (FRAMES_ASK,) + self.hello[-1:]
         try:
-            for packet in self.hello:
+            for packet in asks:
                 sock.send(packet)
         except OSError as e:
             self.lost(e.strerror or str(e))
@@ -427,6 +437,8 @@ class Link:
         self.state = "up"
         self.up_relay = Relay(self.up_box, self.up.fileno(), self.up_private)
         self.up_relay.keep = True   # a full upstream: what its box holds waits there, in C
+        if self.up_frames:
+            self.up_relay.framer = self.up_framer
         self.failures = 0
         self.counts["connects"] += 1
         self.reason = ""
@@ -458,6 +470,7 @@ class Link:
             self.held_msgs += len(kept)
             self.up_out.extendleft((True, packet) for packet in reversed(kept))
         self.up_relay = None
+        self.up_frames = False      # asked again on the next connection
         self.state = "away"
         self.pause_local(False)     # away: held within --upstream-buffer, or dropped
         if self.up is not None:
@@ -490,6 +503,11 @@ class Link:
     # ---- packets
     def from_up(self, item) -> None:
         """One Message, ControlMessage or error of an Inbox batch from the upstream."""
+        if type(item) is ControlMessage and item.key == b"link/frames":   # ok: it takes frames
+            self.up_frames = item.payload == b"ok"
+            if self.up_frames and self.up_relay is not None:
+                self.up_relay.framer = self.up_framer
+            return
         if self.state == "identifying":
             if type(item) is ControlMessage:
                 creds = identity(item)
@@ -689,6 +707,7 @@ class Link:
 
     def read_up(self) -> None:
         budget = 16     # recvmmsg batches per turn; then the leaf's side has its turn
+        limit = LOCAL_FRAMES if self.up_frames else BATCH
         while budget > 0:
             if self.local_out:
                 self.write_local()
@@ -701,12 +720,12 @@ class Link:
                 and not self.local_out else None
             try:
                 if relay is None:
-                    batch = self.inbox.receive(self.up.fileno(), BATCH, socket.MSG_DONTWAIT)
+                    batch = self.inbox.receive(self.up.fileno(), limit, socket.MSG_DONTWAIT)
                     budget -= 1
-                    drained = len(batch) < BATCH
+                    drained = len(batch) < limit
                 else:
                     try:
-                        batch = relay.pump(self.inbox, self.up.fileno(), BATCH, budget)
+                        batch = relay.pump(self.inbox, self.up.fileno(), limit, budget)
                     finally:
                         self.counts["down_msgs"] += relay.pumped
                         self.local_out.extend(relay.take_spill())
