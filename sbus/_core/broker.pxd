@@ -24,7 +24,8 @@
 #      publishers with a message each would otherwise hold the first for
 #      all the others' receives. A light turn (its poll reported at most
 #      LIGHT_TURN connections: a moderate rate) holds nothing, and sends
-#      after each read as the relay does. Holding a few microseconds there
+#      after each read as the relay does (io_uring's reads of such a turn
+#      are one round, one syscall, and it sends after the round). Holding a few microseconds there
 #      saves almost no syscalls, yet the delivery then often reaches a
 #      recipient whose core went idle meanwhile, whose wake-up costs far
 #      more: at 50k msgs/s from Python publishers, p50 1.22x the relay's
