@@ -23,14 +23,16 @@
 #      delivery waits for the turn's other reads: a turn that finds many
 #      publishers with a message each would otherwise hold the first for
 #      all the others' receives. A light turn (its poll reported at most
-#      LIGHT_TURN connections: a moderate rate) holds nothing, and sends
-#      after each read as the relay does (io_uring's reads of such a turn
-#      are one round, one syscall, and it sends after the round). Holding a few microseconds there
-#      saves almost no syscalls, yet the delivery then often reaches a
-#      recipient whose core went idle meanwhile, whose wake-up costs far
-#      more: at 50k msgs/s from Python publishers, p50 1.22x the relay's
-#      with the hold, 1.06x without; a bound on the hold's time (10 or 30
-#      us) did not help (bench notes of session 17).
+#      LIGHT_TURN connections) holds nothing, and sends after each read as
+#      the relay does (io_uring's reads of such a turn are one round, one
+#      syscall, and it sends after the round). Python publishers at 50k
+#      msgs/s send in bursts of about 5, which the broker finds together:
+#      holding the first for the other four cost p50 1.35x the relay's,
+#      and neither LIGHT_TURN 4 nor a bound on the hold's time (10 or
+#      30 us) helped, because the delivery then reaches a recipient whose
+#      core went idle meanwhile. At saturation most messages come in turns
+#      of more than 16, whose coalescing keeps CPU per delivery at about
+#      0.9x the relay's (1.04x with no hold at all).
 #   4. queue: only what a send could not take is copied, once per message,
 #      into a refcounted Packet that every recipient's send queue shares; the
 #      flood policy (flood.on_full, policy.pxd) decides per delivery to
@@ -67,7 +69,7 @@ cdef enum:
     TURN_AREA_BYTES = 32 << 20  # ...and at most this much address space for them
     RECV_BATCH_MIN = 8      # a connection is read only with this many slots free
     HOLD_READS = 16         # connections read before the deliveries they brought go out
-    LIGHT_TURN = 4          # a turn that fired at most this many connections sends after each read
+    LIGHT_TURN = 16         # a turn that fired at most this many connections sends after each read
     VIEW_SLOTS = 256        # packets of frames (frames.pxd) one flush holds: 4 full frames
 
 
