@@ -504,9 +504,7 @@ class Link:
     def from_up(self, item) -> None:
         """One Message, ControlMessage or error of an Inbox batch from the upstream."""
         if type(item) is ControlMessage and item.key == b"link/frames":   # ok: it takes frames
-            self.up_frames = item.payload == b"ok"
-            if self.up_frames and self.up_relay is not None:
-                self.up_relay.framer = self.up_framer
+            self.up_frames = item.payload == b"ok"     # answered before whoami, so before the Relay is made
             return
         if self.state == "identifying":
             if type(item) is ControlMessage:
