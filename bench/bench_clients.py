@@ -10,6 +10,8 @@ subscriber from its first message to its last while another process
 publishes as fast as its client can (sbus: publish_many; NATS: publish and
 flush; Redis: a pipeline of 100). Every server runs on this machine: sbusd
 on a unix socket, nats-server on loopback TCP, redis-server on a unix socket.
+The ``-frames`` rows take frames first (``take_frames()``, granted to the
+broker's own uid or root: docs/clients.md), the receive row on both ends.
 
 Rows are interleaved (each repeat runs every row once) so that a change in
 the machine's load falls on all of them alike; the table gives the median
@@ -44,6 +46,7 @@ ROWS = {
     "sbus-sync-publish": ("sbus", "publish", "sbus.Client.publish()", 1.0),
     "sbus-sync-publish-buffered": ("sbus", "publish", "sbus.Client(buffered=True).publish()", 1.0),
     "sbus-sync-publish-many": ("sbus", "publish", "sbus.Client.publish_many()", 1.0),
+    "sbus-sync-publish-many-frames": ("sbus", "publish", "publish_many(), after take_frames()", 1.0),
     "sbus-aio-publish": ("sbus", "publish", "await sbus.aio.Client.publish()", 1.0),
     "sbus-aio-publish-buffered": ("sbus", "publish", "sbus.aio.Client(buffered=True).publish()", 1.0),
     "sbus-aio-publish-many": ("sbus", "publish", "await sbus.aio.Client.publish_many()", 1.0),
@@ -53,6 +56,8 @@ ROWS = {
     "sbus-sync-receive": ("sbus", "receive", "sbus.Client.receive()", 1.0),
     "sbus-sync-receive-iter": ("sbus", "receive", "for m in sbus.Client (batched)", 1.0),
     "sbus-sync-receive-many": ("sbus", "receive", "sbus.Client.receive_many(64)", 1.0),
+    "sbus-sync-receive-many-frames": ("sbus", "receive", "receive_many(64), both ends take_frames()",
+                                      1.0),
     "sbus-aio-receive": ("sbus", "receive", "await sbus.aio.Client.receive()", 1.0),
     "sbus-aio-receive-iter": ("sbus", "receive", "async for m in sbus.aio.Client (batched)", 1.0),
     "nats-receive": ("nats", "receive", "nats-py subscription callback", 1.0),
@@ -140,8 +145,10 @@ def _which(name):
 def publish_sbus_sync(address, n, payload, how):
     from sbus import Client
     with Client(address, buffered=how == "buffered") as c:
+        if how == "many-frames":
+            take_frames(c)
         start = start_clock()
-        if how == "many":
+        if how.startswith("many"):
             c.publish_many([(KEY, payload)] * n)
         else:
             publish = c.publish
@@ -149,6 +156,13 @@ def publish_sbus_sync(address, n, payload, how):
                 publish(KEY, payload)
         c.whoami()          # the broker has read every message
         return stop_clock() - start
+
+
+def take_frames(client):
+    """Frames (docs/clients.md): the broker grants them to its own uid or root."""
+    answer = client.take_frames(timeout=5)
+    if answer != b"ok":
+        raise SystemExit(f"bench_clients: the broker did not grant frames: {answer!r}")
 
 
 async def publish_sbus_aio(address, n, payload, how):
@@ -205,8 +219,8 @@ def start_publisher(system, address, n, payload_size):
 
 
 def feed(system, address, n, payload):
-    if system == "sbus":
-        publish_sbus_sync(address, n, payload, "many")
+    if system.startswith("sbus"):    # sbus, or sbus-frames
+        publish_sbus_sync(address, n, payload, "many-frames" if system == "sbus-frames" else "many")
     elif system == "nats":
         asyncio.run(publish_nats(address, n, payload))
     else:
@@ -218,8 +232,11 @@ def receive_sbus_sync(address, n, payload_size, how):
     with Client(address) as c:
         c.send_cmsg("blocking/hard/block")      # lossless: the broker waits for us
         c.subscribe(KEY)
+        if how == "many-frames":
+            take_frames(c)
         c.whoami()
-        pub = start_publisher("sbus", address, n, payload_size)
+        pub = start_publisher("sbus-frames" if how == "many-frames" else "sbus", address, n,
+                              payload_size)
         got, first = 0, None
         try:
             if how == "iter":
@@ -229,7 +246,7 @@ def receive_sbus_sync(address, n, payload_size, how):
                     got += 1
                     if got == n:
                         break
-            elif how == "many":
+            elif how.startswith("many"):
                 got = len(c.receive_many(1, timeout=IDLE))
                 first = start_clock()     # timing starts at the first message
                 while got < n:
@@ -336,8 +353,8 @@ def measure(row, address, n, payload_size):
         t = publish_sbus_sync(address, n, payload, "one")
     elif row == "sbus-sync-publish-buffered":
         t = publish_sbus_sync(address, n, payload, "buffered")
-    elif row == "sbus-sync-publish-many":
-        t = publish_sbus_sync(address, n, payload, "many")
+    elif row.startswith("sbus-sync-publish-many"):
+        t = publish_sbus_sync(address, n, payload, row[len("sbus-sync-publish-"):])
     elif row == "sbus-aio-publish":
         t = asyncio.run(publish_sbus_aio(address, n, payload, "one"))
     elif row == "sbus-aio-publish-buffered":
@@ -401,6 +418,9 @@ def table(summary, payload_size, load):
             twin = row.replace("sbus-aio", "sbus-sync")
             if twin in sync and sync[twin]["rate"]:
                 note.append(f"{s['rate'] / sync[twin]['rate']:.2f}x sync")
+        nats = sync.get(f"nats-{kind}")
+        if system == "sbus" and nats and nats["rate"]:
+            note.append(f"{s['rate'] / nats['rate']:.2f}x nats-py")
         lines.append(f"{row:<30} {calls:<45} {s['rate']:>10,.0f} {s['cpu_us']:>10.2f} "
                      f"{s['server_cpu_us']:>7.2f} {s['runs']:>5}  {'; '.join(note)}")
     return "\n".join(lines)

@@ -6,7 +6,6 @@ refused, a connection that did not ask never sends or gets one, and a bad
 frame closes its sender alone."""
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import socket
@@ -17,7 +16,6 @@ import pytest
 from sbus import Client
 from sbus._core.batch import Outbox
 from sbus._core.linkpath import LinkInbox, Relay
-from sbus.aio import Client as AsyncClient
 from sbus.client.protocol import ControlMessage, Message
 
 from support.conn import Conn
@@ -267,59 +265,6 @@ def test_what_the_links_box_held_for_a_dead_upstream_goes_to_the_next(tmp_path):
     finally:
         leaf.stop()
         up.stop()
-
-
-def test_a_client_granted_frames_sends_them_and_takes_them_apart(broker):
-    """sbus.aio.Client.take_frames (the bridge's way): its batches go in
-    frames, its deliveries come in frames and are taken apart, chunks are
-    reassembled as ever, exactly and in order."""
-    sub = Conn.to(broker.address)
-    sub.sub("s/")
-    sub.sync()
-    sent = [(b"s/%d" % i, b"v" * (i % 200)) for i in range(2000)]
-    back = [(b"r/%d" % i, b"w" * (i % 90)) for i in range(2000)]
-    big = bytes(range(256)) * 2000     # chunks: larger than a packet
-
-    async def main():
-        async with AsyncClient(broker.address) as c:
-            await c.subscribe("r/")
-            assert await c.take_frames(timeout=5) == b"ok"
-            await c.publish_many(sent)
-            await c.whoami()
-            with Client(broker.address) as pub:
-                pub.publish_many(back)
-                pub.publish("r/big", big)
-                pub.whoami()
-            got = []
-            while len(got) < len(back) + 1:
-                got += await c.receive_many(256)
-            return [(m.key, m.payload) for m in got], c.frames
-
-    got, (frames_in, frames_out) = asyncio.run(main())
-    assert got == back + [(b"r/big", big)]
-    assert frames_in > 0 and frames_out > 0
-    assert [sub.next_packet(5) for _ in sent] == [b"MSG " + k + b"\0" + p for k, p in sent]
-
-
-def test_a_blocking_client_takes_frames_apart_as_it_waits(broker):
-    """The blocking client reads frames (it sends packets): a receive that
-    waits still waits, and what comes in frames comes whole and in order."""
-    back = [(b"r/%d" % i, b"w" * (i % 90)) for i in range(1000)]
-    with Client(broker.address) as c:
-        c.subscribe("r/")
-        assert c.take_frames(timeout=5) == b"ok"
-        with pytest.raises(TimeoutError):
-            c.receive(timeout=0.2)
-        with Client(broker.address) as pub:
-            pub.publish_many(back)
-            pub.whoami()
-        got = []
-        while len(got) < len(back):
-            got += c.receive_many(256)
-        assert [(m.key, m.payload) for m in got] == back
-        assert c.frames[0] > 0
-        c.publish("r/own", "x")     # a packet: the broker takes it as ever
-        assert c.whoami()
 
 
 def _receive(client, n):

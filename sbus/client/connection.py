@@ -47,12 +47,12 @@ from ..errors import (
     KeyRefusedError,
     MessageRefusedError,
     MessageTooLargeError,
-    PatternRefusedError,
     SbusError,
 )
 from . import chunks as _chunks
 from . import reconnect as _reconnect
 from .protocol import (
+    FRAMES,
     WHOAMI,
     ControlMessage,
     Credentials,
@@ -394,18 +394,7 @@ class Connection:
         self.refusals = self.refusals + 1 if closed else 0
         if self.refusals < 2:
             return None
-        patterns = tuple(self.session.subscriptions)
-        shown = ", ".join(repr(p.decode("utf-8", "replace")) for p in patterns)
-        if not patterns:
-            error = BusClosedError(f"{self.address}: the broker closes every new connection "
-                                   f"at once: it refuses this client (its log says why)")
-        else:
-            which = "it refuses the pattern" if len(patterns) == 1 else "it refuses one of them"
-            error = PatternRefusedError(
-                f"{self.address}: the broker closed the connection twice when the "
-                f"subscription{'s' if len(patterns) > 1 else ''} to {shown} "
-                f"{'were' if len(patterns) > 1 else 'was'} replayed: {which} (its log says "
-                f"{'which and ' if len(patterns) > 1 else ''}why); the client stopped", patterns)
+        error = _reconnect.refusal(self.address, tuple(self.session.subscriptions))
         error.__cause__ = exc
         self.closed_by = error
         return error
@@ -483,19 +472,30 @@ class Connection:
         first is queued; a broker that hangs up refused the replay."""
         self.eof = False
         waiter = self.restoring = self.new_waiter()
-        # First in line: the broker answers it before any request asked again.
+        # First in line: the broker answers them before any request asked again.
         whoami = Request(WHOAMI, b"", waiter)
         self.requests.appendleft(whoami)
+        replay = self.session.replay() + [pack_control(WHOAMI)]
+        frames = None
+        if self.sent_frames is not None:    # frames were granted before: asked again first
+            frames = Request(FRAMES, b"", self.new_waiter())
+            self.requests.appendleft(frames)
+            replay.insert(0, pack_control(FRAMES))
         try:
-            for packet in self.session.replay() + [pack_control(WHOAMI)]:
+            for packet in replay:
                 while not self.out.add_packet(packet):
                     yield (SEND, self.out, 0)
             yield (SEND, self.out, 0)
             yield (WAIT, waiter, time.monotonic() + self.policy.confirm_timeout, 0)
             waiter.result()
+            # Answered in order: a broker that said nothing before the whoami predates frames.
+            if frames is not None and frames.waiter.done() and frames.waiter.result() == b"ok":
+                self.framer = self.sent_frames
         finally:
             self.restoring = None
             self.unask(whoami)
+            if frames is not None:
+                self.unask(frames)
 
     def deliver(self) -> Plan:
         """Send the backlog (the requests asked again first, and what is
@@ -690,11 +690,11 @@ class Connection:
 
     def take_frames(self, timeout: Optional[float]) -> Plan:
         """Ask for frames (``CMSG link/frames``); the answer, ``ok`` or
-        ``refused: why``. Granted, the asyncio client sends its batches in
-        frames (``framer``) until the connection is lost; the parser takes
-        frames apart (the driver made it a LinkInbox before asking)."""
+        ``refused: why``. Granted, either client sends its batches in
+        frames (``framer``), asked again on a new connection (restore); the
+        parser takes frames apart (the driver made it a LinkInbox first)."""
         losses = self.losses
-        answer = yield from self.query(b"link/frames", None, 0, timeout)
+        answer = yield from self.query(FRAMES, None, 0, timeout)
         if answer == b"ok" and self.losses == losses:   # granted on this very connection
             if self.sent_frames is None:
                 from .._core.linkpath import FrameSender

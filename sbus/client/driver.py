@@ -361,12 +361,13 @@ class Driver:
         broker grants to its own uid or root (docs/bridge.md, "Speed").
         Returns the answer, b"ok" or b"refused: why" (a broker that predates
         them does not answer: ``timeout``). From then on frames received are
-        taken apart, and the asyncio client sends its batches in frames until
-        the connection is lost: a reconnected client starts without, and asks
-        again (``Reconnect.on_reconnect``) to have them."""
+        taken apart, and both clients send their batches in frames (a batch
+        read by receive_many still holds at most ``max``); a reconnecting
+        client asks the new broker again in its replay."""
         if not isinstance(self._in, LinkInbox):
-            inbox = LinkInbox(self.max_message, Message, ControlMessage)
-            inbox.chunks, inbox.route = self._in.chunks, self._in.route
+            old, inbox = self._in, LinkInbox(self.max_message, Message, ControlMessage)
+            inbox.chunks, inbox.route = old.chunks, old.route
+            inbox.fd, inbox.queue, inbox.outbox = old.fd, old.queue, old.outbox  # take_batch's
             self._in = self._conn.parser = inbox
         return self._run(self._conn.take_frames(timeout))
 

@@ -33,6 +33,7 @@ __all__ = [
 
 MAX_MESSAGE = 409600    # bytes: sbusd's default --max-message; a client's buffer must match the broker's
 WHOAMI = b"!/cred/whoami"
+FRAMES = b"link/frames"     # asks for frames: sbusd's transport between its own processes
 
 Text = Union[str, bytes, bytearray, memoryview]
 

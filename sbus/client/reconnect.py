@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Callable, Counter, Deque, Dict, Iterable, List, Optional, Union
+from typing import Callable, Counter, Deque, Dict, Iterable, List, Optional, Tuple, Union
 
 from .._core.batch import Outbox
-from ..errors import BacklogFullError
+from ..errors import BacklogFullError, BusClosedError, PatternRefusedError
 
 __all__ = ["Backlog", "Reconnect", "Session", "policy"]
 
@@ -66,6 +66,21 @@ def policy(reconnect: Union[None, bool, Reconnect]) -> Optional[Reconnect]:
     if isinstance(reconnect, Reconnect):
         return reconnect
     raise TypeError(f"reconnect must be a bool or sbus.Reconnect, not {type(reconnect).__name__}")
+
+
+def refusal(address: str, patterns: Tuple[bytes, ...]) -> BusClosedError:
+    """What a client stops with when a new broker closed the connection on
+    its replay twice in a row: it refuses the client, or one of ``patterns``."""
+    if not patterns:
+        return BusClosedError(f"{address}: the broker closes every new connection "
+                              f"at once: it refuses this client (its log says why)")
+    shown = ", ".join(repr(p.decode("utf-8", "replace")) for p in patterns)
+    which = "it refuses the pattern" if len(patterns) == 1 else "it refuses one of them"
+    return PatternRefusedError(
+        f"{address}: the broker closed the connection twice when the "
+        f"subscription{'s' if len(patterns) > 1 else ''} to {shown} "
+        f"{'were' if len(patterns) > 1 else 'was'} replayed: {which} (its log says "
+        f"{'which and ' if len(patterns) > 1 else ''}why); the client stopped", patterns)
 
 
 class Session:

@@ -9,6 +9,7 @@ surrogateescape) or bytes-like. See docs/clients.md.
 """
 from __future__ import annotations
 
+import select
 import socket
 import time
 from typing import Any, Iterator, List, Optional, Union
@@ -32,6 +33,14 @@ __all__ = ["Client"]
 
 Received = Union[Message, ControlMessage]
 _PEEK = int(socket.MSG_PEEK)    # a plain int: an IntFlag's & is Python code, per call
+
+
+def _wait_writable(fd: int) -> None:
+    """Until the broker has room for a packet from us (or the socket fails,
+    which the next send reports)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    poller.poll()
 
 
 class Client(Driver, ServiceMethods):
@@ -99,7 +108,9 @@ class Client(Driver, ServiceMethods):
     def _act(self, action: tuple) -> Any:
         op = action[0]
         if op == c.SEND:
-            return action[1].send(self._fd, action[2])
+            if self._conn.framer is None:
+                return action[1].send(self._fd, action[2])
+            return self._send_frames(action[1], action[2])
         if op == c.SEND_ONE:
             return self._send_one(action[1], action[2])
         if op == c.WAIT:
@@ -116,6 +127,19 @@ class Client(Driver, ServiceMethods):
         else:
             self._act_now(action)
         return None
+
+    def _send_frames(self, box: Any, flags: int) -> None:
+        """The box in frames (take_frames). Frames go out MSG_DONTWAIT, so a
+        call that may block waits for room, as a blocking sendmmsg would; the
+        box keeps what is still owed (``head``) across the wait."""
+        while True:
+            try:
+                self._send_box(box, flags)
+                return
+            except BlockingIOError:
+                if flags & socket.MSG_DONTWAIT:
+                    raise
+                _wait_writable(self._fd)
 
     # -- sending -------------------------------------------------------------------
 
@@ -160,8 +184,9 @@ class Client(Driver, ServiceMethods):
                 if flags & _PEEK:
                     return self._peek(flags, deadline)
                 batch = self._read(1, flags, deadline)
-                if batch:
+                if len(batch) == 1:
                     return batch[0]
+                inbox.extend(batch)     # a frame (take_frames): many messages in one packet
         elif self._conn.closed:
             raise self._conn.gone()
         item = inbox[0] if flags & _PEEK else inbox.popleft()
@@ -194,8 +219,9 @@ class Client(Driver, ServiceMethods):
             deadline = None if timeout is None else self._in.deadline    # set by take_batch()
             while not inbox:
                 batch = self._read(max, flags, deadline)
-                if batch:
+                if 0 < len(batch) <= max:
                     return batch    # only messages, in order: no need to queue them
+                inbox.extend(batch)     # more than max: frames (take_frames) hold many
         if isinstance(inbox[0], BaseException):
             raise inbox.popleft()
         return _take(inbox, max)
