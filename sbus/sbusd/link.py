@@ -46,24 +46,21 @@ import sys
 import time
 from typing import Deque, List, Optional, Tuple
 
-from .. import address as addresses
 from .. import logschema as schema
 from .._core.batch import Outbox
 from .._core.linkpath import FrameSender, LinkInbox, Relay
 from ..client.chunks import chunk_pattern
 from ..client.driver import grow_buffers
-from ..client.protocol import MAX_MESSAGE, WHOAMI, ControlMessage, Message, pack_control, parse
+from ..client.protocol import MAX_MESSAGE, WHOAMI, ControlMessage, Message, pack_control
 from ..client.reconnect import Reconnect
-from ..errors import AddressError, ProtocolError
 from ..runner import Runner, sd_notify
 from .uplink import announce_started
+from .upstream import CRED, RECV_SIZE, WHOAMI_TIMEOUT, UpstreamError, connect, identity
 
-WHOAMI_TIMEOUT = 5.0        # seconds an upstream has to answer whoami
 # The client's policy, never giving up: 0.1 s before the first reconnect, doubling up to 5 s.
 BACKOFF = Reconnect(initial_delay=0.1, max_delay=5.0, give_up_after=None,
                     confirm_timeout=WHOAMI_TIMEOUT)
 STATE_INTERVAL = 1.0        # seconds between link/state reports
-RECV_SIZE = 1 << 23         # above any --max-message
 BATCH = 64                  # packets per recvmmsg from the upstream, per sendmmsg down
 # Frames per recvmmsg from the local broker once it sends them: 8 of up to 64
 # packets fill one Outbox, so a full upstream leaves a batch in it, in C (and
@@ -73,7 +70,6 @@ LOCAL_FRAMES = 8
 # C one (sbus._core.linkpath); the tests hold the two to the same output.
 REFERENCE = os.environ.get("SBUS_LINK_REFERENCE", "") not in ("", "0")
 OWN_PRIVATE = b"!/cred////"  # every key private to the link itself, upstream
-CRED = b"!/cred/"
 # After our identity, a local subscription to the keys nested under it.
 # '!*' also matches a segment such as '!x' (no reserved use): such a key goes
 # up as written, where the upstream gives it to this link alone.
@@ -91,77 +87,6 @@ def hello(flood: str) -> Tuple[bytes, ...]:
     answer is the link's identity there."""
     return (pack_control("echo/off"), pack_control("blocking/soft/queue"),
             pack_control(f"blocking/hard/{flood}"), pack_control(WHOAMI))
-
-
-class UpstreamError(Exception):
-    """The upstream cannot be used; the text says why."""
-
-
-def connect(text: str, max_message: int = MAX_MESSAGE) -> socket.socket:
-    """A connected SOCK_SEQPACKET socket to the sbusd at ``text``, its buffers
-    holding a ``max_message``-byte packet."""
-    try:
-        addr = addresses.parse(text)
-    except AddressError as e:
-        raise UpstreamError(str(e)) from None
-    if addr.random:
-        raise UpstreamError(f"{text}: a random abstract address names no broker")
-    if addr.fd is not None:
-        raise UpstreamError(f"{text}: a passed descriptor cannot be connected again; "
-                            f"give the upstream's path or abstract name")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    try:
-        sock.connect(addr.sun_path)
-        # A packet as large as the upstream takes (chunks are): the default
-        # send buffer fails one over ~208 KiB with EMSGSIZE, for ever.
-        grow_buffers(sock, max_message)
-    except OSError as e:
-        sock.close()
-        raise UpstreamError(f"{text}: {e.strerror or e}") from None
-    return sock
-
-
-def whoami(sock: socket.socket, text: str, timeout: float = WHOAMI_TIMEOUT) -> bytes:
-    """Ask an sbusd for our credentials over ``sock``; raise UpstreamError
-    naming what went wrong when it refuses, closes or is no sbusd."""
-    sock.settimeout(timeout)
-    try:
-        sock.send(pack_control(WHOAMI))
-        reply = sock.recv(RECV_SIZE)
-    except socket.timeout:
-        raise UpstreamError(f"{text}: no answer to whoami within {timeout:g} s "
-                            f"(not an sbusd?)") from None
-    except (ConnectionResetError, BrokenPipeError):
-        reply = b""
-    except OSError as e:
-        raise UpstreamError(f"{text}: {e.strerror or e}") from None
-    finally:
-        sock.settimeout(None)
-    if not reply:
-        raise UpstreamError(f"{text}: the upstream closed the connection (refused?)")
-    try:
-        creds = identity(parse(reply))
-    except ProtocolError:
-        creds = None
-    if creds is None:
-        raise UpstreamError(f"{text}: not an sbusd (answered {reply[:40]!r})")
-    return creds
-
-
-def identity(item) -> Optional[bytes]:
-    """Our credentials, if ``item`` (a parsed packet) is the answer to whoami."""
-    if type(item) is ControlMessage and item.key == WHOAMI and item.payload.startswith(CRED):
-        return item.payload
-    return None
-
-
-def probe(text: str) -> bytes:
-    """Check at start that ``text`` is an sbusd that lets us in; our credentials there."""
-    sock = connect(text)
-    try:
-        return whoami(sock, text)
-    finally:
-        sock.close()
 
 
 def split(packet: bytes) -> Tuple[bytes, bytes, bytes]:
