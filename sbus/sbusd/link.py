@@ -25,6 +25,9 @@ echo off.
   whoami again, resubscribes and flushes its buffer.
 * Signals: as every service (``sbus.runner``): SIGTERM and SIGINT stop it
   between two turns of its loop; it has no log file of its own to reopen.
+* Its broker gone (stopped or killed: EOF on the socketpair, or EPIPE on a
+  write to it): it reads what the broker wrote before, sends up what the
+  upstream takes at once, says on stderr what is lost and exits 0.
 * Ready: once the upstream has answered a whoami sent after its first
   subscriptions, they are in place: ``service_ready`` and, under systemd,
   READY=1 (sbusd leaves that to the link when it has ``--upstream``).
@@ -40,6 +43,7 @@ import collections
 import itertools
 import json
 import os
+import select
 import selectors
 import socket
 import sys
@@ -156,6 +160,9 @@ class Link:
         self.reason = ""
         self.subscribed = False     # this connection's SUBs are in place upstream
         self.ready_said = False
+        self.local_gone = False     # the local broker closed the socketpair: run() ends
+        self.lost_down = 0          # messages for the local broker after it went
+        self.dropped_at_gone = 0    # overflow_dropped then: what drops later is said on stderr
         local.setblocking(False)
         self.sel.register(local, selectors.EVENT_READ, "local")
         if not self.reference:
@@ -190,7 +197,7 @@ class Link:
         is left."""
         out, box = self.local_out, self.outbox
         fd = self.local.fileno()
-        while True:
+        while not self.local_gone:
             while out and len(box) < BATCH:
                 if not box.add_packet(out[0]):
                     if not len(box):
@@ -208,6 +215,15 @@ class Link:
                 out.extendleft(reversed(box.unsent()))
                 box.clear()
                 break
+            except ConnectionError:
+                # EPIPE, ECONNRESET: the broker went (it stopped, or was
+                # killed) while we had something to tell it.
+                out.extendleft(reversed(box.unsent()))
+                box.clear()
+                self.gone()
+        if self.local_gone:
+            self.lost_down += sum(packet.startswith(b"MSG ") for packet in out)
+            out.clear()
         if self.up_paused and not out:
             self.up_paused = False
             self.watch_up()
@@ -237,7 +253,7 @@ class Link:
         than the link holding them and dropping past --upstream-buffer. Never
         while it is not reading the upstream either (up_paused): then each
         broker could wait for the other through the link."""
-        pause = pause and not self.up_paused and self.state == "up"
+        pause = pause and not self.up_paused and self.state == "up" and not self.local_gone
         if pause != self.local_paused:
             self.local_paused = pause
             self.watch_local()
@@ -533,12 +549,14 @@ class Link:
                     if mask & selectors.EVENT_WRITE:
                         self.write_local()
                     if mask & selectors.EVENT_READ and not self.read_local():
-                        return 0
+                        return self.leave()
                 elif self.up is not None and key.fileobj is self.up:
                     if mask & selectors.EVENT_WRITE:
                         self.write_up()
                     if self.up is not None and mask & selectors.EVENT_READ:
                         self.read_up()
+                if self.local_gone:
+                    return self.leave()
             now = time.monotonic()
             if self.state == "away" and now >= self.retry_at:
                 self.try_connect()
@@ -547,6 +565,38 @@ class Link:
             if now >= self.next_state:
                 self.next_state = now + STATE_INTERVAL
                 self.report_state()
+
+    def gone(self) -> None:
+        """The local broker closed our socketpair: nothing more is written to it."""
+        if not self.local_gone:
+            self.local_gone = True
+            self.dropped_at_gone = self.counts["overflow_dropped"]
+
+    def leave(self) -> int:
+        """After the local broker went: read what it wrote before (its EOF
+        ends that), give the upstream one more chance to take what waits, and
+        say on stderr, the one place left, what is lost. Status 0, as for
+        SIGTERM: a broker that stops ends its link."""
+        self.gone()
+        ready = select.poll()
+        ready.register(self.local, select.POLLIN)
+        # Its EOF ends this; a broker still there (it never is) would have
+        # nothing to read, not a loop spinning on it.
+        while ready.poll(0) and self.read_local():
+            pass
+        if self.state == "up" and self.behind():
+            self.write_up()
+        held = self.held_msgs + len(self.up_box) + \
+            self.counts["overflow_dropped"] - self.dropped_at_gone
+        self.stop()
+        if held or self.lost_down:
+            note = (f"sbusd-link: the leaf broker went away; lost {held} messages held for "
+                    f"the upstream ({self.upstream}) and {self.lost_down} on their way down\n")
+            try:
+                os.write(2, note.encode())
+            except OSError:
+                pass    # stderr went with the broker (a pipe it read): nothing is left to tell
+        return 0
 
     def stop(self) -> None:
         """Leave the upstream; what was held for it is lost, as on any exit."""
@@ -669,7 +719,7 @@ class Link:
                 self.from_up(item)
                 if self.up is None:
                     break
-            if self.up is None or drained:
+            if self.up is None or drained or self.local_gone:
                 break
         self.write_local()
         self.pause_up()
