@@ -584,6 +584,41 @@ def test_sigterm_stops_the_link_cleanly(tmp_path):
     assert ended["returncode"] == 0
 
 
+
+@pytest.mark.parametrize("path", ["c", "reference"])
+def test_a_link_whose_broker_goes_as_it_logs_the_upstreams_loss_leaves_cleanly(
+        tmp_path, monkeypatch, path):
+    """The upstream goes, then the leaf, before the link has seen either
+    (it is stopped meanwhile): whichever it sees first, its first act is a
+    write to a broker that is gone, the record of the upstream's loss or the
+    held messages. It leaves with status 0 and no traceback, and says on the
+    leaf's stderr what it could deliver to no one. Both paths: the C one
+    writes to its broker in frames, the reference one in packets."""
+    monkeypatch.setenv("SBUS_LINK_REFERENCE", "1" if path == "reference" else "0")
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", upstream=up)
+    link = link_pid(leaf)
+    os.kill(link, signal.SIGSTOP)
+    try:
+        up.kill()
+        with leaf.connect() as c:
+            for i in range(5):
+                c.pub(f"t/{i}", b"for an upstream that is gone")
+            c.sync()    # with the leaf, in its queue for the link
+        os.kill(leaf.pid, signal.SIGTERM)
+        # The leaf closed the link's end of the socketpair (it has the broker's pid).
+        leaf.wait_for_event("client_disconnect", timeout=10,
+                            predicate=lambda r: r["pid"] == leaf.pid and r["reason"] == "shutdown")
+    finally:
+        os.kill(link, signal.SIGCONT)
+    assert leaf.wait(15) == 0
+    (ended,) = leaf.events("upstream_link_exit")
+    err = leaf.stderr_text()
+    assert ended["returncode"] == 0, err
+    assert "Traceback" not in err, err
+    assert "the leaf broker went away; lost 5 messages held for the upstream" in err, err
+
+
 # ---- the link's life: it starts, or sbusd says why; it dies, and is started again
 
 BROKEN_LINK = """\

@@ -25,6 +25,9 @@ echo off.
   whoami again, resubscribes and flushes its buffer.
 * Signals: as every service (``sbus.runner``): SIGTERM and SIGINT stop it
   between two turns of its loop; it has no log file of its own to reopen.
+* Its broker gone (stopped or killed: EOF on the socketpair, or EPIPE on a
+  write to it): it reads what the broker wrote before, sends up what the
+  upstream takes at once, says on stderr what is lost and exits 0.
 * Ready: once the upstream has answered a whoami sent after its first
   subscriptions, they are in place: ``service_ready`` and, under systemd,
   READY=1 (sbusd leaves that to the link when it has ``--upstream``).
@@ -40,30 +43,28 @@ import collections
 import itertools
 import json
 import os
+import select
 import selectors
 import socket
 import sys
 import time
 from typing import Deque, List, Optional, Tuple
 
-from .. import address as addresses
 from .. import logschema as schema
 from .._core.batch import Outbox
 from .._core.linkpath import FrameSender, LinkInbox, Relay
 from ..client.chunks import chunk_pattern
 from ..client.driver import grow_buffers
-from ..client.protocol import MAX_MESSAGE, WHOAMI, ControlMessage, Message, pack_control, parse
+from ..client.protocol import MAX_MESSAGE, WHOAMI, ControlMessage, Message, pack_control
 from ..client.reconnect import Reconnect
-from ..errors import AddressError, ProtocolError
 from ..runner import Runner, sd_notify
 from .uplink import announce_started
+from .upstream import CRED, RECV_SIZE, WHOAMI_TIMEOUT, UpstreamError, connect, identity
 
-WHOAMI_TIMEOUT = 5.0        # seconds an upstream has to answer whoami
 # The client's policy, never giving up: 0.1 s before the first reconnect, doubling up to 5 s.
 BACKOFF = Reconnect(initial_delay=0.1, max_delay=5.0, give_up_after=None,
                     confirm_timeout=WHOAMI_TIMEOUT)
 STATE_INTERVAL = 1.0        # seconds between link/state reports
-RECV_SIZE = 1 << 23         # above any --max-message
 BATCH = 64                  # packets per recvmmsg from the upstream, per sendmmsg down
 # Frames per recvmmsg from the local broker once it sends them: 8 of up to 64
 # packets fill one Outbox, so a full upstream leaves a batch in it, in C (and
@@ -73,7 +74,6 @@ LOCAL_FRAMES = 8
 # C one (sbus._core.linkpath); the tests hold the two to the same output.
 REFERENCE = os.environ.get("SBUS_LINK_REFERENCE", "") not in ("", "0")
 OWN_PRIVATE = b"!/cred////"  # every key private to the link itself, upstream
-CRED = b"!/cred/"
 # After our identity, a local subscription to the keys nested under it.
 # '!*' also matches a segment such as '!x' (no reserved use): such a key goes
 # up as written, where the upstream gives it to this link alone.
@@ -91,77 +91,6 @@ def hello(flood: str) -> Tuple[bytes, ...]:
     answer is the link's identity there."""
     return (pack_control("echo/off"), pack_control("blocking/soft/queue"),
             pack_control(f"blocking/hard/{flood}"), pack_control(WHOAMI))
-
-
-class UpstreamError(Exception):
-    """The upstream cannot be used; the text says why."""
-
-
-def connect(text: str, max_message: int = MAX_MESSAGE) -> socket.socket:
-    """A connected SOCK_SEQPACKET socket to the sbusd at ``text``, its buffers
-    holding a ``max_message``-byte packet."""
-    try:
-        addr = addresses.parse(text)
-    except AddressError as e:
-        raise UpstreamError(str(e)) from None
-    if addr.random:
-        raise UpstreamError(f"{text}: a random abstract address names no broker")
-    if addr.fd is not None:
-        raise UpstreamError(f"{text}: a passed descriptor cannot be connected again; "
-                            f"give the upstream's path or abstract name")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    try:
-        sock.connect(addr.sun_path)
-        # A packet as large as the upstream takes (chunks are): the default
-        # send buffer fails one over ~208 KiB with EMSGSIZE, for ever.
-        grow_buffers(sock, max_message)
-    except OSError as e:
-        sock.close()
-        raise UpstreamError(f"{text}: {e.strerror or e}") from None
-    return sock
-
-
-def whoami(sock: socket.socket, text: str, timeout: float = WHOAMI_TIMEOUT) -> bytes:
-    """Ask an sbusd for our credentials over ``sock``; raise UpstreamError
-    naming what went wrong when it refuses, closes or is no sbusd."""
-    sock.settimeout(timeout)
-    try:
-        sock.send(pack_control(WHOAMI))
-        reply = sock.recv(RECV_SIZE)
-    except socket.timeout:
-        raise UpstreamError(f"{text}: no answer to whoami within {timeout:g} s "
-                            f"(not an sbusd?)") from None
-    except (ConnectionResetError, BrokenPipeError):
-        reply = b""
-    except OSError as e:
-        raise UpstreamError(f"{text}: {e.strerror or e}") from None
-    finally:
-        sock.settimeout(None)
-    if not reply:
-        raise UpstreamError(f"{text}: the upstream closed the connection (refused?)")
-    try:
-        creds = identity(parse(reply))
-    except ProtocolError:
-        creds = None
-    if creds is None:
-        raise UpstreamError(f"{text}: not an sbusd (answered {reply[:40]!r})")
-    return creds
-
-
-def identity(item) -> Optional[bytes]:
-    """Our credentials, if ``item`` (a parsed packet) is the answer to whoami."""
-    if type(item) is ControlMessage and item.key == WHOAMI and item.payload.startswith(CRED):
-        return item.payload
-    return None
-
-
-def probe(text: str) -> bytes:
-    """Check at start that ``text`` is an sbusd that lets us in; our credentials there."""
-    sock = connect(text)
-    try:
-        return whoami(sock, text)
-    finally:
-        sock.close()
 
 
 def split(packet: bytes) -> Tuple[bytes, bytes, bytes]:
@@ -231,6 +160,9 @@ class Link:
         self.reason = ""
         self.subscribed = False     # this connection's SUBs are in place upstream
         self.ready_said = False
+        self.local_gone = False     # the local broker closed the socketpair: run() ends
+        self.lost_down = 0          # messages for the local broker after it went
+        self.dropped_at_gone = 0    # overflow_dropped then: what drops later is said on stderr
         local.setblocking(False)
         self.sel.register(local, selectors.EVENT_READ, "local")
         if not self.reference:
@@ -265,7 +197,7 @@ class Link:
         is left."""
         out, box = self.local_out, self.outbox
         fd = self.local.fileno()
-        while True:
+        while not self.local_gone:
             while out and len(box) < BATCH:
                 if not box.add_packet(out[0]):
                     if not len(box):
@@ -283,6 +215,15 @@ class Link:
                 out.extendleft(reversed(box.unsent()))
                 box.clear()
                 break
+            except ConnectionError:
+                # EPIPE, ECONNRESET: the broker went (it stopped, or was
+                # killed) while we had something to tell it.
+                out.extendleft(reversed(box.unsent()))
+                box.clear()
+                self.gone()
+        if self.local_gone:
+            self.lost_down += sum(packet.startswith(b"MSG ") for packet in out)
+            out.clear()
         if self.up_paused and not out:
             self.up_paused = False
             self.watch_up()
@@ -312,7 +253,7 @@ class Link:
         than the link holding them and dropping past --upstream-buffer. Never
         while it is not reading the upstream either (up_paused): then each
         broker could wait for the other through the link."""
-        pause = pause and not self.up_paused and self.state == "up"
+        pause = pause and not self.up_paused and self.state == "up" and not self.local_gone
         if pause != self.local_paused:
             self.local_paused = pause
             self.watch_local()
@@ -608,12 +549,14 @@ class Link:
                     if mask & selectors.EVENT_WRITE:
                         self.write_local()
                     if mask & selectors.EVENT_READ and not self.read_local():
-                        return 0
+                        return self.leave()
                 elif self.up is not None and key.fileobj is self.up:
                     if mask & selectors.EVENT_WRITE:
                         self.write_up()
                     if self.up is not None and mask & selectors.EVENT_READ:
                         self.read_up()
+                if self.local_gone:
+                    return self.leave()
             now = time.monotonic()
             if self.state == "away" and now >= self.retry_at:
                 self.try_connect()
@@ -622,6 +565,38 @@ class Link:
             if now >= self.next_state:
                 self.next_state = now + STATE_INTERVAL
                 self.report_state()
+
+    def gone(self) -> None:
+        """The local broker closed our socketpair: nothing more is written to it."""
+        if not self.local_gone:
+            self.local_gone = True
+            self.dropped_at_gone = self.counts["overflow_dropped"]
+
+    def leave(self) -> int:
+        """After the local broker went: read what it wrote before (its EOF
+        ends that), give the upstream one more chance to take what waits, and
+        say on stderr, the one place left, what is lost. Status 0, as for
+        SIGTERM: a broker that stops ends its link."""
+        self.gone()
+        ready = select.poll()
+        ready.register(self.local, select.POLLIN)
+        # Its EOF ends this; a broker still there (it never is) would have
+        # nothing to read, not a loop spinning on it.
+        while ready.poll(0) and self.read_local():
+            pass
+        if self.state == "up" and self.behind():
+            self.write_up()
+        held = self.held_msgs + len(self.up_box) + \
+            self.counts["overflow_dropped"] - self.dropped_at_gone
+        self.stop()
+        if held or self.lost_down:
+            note = (f"sbusd-link: the leaf broker went away; lost {held} messages held for "
+                    f"the upstream ({self.upstream}) and {self.lost_down} on their way down\n")
+            try:
+                os.write(2, note.encode())
+            except OSError:
+                pass    # stderr went with the broker (a pipe it read): nothing is left to tell
+        return 0
 
     def stop(self) -> None:
         """Leave the upstream; what was held for it is lost, as on any exit."""
@@ -744,7 +719,7 @@ class Link:
                 self.from_up(item)
                 if self.up is None:
                     break
-            if self.up is None or drained:
+            if self.up is None or drained or self.local_gone:
                 break
         self.write_local()
         self.pause_up()

@@ -207,7 +207,7 @@ def check_upstream(text: str) -> None:
     """A clear error at start when --upstream is no sbusd that lets us in;
     later losses are the link's to retry (and log)."""
     from .lifecycle import StartupError
-    from .link import UpstreamError, probe
+    from .upstream import UpstreamError, probe
     try:
         probe(text)
     except UpstreamError as e:
