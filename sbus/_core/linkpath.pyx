@@ -14,13 +14,13 @@
 # message there. The upstream sees an ordinary client: a packet per message.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.exc cimport PyErr_CheckSignals
-from libc.errno cimport EINTR, errno
+from libc.errno cimport EAGAIN, EINTR, errno
 from libc.stdint cimport uint32_t
 from libc.string cimport memchr, memcmp, memcpy, memset
 
 from .batch cimport Inbox, Outbox, Sink
 from .frames cimport FRAME_BYTES, FRAME_ENTRY_HEAD, FRAME_HEAD, FRAME_MSGS, frame_next, frame_start, is_frame
-from .includes.sys cimport MSG_DONTWAIT, MSG_NOSIGNAL, MSG_TRUNC, iovec, mmsghdr, sendmmsg
+from .includes.sys cimport MSG_DONTWAIT, MSG_NOSIGNAL, MSG_TRUNC, iovec, mmsghdr, recvmmsg, sendmmsg
 
 import os
 
@@ -46,9 +46,24 @@ cdef class LinkInbox(Inbox):
 
     cdef public Py_ssize_t frames   # frames taken apart, all told
 
+    def receive(self, int fd, int limit, int flags=0, double timeout=-1.0, Sink sink=None):
+        """As Inbox.receive, frames taken apart (``limit`` counts packets
+        read). The socket is tried first: the link and the bridge call this
+        when their loop found it readable (Inbox.read would wait at once
+        after a short batch)."""
+        cdef int n
+        limit = max(1, min(limit, self.slots))
+        n = recvmmsg(fd, self.hdrs, limit, flags | MSG_DONTWAIT, NULL)
+        if n < 0 and errno == EAGAIN and not flags & MSG_DONTWAIT:
+            n = self.wait(fd, limit, flags, timeout)
+        if n < 0:
+            raise OSError(errno, os.strerror(errno))    # BlockingIOError for EAGAIN
+        self.drained = n < limit
+        return self.parse(n, sink)
+
     cdef list parse(self, int n, Sink sink):
-        """As Inbox.parse, frames taken apart: so Inbox.receive and the
-        clients' take_batch read frames alike (``n`` counts packets read)."""
+        """As Inbox.parse, frames taken apart, for receive() and for the
+        clients' take_batch alike (``n`` counts packets read)."""
         cdef int i
         cdef size_t size, at
         cdef Py_ssize_t length
