@@ -585,6 +585,29 @@ def test_sigterm_stops_the_link_cleanly(tmp_path):
 
 
 
+def test_a_link_stopped_by_a_signal_says_what_it_held_for_the_upstream(tmp_path):
+    """SIGTERM while the upstream is away: what the link held for it is lost,
+    and the link says so on sbusd's stderr before it exits 0, as when its
+    broker goes, rather than in silence."""
+    up = broker(tmp_path, "up")
+    leaf = broker(tmp_path, "leaf", upstream=up)
+    pid = link_pid(leaf)
+    up.stop()
+    leaf.wait_for_event("upstream_disconnected", timeout=10)
+    with leaf.connect() as c:
+        for i in range(5):
+            c.pub(f"t/{i}", b"for an upstream that is away")
+        c.sync()
+    wait_until(lambda: leaf.stats()["upstream"]["held"] == 5, timeout=10, what="5 held")
+    os.kill(pid, signal.SIGTERM)
+    ended = leaf.wait_for_event("upstream_link_failed", timeout=10)
+    assert ended["returncode"] == 0, leaf.stderr_text()
+    wait_until(lambda: "sbusd-link: the link was stopped; lost 5 messages held for the upstream"
+               in leaf.stderr_text(), timeout=10, what="the loss said on stderr")
+    assert "Traceback" not in leaf.stderr_text()
+    assert leaf.stop() == 0
+
+
 @pytest.mark.parametrize("path", ["c", "reference"])
 def test_a_link_whose_broker_goes_as_it_logs_the_upstreams_loss_leaves_cleanly(
         tmp_path, monkeypatch, path):

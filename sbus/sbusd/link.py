@@ -24,7 +24,8 @@ echo off.
   (``sbus.client.reconnect.Reconnect``); on the way back the link asks
   whoami again, resubscribes and flushes its buffer.
 * Signals: as every service (``sbus.runner``): SIGTERM and SIGINT stop it
-  between two turns of its loop; it has no log file of its own to reopen.
+  between two turns of its loop, saying on stderr what it held that is
+  lost; it has no log file of its own to reopen.
 * Its broker gone (stopped or killed: EOF on the socketpair, or EPIPE on a
   write to it): it reads what the broker wrote before, sends up what the
   upstream takes at once, says on stderr what is lost and exits 0.
@@ -538,8 +539,7 @@ class Link:
         self.try_connect()
         while True:
             if runner is not None and runner.between_turns():
-                self.stop()
-                return 0
+                return self.leave(stopped=True)
             now = time.monotonic()
             timeout = STATE_INTERVAL
             if self.state == "away":
@@ -572,25 +572,33 @@ class Link:
             self.local_gone = True
             self.dropped_at_gone = self.counts["overflow_dropped"]
 
-    def leave(self) -> int:
-        """After the local broker went: read what it wrote before (its EOF
-        ends that), give the upstream one more chance to take what waits, and
-        say on stderr, the one place left, what is lost. Status 0, as for
-        SIGTERM: a broker that stops ends its link."""
-        self.gone()
-        ready = select.poll()
-        ready.register(self.local, select.POLLIN)
-        # Its EOF ends this; a broker still there (it never is) would have
-        # nothing to read, not a loop spinning on it.
-        while ready.poll(0) and self.read_local():
-            pass
+    def leave(self, stopped: bool = False) -> int:
+        """The link ends: its broker went (EOF, or EPIPE on a write), or a
+        signal ``stopped`` it. After the broker went, read what it wrote
+        before (its EOF ends that). Give the upstream one more chance to
+        take what waits, then say on stderr (sbusd's, the one place sure to
+        be left) what is lost. Status 0: a broker that stops ends its link,
+        and a signal is an ordinary stop."""
+        if not stopped:
+            self.gone()
+            ready = select.poll()
+            ready.register(self.local, select.POLLIN)
+            # Its EOF ends this; a broker still there (it never is) would have
+            # nothing to read, not a loop spinning on it.
+            while ready.poll(0) and self.read_local():
+                pass
         if self.state == "up" and self.behind():
             self.write_up()
-        held = self.held_msgs + len(self.up_box) + \
-            self.counts["overflow_dropped"] - self.dropped_at_gone
+        held = self.held_msgs + len(self.up_box)
+        if self.local_gone:     # drops before it went were logged (upstream_overflow)
+            held += self.counts["overflow_dropped"] - self.dropped_at_gone
+        else:
+            self.write_local()
+            self.lost_down += sum(packet.startswith(b"MSG ") for packet in self.local_out)
+        why = "the link was stopped" if stopped else "the leaf broker went away"
         self.stop()
         if held or self.lost_down:
-            note = (f"sbusd-link: the leaf broker went away; lost {held} messages held for "
+            note = (f"sbusd-link: {why}; lost {held} messages held for "
                     f"the upstream ({self.upstream}) and {self.lost_down} on their way down\n")
             try:
                 os.write(2, note.encode())
