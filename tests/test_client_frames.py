@@ -15,6 +15,7 @@ from sbus import Client, Reconnect
 from sbus.aio import Client as AsyncClient
 
 from support.conn import Conn
+from support.frames import publish_together
 
 
 def test_a_client_granted_frames_sends_them_and_takes_them_apart(broker):
@@ -34,8 +35,9 @@ def test_a_client_granted_frames_sends_them_and_takes_them_apart(broker):
             assert await c.take_frames(timeout=5) == b"ok"
             await c.publish_many(sent)
             await c.whoami()
+            publish_together(broker, back[:300])    # read together: frames for certain
             with Client(broker.address) as pub:
-                pub.publish_many(back)
+                pub.publish_many(back[300:])
                 pub.publish("r/big", big)
                 pub.whoami()
             got = []
@@ -60,8 +62,9 @@ def test_a_blocking_client_takes_frames_apart_as_it_waits(broker):
         assert c.take_frames(timeout=5) == b"ok"
         with pytest.raises(TimeoutError):
             c.receive(timeout=0.2)
+        publish_together(broker, back[:300])
         with Client(broker.address) as pub:
-            pub.publish_many(back)
+            pub.publish_many(back[300:])
             pub.whoami()
         got = [c.receive(timeout=5)]
         while len(got) < len(back):
@@ -147,9 +150,10 @@ def test_a_reconnecting_client_has_its_frames_again(start_broker, driver):
         sub.sync()
         return second, sub
 
-    def publish_back(address):
-        with Client(address) as pub:
-            pub.publish_many(back)
+    def publish_back(broker):
+        publish_together(broker, back[:300])
+        with Client(broker.address) as pub:
+            pub.publish_many(back[300:])
             pub.whoami()
 
     if driver == "blocking":
@@ -159,7 +163,7 @@ def test_a_reconnecting_client_has_its_frames_again(start_broker, driver):
             second, sub = restart()
             c.whoami(timeout=10)    # reconnected, the session replayed
             before = c.frames
-            publish_back(second.address)
+            publish_back(second)
             got = []
             while len(got) < len(back):
                 got += c.receive_many(256, timeout=5)
@@ -174,8 +178,7 @@ def test_a_reconnecting_client_has_its_frames_again(start_broker, driver):
                 second, sub = restart()
                 await c.whoami(timeout=10)
                 before = c.frames
-                await asyncio.get_running_loop().run_in_executor(None, publish_back,
-                                                                 second.address)
+                await asyncio.get_running_loop().run_in_executor(None, publish_back, second)
                 got = []
                 while len(got) < len(back):
                     got += await c.receive_many(256)

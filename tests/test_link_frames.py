@@ -19,7 +19,7 @@ from sbus._core.linkpath import LinkInbox, Relay
 from sbus.client.protocol import ControlMessage, Message
 
 from support.conn import Conn
-from support.frames import GRANTED, MAGIC, frame, link_place, read_all
+from support.frames import GRANTED, MAGIC, frame, link_place, publish_together, read_all
 from support.sbusd import Sbusd
 from support.seconduser import asroot, make_public_dir
 from support.waiting import wait_until
@@ -33,9 +33,7 @@ def test_deliveries_to_a_granted_connection_come_in_frames(broker, granted):
     link.sub("f/")
     link.sync()
     sent = [(b"f/%d" % i, b"x" * (i % 50)) for i in range(500)]
-    with Client(broker.address) as pub:
-        pub.publish_many(sent)
-        pub.whoami()
+    publish_together(broker, sent)
     got, frames, _ = read_all(link, len(sent))
     assert got == [b"MSG " + k + b"\0" + p for k, p in sent]
     assert 0 < frames < len(sent)

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from sbus import Client
 from sbus.sbusd.upgrade import FAIL_ENV, SCM_MAX_FD, STATUS_SUFFIX, STEPS
 
 from support import BACKENDS, SBUSD, Conn, Sbusd, alive, wait_gone, wait_until
-from support.frames import GRANTED, frame, read_all
+from support.frames import GRANTED, frame, publish_together, read_all
 from support.systemd import ACTIVATE, Notify, seqpacket_listener
 
 C_DIR = Path(__file__).resolve().parent / "c"
@@ -625,9 +624,7 @@ def test_upgrade_keeps_the_frames_of_a_granted_connection(buses, granted):
     upgraded(bus)
     assert link.packet(frame(b"MSG g/1\0", b"MSG g/2\0"))
     read_in_order(sub, b"g/", 2, start=1)
-    with Client(bus.address) as pub:
-        pub.publish_many([(b"f/%d" % i, b"") for i in range(300)])
-        pub.whoami()
+    publish_together(bus, [(b"f/%d" % i, b"") for i in range(300)])
     got, frames, _ = read_all(link, 300)
     assert got == [b"MSG f/%d\0" % i for i in range(300)]
     assert frames > 0

@@ -3,6 +3,9 @@ docs/hierarchy.md, docs/bridge.md): built and taken apart from the documented
 layout alone."""
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import struct
 
 from .conn import Conn
@@ -38,6 +41,25 @@ def read_all(c: Conn, count: int) -> tuple:
         reads += 1
         got += unframe(packet)
     return got, frames, reads
+
+
+def publish_together(broker, messages) -> None:
+    """Publish ``messages`` ((key, payload) pairs) while ``broker`` is
+    stopped, so that they wait in its socket together and it reads many at a
+    time: its deliveries to one connection then go in frames however busy
+    the machine is (a publisher it keeps up with is read a packet at a time,
+    and a light turn sends each read's deliveries at once). They must fit
+    the socket's buffers: a few hundred small ones."""
+    from sbus import Client
+    with Client(broker.address) as pub:
+        pub.whoami()    # accepted and served: from here on the broker only queues
+        os.kill(broker.pid, signal.SIGSTOP)
+        try:
+            sent = pub.publish_many(messages, socket.MSG_DONTWAIT)
+        finally:
+            os.kill(broker.pid, signal.SIGCONT)
+        assert sent == len(messages)
+        pub.whoami()
 
 
 def link_place(broker, frames=True) -> Conn:
