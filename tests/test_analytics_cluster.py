@@ -90,10 +90,13 @@ class Cluster:
         log.close()
 
     def state(self) -> dict:
+        """The master's state, or {} while it is not there to say: not
+        listening yet, or, for a moment as its web UI starts, answering
+        /json/ with its HTML page (seen once in a CI run)."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.ui}/json/", timeout=2) as r:
                 return json.load(r)
-        except OSError:
+        except (OSError, ValueError):
             return {}
 
     def wait(self, ready, what: str, timeout: float = 120.0) -> None:
