@@ -223,8 +223,7 @@ class Link:
                 box.clear()
                 self.gone()
         if self.local_gone:
-            self.lost_down += sum(packet.startswith(b"MSG ") for packet in out)
-            out.clear()
+            self.drop_down()
         if self.up_paused and not out:
             self.up_paused = False
             self.watch_up()
@@ -594,7 +593,7 @@ class Link:
             held += self.counts["overflow_dropped"] - self.dropped_at_gone
         else:
             self.write_local()
-            self.lost_down += sum(packet.startswith(b"MSG ") for packet in self.local_out)
+            self.drop_down()
         why = "the link was stopped" if stopped else "the leaf broker went away"
         self.stop()
         if held or self.lost_down:
@@ -605,6 +604,11 @@ class Link:
             except OSError:
                 pass    # stderr went with the broker (a pipe it read): nothing is left to tell
         return 0
+
+    def drop_down(self) -> None:
+        """What still waits for the local broker is lost: its messages are counted."""
+        self.lost_down += sum(packet.startswith(b"MSG ") for packet in self.local_out)
+        self.local_out.clear()
 
     def stop(self) -> None:
         """Leave the upstream; what was held for it is lost, as on any exit."""
